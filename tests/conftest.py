@@ -1,0 +1,12 @@
+"""Shared pytest set-up: GPU tests are skipped (with a reason) when CUDA is absent."""
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; run `pytest -m gpu` on the GPU node")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
