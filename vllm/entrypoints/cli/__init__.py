@@ -1,0 +1,1 @@
+"""The `vllm` console script (`vllm.entrypoints.cli.main:main`)."""

@@ -1,0 +1,1 @@
+"""Executors: UniProcExecutor (one rank, in-process) and MultiprocExecutor (a process per rank)."""

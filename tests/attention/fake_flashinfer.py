@@ -1,0 +1,103 @@
+"""Recording stand-ins for the FlashInfer entry points (flashinfer is not importable on CPU).
+
+`FakeBatchMLAPagedAttentionWrapper` records plan/run keyword arguments AND executes the
+planned CSR requests by brute force in float64 with FlashInfer's documented semantics
+(causal=True aligns the query rows bottom-right on the kv range; causal=False lets every row
+see the whole range; LSE base 2 unless basee/return_lse_base_on_e), so a wrong page list,
+kv length or row grouping shows up as a wrong answer.
+"""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import torch
+
+
+class FakePlanMetadata:
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+    @classmethod
+    def csr(cls, qo_indptr, kv_indptr, kv_indices, kv_len_arr):
+        return cls(kind="csr", qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices,
+                   kv_len_arr=kv_len_arr)
+
+
+class FakeBatchMLAPagedAttentionWrapper:
+    instances: list = []
+
+    def __init__(self, float_workspace_buffer, use_cuda_graph=False, backend="auto", **kw):
+        self.backend = backend
+        self.plans, self.runs = [], []
+        FakeBatchMLAPagedAttentionWrapper.instances.append(self)
+
+    def plan(self, *args, **kwargs):
+        assert not args, "plan() must be called with keyword arguments only"
+        assert kwargs["metadata"].kind == "csr"
+        self.plans.append(kwargs)
+
+    def run(self, *args, **kwargs):
+        assert not args, "run() must be called with keyword arguments only"
+        self.runs.append(kwargs)
+        plan = self.plans[-1]
+        base_e = kwargs.get("return_lse_base_on_e", False)
+        # mirror FlashInfer's contract check: the run's LSE mode must match the plan's
+        assert plan["lse_mode"] == ("basee" if base_e else "base2")
+        md = plan["metadata"]
+        q, cache = kwargs["query"], kwargs["kv_cache"]
+        assert q.shape[1] == plan["num_heads"] and cache.shape[1] == plan["page_size"]
+        flat = cache.reshape(-1, cache.shape[-1]).double()
+        ps = plan["page_size"]
+        out = torch.zeros(q.shape[0], q.shape[1], plan["head_dim_ckv"], dtype=torch.float64)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
+        qo, kvp, idx, kvl = (md.qo_indptr.tolist(), md.kv_indptr.tolist(),
+                             md.kv_indices.tolist(), md.kv_len_arr.tolist())
+        for i, kv_len in enumerate(kvl):
+            pages = idx[kvp[i]:kvp[i + 1]]
+            assert len(pages) == -(-kv_len // ps), "page count must cover exactly kv_len"
+            slots = [p * ps + o for p in pages for o in range(ps)][:kv_len]
+            kv = flat[torch.tensor(slots, dtype=torch.long)] if slots else flat[:0]
+            start, end = qo[i], qo[i + 1]
+            if end == start or kv_len == 0:
+                continue
+            k = torch.arange(end - start).unsqueeze(1)
+            visible = (kv_len - (end - start - 1 - k)) if plan["causal"] else torch.full_like(k, kv_len)
+            mask = torch.arange(kv_len).unsqueeze(0) < visible            # [rows, kv]
+            s = torch.einsum("rhd,kd->rhk", q[start:end].double(), kv) * plan["sm_scale"]
+            s = s.masked_fill(~mask.unsqueeze(1), float("-inf"))
+            row_lse = torch.logsumexp(s, -1)
+            alive = torch.isfinite(row_lse).unsqueeze(-1)
+            probs = torch.where(alive, torch.softmax(s, -1), torch.zeros_like(s))
+            lse[start:end] = row_lse
+            out[start:end] = torch.einsum("rhk,kd->rhd", probs, kv[:, :plan["head_dim_ckv"]])
+        if not base_e:
+            lse = lse / math.log(2.0)
+        # float32 LSE like the kernel, except for float64 inputs (exactness tests)
+        return out.to(q.dtype), (lse if q.dtype == torch.float64 else lse.float())
+
+
+class RecordingTrtllmDecode:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, **kwargs):
+        self.calls.append(kwargs)
+        q = kwargs["query"]
+        lead = q.shape[:-2]
+        heads = q.shape[-2]
+        out = torch.zeros(*lead, heads, kwargs["kv_lora_rank"], dtype=q.dtype)
+        lse = torch.zeros(*lead, heads, dtype=torch.float32)
+        return out, lse
+
+
+def install(monkeypatch):
+    """Patch flashinfer_mla to use the fakes; returns the namespace for inspection."""
+    from vllm.v1.attention.backends.mla import flashinfer_mla
+    FakeBatchMLAPagedAttentionWrapper.instances = []
+    fake = SimpleNamespace(
+        mla=SimpleNamespace(BatchMLAPagedAttentionWrapper=FakeBatchMLAPagedAttentionWrapper,
+                            MLAPlanMetadata=FakePlanMetadata),
+        decode=SimpleNamespace(trtllm_batch_decode_with_kv_cache_mla=RecordingTrtllmDecode()))
+    monkeypatch.setattr(flashinfer_mla, "_import_flashinfer", lambda: fake)
+    return fake

@@ -1,0 +1,295 @@
+"""Drive GPUModelRunner directly with a minimal scheduler loop, and compute the greedy oracle.
+
+The loop admits requests at chosen steps (so prefills and decodes share batches), allocates
+virtual blocks from a counter exactly as the contract says (num_computed + num_scheduled +
+k + 1 tokens), and schedules either the runner's own drafts ("natural") or scripted drafts built
+from the oracle continuation with a planted mismatch ("forced": exactly `a` drafts accepted).
+
+The oracle is plain greedy decoding without any paged cache: every token comes from a full
+causal forward of the whole sequence (no forward context, so no KV cache, no DCP, no drafts).
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm.config import CacheConfig, ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
+from vllm.v1.core.kv_cache_utils import get_kv_cache_config
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 96
+
+
+@dataclass
+class Scenario:
+    name: str
+    prompts: dict[str, list[int]]
+    max_new_tokens: int
+    arrival_step: dict[str, int] = field(default_factory=dict)  # default 0
+    # Forced mode: req_id -> drafts to accept at its 1st, 2nd, ... verification (then natural).
+    forced_accepts: dict[str, list[int]] | None = None
+
+
+@dataclass
+class ScenarioResult:
+    outputs: dict[str, list[int]]
+    proposals: dict[str, list[list[int]]]      # drafts the runner proposed, per step
+    accepted: dict[str, list[int]]             # accepted drafts per verification
+    drafted: dict[str, list[int]]              # drafts verified per verification
+    draft_logits: list[torch.Tensor] = field(default_factory=list)  # every drafter logits call
+
+
+def make_config(model_dir: str, method: str | None = None, draft_dir: str | None = None,
+                k: int = 3, dcp: int = 1, interleave: int = 1, backend: str = "TORCH_MLA",
+                device: str = "cpu", dtype: str = "float32", max_model_len: int = 256):
+    spec = None
+    if method is not None:
+        spec = SpeculativeConfig(method=method, model=draft_dir, num_speculative_tokens=k)
+    return VllmConfig(
+        model_config=ModelConfig(model=model_dir, dtype=dtype, max_model_len=max_model_len,
+                                 attention_backend=backend, device=device),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE),
+        parallel_config=ParallelConfig(tensor_parallel_size=dcp, decode_context_parallel_size=dcp,
+                                       cp_kv_cache_interleave_size=interleave),
+        speculative_config=spec, max_num_seqs=8, max_num_batched_tokens=512)
+
+
+def make_runner(vllm_config, device: str = "cpu", rank: int = 0) -> GPUModelRunner:
+    runner = GPUModelRunner(vllm_config, torch.device(device), rank)
+    runner.load_model()
+    runner.initialize_kv_cache(get_kv_cache_config(runner.get_kv_cache_spec(),
+                                                   num_blocks=NUM_BLOCKS))
+    return runner
+
+
+def run_scenario(runner: GPUModelRunner, scenario: Scenario,
+                 oracle: dict[str, list[int]] | None = None) -> ScenarioResult:
+    """Run to completion; `oracle` (greedy continuations) is needed for forced drafts."""
+    k = runner.num_spec_tokens
+    dcp = runner.dcp_size
+    virtual_block = BLOCK_SIZE * dcp
+    next_block = 0
+    pending = dict(scenario.prompts)
+    running: dict[str, dict] = {}
+    result = ScenarioResult({r: [] for r in pending}, {r: [] for r in pending},
+                            {r: [] for r in pending}, {r: [] for r in pending})
+    finished: set[str] = set()
+    step = 0
+    if runner.speculator is not None:
+        _record_draft_logits(runner.speculator.model, result.draft_logits)
+    while pending or running:
+        new_reqs, cached = [], CachedRequestData()
+        num_scheduled: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
+
+        def allocate(state, tokens_needed):
+            nonlocal next_block
+            need = -(-tokens_needed // virtual_block) - len(state["blocks"])
+            ids = list(range(next_block, next_block + max(need, 0)))
+            next_block += len(ids)
+            if next_block > NUM_BLOCKS:
+                raise RuntimeError("harness ran out of KV blocks; raise NUM_BLOCKS")
+            state["blocks"].extend(ids)
+            return ids
+
+        for req_id, state in running.items():
+            drafts = state["drafts"]
+            forced = (scenario.forced_accepts or {}).get(req_id, [])
+            verification = len(result.accepted[req_id])
+            if drafts and verification < len(forced):
+                drafts = _forced_drafts(oracle[req_id], state["num_generated"], k,
+                                        forced[verification])
+            # Drafts never run past max_model_len (like the real scheduler).
+            room = runner.max_model_len - (state["num_computed"] + 1)
+            drafts = drafts[:max(room, 0)]
+            count = 1 + len(drafts)
+            new_ids = allocate(state, state["num_computed"] + count + k + 1)
+            cached.req_ids.append(req_id)
+            cached.new_block_ids.append(new_ids)
+            cached.num_computed_tokens.append(state["num_computed"])
+            num_scheduled[req_id] = count
+            if drafts:
+                spec_tokens[req_id] = drafts
+        for req_id in [r for r in pending if scenario.arrival_step.get(r, 0) <= step]:
+            prompt = pending.pop(req_id)
+            state = {"num_computed": 0, "blocks": [], "drafts": [], "num_generated": 0}
+            ids = allocate(state, len(prompt) + k + 1)
+            new_reqs.append(NewRequestData(req_id, list(prompt), ids, 0, None))
+            num_scheduled[req_id] = len(prompt)
+            running[req_id] = state
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            scheduled_spec_decode_tokens=spec_tokens, finished_req_ids=finished)
+        finished = set()
+        out = runner.execute_model(output)
+        for i, req_id in enumerate(out.req_ids):
+            state = running[req_id]
+            tokens = out.sampled_token_ids[i]
+            if spec_tokens.get(req_id):
+                result.accepted[req_id].append(out.num_accepted_tokens[i])
+                result.drafted[req_id].append(out.num_draft_tokens[i])
+            state["num_computed"] += num_scheduled[req_id] - (
+                out.num_draft_tokens[i] - out.num_accepted_tokens[i])
+            result.outputs[req_id].extend(tokens)
+            state["num_generated"] += len(tokens)
+            if out.spec_token_ids is not None:
+                state["drafts"] = list(out.spec_token_ids[i])
+                result.proposals[req_id].append(list(out.spec_token_ids[i]))
+            if len(result.outputs[req_id]) >= scenario.max_new_tokens:
+                result.outputs[req_id] = result.outputs[req_id][: scenario.max_new_tokens]
+                del running[req_id]
+                finished.add(req_id)
+        step += 1
+    if finished:  # let the runner drop the last finished requests
+        runner.execute_model(SchedulerOutput(
+            scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData(),
+            num_scheduled_tokens={}, total_num_scheduled_tokens=0, finished_req_ids=finished))
+    return result
+
+
+def _record_draft_logits(draft_model, log: list[torch.Tensor]) -> None:
+    # Compare drafter numerics across DCP sizes: tokens alone hide small metadata errors.
+    original = type(draft_model).compute_logits
+
+    def recording(hidden):
+        logits = original(draft_model, hidden)
+        log.append(logits.detach().clone())
+        return logits
+
+    draft_model.compute_logits = recording
+
+
+def _forced_drafts(continuation: list[int], num_generated: int, k: int, accept: int) -> list[int]:
+    """k drafts for the next positions: the oracle's tokens with a wrong one at index `accept`."""
+    truth = continuation[num_generated: num_generated + k]
+    drafts = list(truth) + [0] * (k - len(truth))
+    if accept < k:
+        drafts[accept] = (drafts[accept] + 1) % 256
+    return drafts
+
+
+@torch.inference_mode()
+def greedy_oracle(model, prompts: dict[str, list[int]], max_new_tokens: int) -> dict[str, list[int]]:
+    """Plain greedy decoding by full recomputation (no paged cache, no forward context)."""
+    out = {}
+    for req_id, prompt in prompts.items():
+        tokens = list(prompt)
+        for _ in range(max_new_tokens):
+            ids = torch.tensor(tokens, dtype=torch.int64)
+            hidden = model(ids, torch.arange(len(tokens)))
+            tokens.append(int(model.compute_logits(hidden[-1:]).argmax(dim=-1)))
+        out[req_id] = tokens[len(prompt):]
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_dist(rank: int, world_size: int, port: int, dcp: int) -> None:
+    from vllm.distributed.parallel_state import (init_distributed_environment,
+                                                 initialize_model_parallel)
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    init_distributed_environment(world_size, rank, backend="gloo",
+                                 init_method=f"tcp://127.0.0.1:{port}")
+    initialize_model_parallel(tensor_parallel_size=world_size, decode_context_parallel_size=dcp)
+
+
+# ------------------------------------------------------------------ multi-process worlds
+def spec_tag(method: str | None) -> str:
+    return method or "plain"
+
+
+def run_all_methods(paths: dict[str, str], cases: list[tuple[str | None, int]], scenario: Scenario,
+                    oracle: dict[str, list[int]], *, dcp: int = 1, interleave: int = 1,
+                    rank: int = 0, backend: str = "TORCH_MLA", device: str = "cpu",
+                    dtype: str = "float32") -> dict[str, ScenarioResult]:
+    """One runner per (method, k) on this rank; results keyed by method name."""
+    results = {}
+    for method, k in cases:
+        config = make_config(paths["target"], method, paths.get(method), k=k, dcp=dcp,
+                             interleave=interleave, backend=backend, device=device, dtype=dtype)
+        runner = make_runner(config, device=device, rank=rank)
+        results[spec_tag(method)] = run_scenario(runner, scenario, oracle)
+    return results
+
+
+def run_stale_control(paths, method: str, k: int, scenario: Scenario, oracle, *, dcp: int,
+                      interleave: int, rank: int) -> ScenarioResult:
+    """Negative control: the draft metadata gets the TARGET's (stale) rank-local lengths, the
+    bug the shared builder exists to prevent. Output must stay exact (verification), but the
+    drafts must change, which shows the cross-DCP draft comparison can fail."""
+    from vllm.v1.worker.gpu.spec_decode import speculator as speculator_module
+    config = make_config(paths["target"], method, paths[method], k=k, dcp=dcp,
+                         interleave=interleave)
+    runner = make_runner(config, rank=rank)
+    real = speculator_module.prepare_dcp_local_seq_lens
+
+    def stale(out, seq_lens, num_reqs, cp_size, cp_rank, cp_interleave):
+        real(out, runner.input_buffers.seq_lens, num_reqs, cp_size, cp_rank, cp_interleave)
+
+    speculator_module.prepare_dcp_local_seq_lens = stale
+    try:
+        return run_scenario(runner, scenario, oracle)
+    finally:
+        speculator_module.prepare_dcp_local_seq_lens = real
+
+
+def dcp_world_main(rank: int, world_size: int, port: int, interleave: int, paths, cases,
+                   scenario, oracle, stale_cases, queue) -> None:
+    """Entry point of one spawned rank (TP = DCP = world_size); rank 0 reports."""
+    try:
+        init_dist(rank, world_size, port, dcp=world_size)
+        results = run_all_methods(paths, cases, scenario, oracle, dcp=world_size,
+                                  interleave=interleave, rank=rank)
+        stale = {m: run_stale_control(paths, m, k, scenario, oracle, dcp=world_size,
+                                      interleave=interleave, rank=rank)
+                 for m, k in stale_cases}
+        if rank == 0:
+            queue.put(("ok", results, stale))
+    except BaseException:  # report instead of hanging the parent
+        import traceback
+        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}", None))
+        raise
+    finally:
+        from vllm.distributed.parallel_state import (destroy_distributed_environment,
+                                                     destroy_model_parallel)
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+def spawn_dcp_world(world_size: int, interleave: int, paths, cases, scenario, oracle,
+                    stale_cases=(), timeout_s: float = 300.0):
+    import multiprocessing as mp
+    import queue as queue_module
+    ctx = mp.get_context("spawn")
+    results_queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=dcp_world_main,
+                         args=(r, world_size, port, interleave, paths, cases, scenario, oracle,
+                               list(stale_cases), results_queue), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        status, payload, stale = results_queue.get(timeout=timeout_s)
+    except queue_module.Empty:
+        raise RuntimeError(f"DCP={world_size} world produced no result in {timeout_s}s") from None
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+    if status != "ok":
+        raise RuntimeError(payload)
+    return payload, stale

@@ -1,0 +1,116 @@
+"""`vllm` command line: bad input ends with exit code != 0 and ONE line naming the problem.
+
+Subprocess cases run the installed console script concurrently (each pays the torch import once);
+cases that need a patched device or backend run `main()` in-process.
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from vllm.entrypoints.cli.main import main
+
+# name -> (argv after `vllm`, substrings the one-line error must contain)
+SUBPROCESS_CASES = {
+    "malformed_json": (["generate", "--speculative-config", '{"method": "dspark", "num_speculative_tokens": }'],
+                       ["--speculative-config", "not valid JSON", "column"]),
+    "unknown_spec_key": (["generate", "--speculative-config",
+                          '{"method": "dspark", "num_speculative_tokens": 4, "num_spec_tokens": 2}'],
+                         ["--speculative-config", "'num_spec_tokens'"]),
+    "missing_spec_key": (["generate", "--speculative-config", '{"method": "dspark"}'],
+                         ["--speculative-config", "'num_speculative_tokens'"]),
+    "tp_not_multiple_of_dcp": (["generate", "-tp", "2", "-dcp", "3"],
+                               ["decode_context_parallel_size=3", "tensor_parallel_size=2"]),
+    "unknown_model_dir": (["serve", "/nonexistent/model-dir", "--port", "0"],
+                          ["'/nonexistent/model-dir'", "does not exist"]),
+    "bad_temperature": (["generate", "--temperature", "-1"], ["temperature=-1"]),
+    "bad_max_tokens": (["generate", "--max-tokens", "0"], ["max_tokens=0"]),
+    "missing_prompts_file": (["generate", "--prompts-file", "/nonexistent/prompts.txt"],
+                             ["--prompts-file", "/nonexistent/prompts.txt"]),
+    "unknown_flag": (["generate", "--no-such-flag"], ["--no-such-flag"]),
+    "bench_bad_len": (["bench", "latency", "--input-len", "0"], ["--input-len", ">= 1"]),
+}
+
+
+@pytest.fixture(scope="module")
+def cli_results():
+    """Run every bad-input command at once (2 cores: keep the wall time short)."""
+    procs = {name: subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.cli.main", *argv],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, (argv, _) in SUBPROCESS_CASES.items()}
+    return {name: (p.wait(timeout=240), p.stdout.read(), p.stderr.read()) for name, p in procs.items()}
+
+
+@pytest.mark.parametrize("case", sorted(SUBPROCESS_CASES))
+def test_bad_input_exits_nonzero_with_one_line(cli_results, case):
+    code, stdout, stderr = cli_results[case]
+    assert code != 0, (stdout, stderr)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr  # no traceback, no usage block
+    assert "Traceback" not in stderr
+    for needle in SUBPROCESS_CASES[case][1]:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def run_main(argv, capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        main(argv)
+    err = capsys.readouterr().err
+    return excinfo.value.code, [line for line in err.splitlines() if line.strip()]
+
+
+def test_flashinfer_dcp_interleave_refused_on_blackwell(monkeypatch, capsys):
+    import vllm.entrypoints.cli.engine_setup as setup
+
+    monkeypatch.setattr(setup, "device_capability", lambda: (10, 0))
+    code, lines = run_main(["generate", "-tp", "2", "-dcp", "2", "--cp-kv-cache-interleave-size", "4",
+                            "--attention-backend", "FLASHINFER_MLA", "--block-size", "32"], capsys)
+    assert code != 0 and len(lines) == 1
+    assert "--cp-kv-cache-interleave-size 4" in lines[0] and "Blackwell" in lines[0]
+
+
+def test_flashinfer_dcp_interleave_allowed_on_hopper(monkeypatch):
+    """Same flags on sm90 pass the early check (the Blackwell rule must not over-reach)."""
+    import vllm.entrypoints.cli.engine_setup as setup
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setattr(setup, "device_capability", lambda: (9, 0))
+    from vllm.model_executor.models.tiny import write_tiny_models
+
+    config = EngineArgs(model=write_tiny_models().target, tensor_parallel_size=2,
+                        decode_context_parallel_size=2, cp_kv_cache_interleave_size=4,
+                        block_size=32, attention_backend="FLASHINFER_MLA").create_engine_config()
+    setup.preflight(config)  # no exception
+
+
+def test_non_causal_draft_on_incapable_backend_refused(monkeypatch, capsys):
+    from vllm.v1.attention.backends.mla.torch_mla import TorchMLAMetadataBuilder
+
+    monkeypatch.setattr(TorchMLAMetadataBuilder, "supports_non_causal_multi_token_dcp", False)
+    code, lines = run_main(["generate", "-tp", "2", "-dcp", "2", "--attention-backend", "TORCH_MLA"],
+                           capsys)
+    assert code != 0 and len(lines) == 1
+    assert "TorchMLAMetadataBuilder" in lines[0]
+    assert "supports_non_causal_multi_token_dcp" in lines[0]
+    assert "decode_context_parallel_size=1" in lines[0]
+
+
+def test_tiny_model_command_writes_loadable_dirs(tmp_path, capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        main(["tiny-model", "--output", str(tmp_path / "tiny")])
+    assert excinfo.value.code == 0
+    out = capsys.readouterr().out
+    for name in ("target", "eagle", "mtp", "dflash", "dspark"):
+        assert (tmp_path / "tiny" / name / "config.json").is_file()
+        assert str(tmp_path / "tiny" / name) in out
+    with open(tmp_path / "tiny" / "dspark" / "config.json") as f:
+        assert json.load(f)["architectures"] == ["DSparkMLAForCausalLM"]
+
+
+def test_help_lists_subcommands():
+    out = subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0
+    for command in ("serve", "generate", "bench", "tiny-model"):
+        assert command in out.stdout

@@ -1,0 +1,44 @@
+"""`vllm` console script: serve | generate | bench {latency,throughput,serve} | tiny-model."""
+from __future__ import annotations
+
+import sys
+
+from vllm.entrypoints.cli import bench, generate, serve, tiny_model
+from vllm.entrypoints.cli.errors import (USER_ERRORS, OneLineArgumentParser, debug_enabled,
+                                         report_and_exit)
+
+
+def build_parser() -> OneLineArgumentParser:
+    import vllm
+
+    parser = OneLineArgumentParser(
+        prog="vllm", description="vLLM-shaped engine for MLA models with speculative decoding "
+                                 "under decode context parallelism.")
+    parser.add_argument("-v", "--version", action="version", version=f"vllm {vllm.__version__}")
+    subparsers = parser.add_subparsers(dest="subcommand", metavar="COMMAND")
+    subparsers.required = True
+    for module in (serve, generate, bench, tiny_model):
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    prog = f"vllm {args.subcommand}"
+    if getattr(args, "bench_type", None):
+        prog += f" {args.bench_type}"
+    try:
+        code = args.dispatch(args)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except USER_ERRORS as error:
+        if debug_enabled():
+            raise
+        report_and_exit(prog, error)
+    sys.exit(code or 0)
+
+
+if __name__ == "__main__":
+    main()

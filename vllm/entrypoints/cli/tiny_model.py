@@ -1,0 +1,28 @@
+"""`vllm tiny-model [--output DIR]`: write the built-in tiny target and its drafters."""
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "tiny-model", help="write the built-in tiny model and its EAGLE/MTP/DFlash/DSpark drafters",
+        description="Write the built-in tiny DeepSeek-style model (random weights from a fixed "
+                    "seed) and its drafters to a directory; no network needed.")
+    parser.add_argument("--output", default=None, metavar="DIR",
+                        help="target directory (default: ~/.cache/vllm-dspark/tiny or "
+                             "$VLLM_TINY_MODEL_DIR)")
+    parser.set_defaults(dispatch=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from vllm.model_executor.models.tiny import write_tiny_models
+
+    if args.output is not None and os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise ValueError(f"--output {args.output!r} exists and is not a directory; pick a directory")
+    paths = write_tiny_models(cache_dir=args.output)
+    for name in ("target", "eagle", "mtp", "dflash", "dspark"):
+        print(f"{name:>7}: {getattr(paths, name)}")
+    print(f"serve it with: vllm serve {paths.target}")
+    return 0

@@ -1,0 +1,97 @@
+"""vllm.LLM: offline batched generation on top of LLMEngine."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+
+class LLM:
+    """LLM(model=None, **EngineArgs fields). model None serves the built-in tiny checkpoint."""
+
+    def __init__(self, model: str | None = None, **kwargs):
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+        engine_args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(engine_args)
+        self._request_counter = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list:
+        """Run every prompt to completion; outputs come back in input order.
+
+        prompts: a string, a list of strings, one token-id list, or a list of token-id lists.
+        sampling_params: one SamplingParams for all prompts, or a list with one per prompt.
+        """
+        from vllm.sampling_params import SamplingParams
+        prompt_list = _normalize_prompts(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, (str, bytes)):
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompt_list)} "
+                                 "prompts; pass one SamplingParams or one per prompt")
+        else:
+            params_list = [sampling_params] * len(prompt_list)
+
+        engine = self.llm_engine
+        order: dict[str, int] = {}
+        added: list[str] = []
+        try:
+            for index, (prompt, params) in enumerate(zip(prompt_list, params_list)):
+                request_id = str(next(self._request_counter))
+                engine.add_request(request_id, prompt, params)
+                order[request_id] = index
+                added.append(request_id)
+            results: list = [None] * len(prompt_list)
+            progress = tqdm(total=len(prompt_list), desc="Processed prompts", disable=not use_tqdm)
+            with progress:
+                while engine.has_unfinished_requests() and any(r is None for r in results):
+                    for output in engine.step():
+                        if output.finished and output.request_id in order:
+                            results[order[output.request_id]] = output
+                            progress.update(1)
+        except BaseException:
+            # Leave no half-finished request of this call behind in a live engine.
+            if not getattr(engine.executor, "is_shutdown", True):
+                engine.abort_request([r for r in added])
+            raise
+        missing = [i for i, r in enumerate(results) if r is None]
+        if missing:
+            raise RuntimeError(f"prompts {missing} finished without output; the engine lost them")
+        return results
+
+    def get_metrics(self) -> dict:
+        return self.llm_engine.get_metrics()
+
+    def shutdown(self) -> None:
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _normalize_prompts(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts is empty; pass a string, token ids, or a list of them")
+    if all(isinstance(t, int) for t in prompts):
+        return [prompts]  # a single token-id prompt
+    for prompt in prompts:
+        if not (isinstance(prompt, str) or (isinstance(prompt, (list, tuple))
+                                             and all(isinstance(t, int) for t in prompt))):
+            raise ValueError(f"prompt {prompt!r} is neither a string nor a list of token ids")
+    return [p if isinstance(p, str) else list(p) for p in prompts]

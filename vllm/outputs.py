@@ -1,0 +1,27 @@
+"""What the engine returns to users: one RequestOutput per request, one CompletionOutput per sample."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    stop_reason: int | str | None = None  # the stop string / token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    metrics: dict | None = None

@@ -1,0 +1,331 @@
+"""MLA attention metadata, its builder (DESIGN §3), the prefill helper and the
+DSpark+DCP start-up capability check.
+
+Decode kinds (all take the decode path, decode rows come first in the batch):
+  * causal single token   (Q == 1): the row sees local(G) tokens of its rank;
+  * causal multi-token    (verification, chunked continuation): row j of a Q-row
+    block with global length G sees local(G-(Q-1-j)) tokens -- computed from the
+    GLOBAL bound, never as an offset in local coordinates (DESIGN §2);
+  * non-causal block      (DSpark/DFlash drafts): every row sees local(G).
+Every decode row's visible count on this rank is precomputed once per step in
+`MLACommonDecodeMetadata.row_seq_lens`, so all backends share one geometry.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterable
+
+import torch
+import torch.nn.functional as F
+
+from vllm.v1.attention.backend import CommonAttentionMetadata
+
+KV_LORA_RANK = 512
+QK_ROPE_HEAD_DIM = 64
+MLA_HEAD_SIZE = KV_LORA_RANK + QK_ROPE_HEAD_DIM  # 576
+
+
+def dcp_local_lengths(global_lens: torch.Tensor, dcp_size: int, dcp_rank: int,
+                      interleave: int) -> torch.Tensor:
+    """Rank-local lengths through the foundation's geometry (identity when DCP == 1)."""
+    if dcp_size == 1:
+        return global_lens
+    from vllm.v1.worker.gpu.cp_utils import get_dcp_local_seq_lens  # foundation owns the formula
+    return get_dcp_local_seq_lens(global_lens, dcp_size, dcp_rank, interleave)
+
+
+@dataclass
+class MLACommonDecodeMetadata:
+    block_table: torch.Tensor            # [num_decodes, max_blocks] int32
+    seq_lens: torch.Tensor               # [num_decodes] rank-local under DCP, global otherwise
+    dcp_tot_seq_lens: torch.Tensor | None  # [num_decodes] global lengths under DCP, else None
+    query_start_loc: torch.Tensor        # [num_decodes+1] device
+    max_query_len: int                   # Q
+    max_seq_len: int                     # upper bound of seq_lens (rank-local under DCP)
+    causal: bool
+    # --- additions (backwards-compatible) shared by every backend ---
+    query_start_loc_cpu: torch.Tensor | None = None  # [num_decodes+1] host
+    num_decode_tokens: int = 0
+    row_seq_lens: torch.Tensor | None = None  # [num_decode_tokens] int32 visible local KV per row
+    dcp_world_size: int = 1
+    dcp_rank: int = 0
+    dcp_interleave: int = 1
+    backend_state: Any = None            # per-step state a backend attaches (FlashInfer plan)
+
+
+@dataclass
+class MLACommonPrefillMetadata:
+    query_start_loc: torch.Tensor        # [num_prefills+1], relative to the first prefill token
+    seq_lens: torch.Tensor               # [num_prefills]
+    max_query_len: int
+    query_start_loc_cpu: torch.Tensor | None = None  # host twin of query_start_loc
+
+
+@dataclass
+class MLACommonMetadata:
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    causal: bool
+    decode: MLACommonDecodeMetadata | None
+    prefill: MLACommonPrefillMetadata | None
+    num_prefill_tokens: int = 0
+
+
+def _spec_is_non_causal(kv_cache_spec: Any) -> bool:
+    return bool(getattr(kv_cache_spec, "non_causal_multi_token_decode", False))
+
+
+class MLACommonMetadataBuilder:
+    """Turns CommonAttentionMetadata into MLACommonMetadata for one KV cache group.
+
+    Capabilities are explicit class attributes: the base class claims none, so a
+    backend must opt in to non-causal blocks and to DCP variants.
+    """
+
+    supports_non_causal_multi_token_decode: ClassVar[bool] = False
+    supports_non_causal_multi_token_dcp: ClassVar[bool] = False
+    supports_dcp_with_varlen: ClassVar[bool] = False
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any,
+                 device: torch.device | str, *, dcp_rank: int | None = None):
+        self.kv_cache_spec = kv_cache_spec
+        self.layer_names = list(layer_names)
+        self.vllm_config = vllm_config
+        self.device = torch.device(device)
+        parallel = getattr(vllm_config, "parallel_config", None)
+        self.dcp_world_size = int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
+        self.dcp_interleave = int(getattr(parallel, "cp_kv_cache_interleave_size", 1) or 1)
+        if dcp_rank is None:
+            from vllm.distributed.parallel_state import get_dcp_group
+            group = get_dcp_group()
+            dcp_rank = group.rank_in_group if group.world_size == self.dcp_world_size else 0
+        if not 0 <= dcp_rank < self.dcp_world_size:
+            raise ValueError(f"dcp_rank={dcp_rank} must lie in [0, {self.dcp_world_size}).")
+        self.dcp_rank = dcp_rank
+        block_size = getattr(kv_cache_spec, "block_size", None)
+        if block_size is not None and block_size % self.dcp_interleave != 0:
+            raise ValueError(f"block_size={block_size} must be a multiple of "
+                             f"cp_kv_cache_interleave_size={self.dcp_interleave}.")
+        self.non_causal_group = _spec_is_non_causal(kv_cache_spec)
+
+    # ---------------------------------------------------------------- checks
+    def _check_non_causal(self, cm: CommonAttentionMetadata, query_lens: torch.Tensor) -> int:
+        """Validate a non-causal build; returns the uniform block length Q."""
+        name = type(self).__name__
+        if not (self.supports_non_causal_multi_token_decode and self.non_causal_group):
+            raise ValueError(
+                f"{name}: non-causal multi-token decode must be explicitly supported by the "
+                f"builder (supports_non_causal_multi_token_decode="
+                f"{self.supports_non_causal_multi_token_decode}) and enabled on the KV cache "
+                f"group (non_causal_multi_token_decode={self.non_causal_group}); use a backend "
+                f"that supports it and mark the draft layers' MLAAttentionSpec.")
+        if self.dcp_world_size > 1 and not self.supports_non_causal_multi_token_dcp:
+            raise ValueError(
+                f"{name}: non-causal multi-token decode under DCP "
+                f"(decode_context_parallel_size={self.dcp_world_size}) is not explicitly "
+                f"supported by this builder; use another backend or "
+                f"decode_context_parallel_size=1.")
+        lens = query_lens.tolist()
+        active = [n for n in lens if n > 0]
+        if not active:
+            return 0
+        q = active[0]
+        num_active = len(active)
+        # Active rows first, all of length Q; only trailing zero-length padding rows.
+        if any(n != q for n in lens[:num_active]) or any(n != 0 for n in lens[num_active:]):
+            raise ValueError(
+                f"{name}: non-causal multi-token decode requires a uniform query block (every "
+                f"active row of the same length, zero-length padding rows only at the end); "
+                f"got query lengths {lens}.")
+        return q
+
+    # ---------------------------------------------------------------- build
+    def build(self, common_prefix_len: int,
+              common_attn_metadata: CommonAttentionMetadata) -> MLACommonMetadata:
+        cm = common_attn_metadata
+        num_reqs = cm.num_reqs
+        qsl_cpu = cm.query_start_loc_cpu[: num_reqs + 1].to(torch.int64)
+        query_lens = qsl_cpu[1:] - qsl_cpu[:-1]
+        causal = bool(cm.causal)
+
+        if not causal:
+            self._check_non_causal(cm, query_lens)
+            num_decodes = num_reqs  # every row (padding included) is one block
+        else:
+            num_decodes = self._count_decodes(cm, query_lens)
+        num_prefills = int((query_lens[num_decodes:] > 0).sum())
+        num_decode_tokens = int(qsl_cpu[num_decodes])
+        num_prefill_tokens = int(qsl_cpu[num_decodes + num_prefills]) - num_decode_tokens
+
+        decode = None
+        if num_decodes > 0:
+            decode = self._build_decode(cm, num_decodes, num_decode_tokens, qsl_cpu,
+                                        query_lens, causal)
+        prefill = None
+        if num_prefills > 0:
+            rel = qsl_cpu[num_decodes: num_decodes + num_prefills + 1] - num_decode_tokens
+            prefill = MLACommonPrefillMetadata(
+                query_start_loc=rel.to(device=cm.query_start_loc.device, dtype=torch.int32),
+                seq_lens=cm.seq_lens[num_decodes: num_decodes + num_prefills],
+                max_query_len=int(query_lens[num_decodes: num_decodes + num_prefills].max()),
+                query_start_loc_cpu=rel.to(torch.int32))
+        return MLACommonMetadata(
+            num_actual_tokens=cm.num_actual_tokens, slot_mapping=cm.slot_mapping,
+            num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
+            num_prefills=num_prefills, causal=causal, decode=decode, prefill=prefill,
+            num_prefill_tokens=num_prefill_tokens)
+
+    @staticmethod
+    def _count_decodes(cm: CommonAttentionMetadata, query_lens: torch.Tensor) -> int:
+        """Leading rows with prior context; all rows when the batch has no prefill."""
+        # One host sync per step: prefill-vs-decode needs the exact context lengths.
+        seq_lens = cm.seq_lens[: cm.num_reqs].to("cpu", torch.int64)
+        has_context = seq_lens > query_lens
+        is_prefill = (~has_context) & (query_lens > 0)
+        if not bool(is_prefill.any()):
+            return cm.num_reqs
+        first_prefill = int(is_prefill.nonzero()[0, 0])
+        if bool(has_context[first_prefill:].any()):
+            raise ValueError(
+                "MLA metadata: decode rows (requests with prior context) must come before "
+                f"prefill rows; got context lengths {(seq_lens - query_lens).tolist()}. "
+                "Order the batch with decodes first.")
+        return first_prefill
+
+    @staticmethod
+    def _alias(t: torch.Tensor, n: int) -> torch.Tensor:
+        # Keep the very same tensor object when nothing is cut, so the metadata
+        # aliases the runner's persistent buffers (CUDA graphs read them in place).
+        return t if t.shape[0] == n else t[:n]
+
+    def _build_decode(self, cm: CommonAttentionMetadata, num_decodes: int,
+                      num_decode_tokens: int, qsl_cpu: torch.Tensor,
+                      query_lens: torch.Tensor, causal: bool) -> MLACommonDecodeMetadata:
+        n, r, inter = self.dcp_world_size, self.dcp_rank, self.dcp_interleave
+        global_lens = self._alias(cm.seq_lens, num_decodes)
+        if n > 1:
+            local = cm.dcp_local_seq_lens
+            if local is None:
+                local = dcp_local_lengths(cm.seq_lens[: cm.num_reqs], n, r, inter)
+            seq_lens, tot = self._alias(local, num_decodes), global_lens
+            max_seq_len = -(-cm.max_seq_len // (n * inter)) * inter
+        else:
+            seq_lens, tot, max_seq_len = global_lens, None, cm.max_seq_len
+        qsl_dev = self._alias(cm.query_start_loc, num_decodes + 1)
+        row_seq_lens = self._row_seq_lens(cm, num_decodes, num_decode_tokens, causal)
+        return MLACommonDecodeMetadata(
+            block_table=self._alias(cm.block_table_tensor, num_decodes),
+            seq_lens=seq_lens, dcp_tot_seq_lens=tot, query_start_loc=qsl_dev,
+            max_query_len=int(query_lens[:num_decodes].max()) if num_decodes else 0,
+            max_seq_len=max_seq_len, causal=causal,
+            query_start_loc_cpu=qsl_cpu[: num_decodes + 1].to(torch.int32),
+            num_decode_tokens=num_decode_tokens, row_seq_lens=row_seq_lens,
+            dcp_world_size=n, dcp_rank=r, dcp_interleave=inter)
+
+    def _row_seq_lens(self, cm: CommonAttentionMetadata, num_decodes: int,
+                      num_tokens: int, causal: bool) -> torch.Tensor:
+        """Visible KV count on this rank for every decode query row (device, int32)."""
+        device = cm.seq_lens.device
+        qsl = cm.query_start_loc[: num_decodes + 1].to(device=device, dtype=torch.int64)
+        qlen = qsl[1:] - qsl[:-1]
+        req = torch.repeat_interleave(torch.arange(num_decodes, device=device), qlen,
+                                      output_size=num_tokens)
+        global_len = cm.seq_lens[:num_decodes].to(torch.int64)[req]
+        if causal:
+            # row j of a Q-row block sees global positions < G - (Q-1-j)
+            j = torch.arange(num_tokens, device=device) - qsl[req]
+            global_len = global_len - (qlen[req] - 1 - j)
+        local = dcp_local_lengths(global_len, self.dcp_world_size, self.dcp_rank,
+                                  self.dcp_interleave)
+        return local.to(torch.int32)
+
+
+# ---------------------------------------------------------------------- impl
+class MLACommonImpl:
+    """Absorbed MLA decode: q [T, H, 576] against the latent cache [blocks, bs, 576]."""
+
+    def __init__(self, num_heads: int, scale: float, kv_lora_rank: int = KV_LORA_RANK,
+                 qk_rope_head_dim: int = QK_ROPE_HEAD_DIM, **kwargs: Any):
+        self.num_heads = num_heads
+        self.scale = float(scale)
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+
+    def _check_decode_inputs(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                             decode_meta: MLACommonDecodeMetadata) -> None:
+        width = self.kv_lora_rank + self.qk_rope_head_dim
+        if q.dim() != 3 or q.shape[-1] != width:
+            raise ValueError(f"forward_decode: q must be [T, H, {width}], got {tuple(q.shape)}.")
+        if kv_cache.dim() != 3 or kv_cache.shape[-1] != width:
+            raise ValueError(f"forward_decode: kv_cache must be [blocks, block_size, {width}], "
+                             f"got {tuple(kv_cache.shape)}.")
+        if q.shape[0] != decode_meta.num_decode_tokens:
+            raise ValueError(f"forward_decode: q has {q.shape[0]} tokens but the decode metadata "
+                             f"has {decode_meta.num_decode_tokens}; pass q[:num_decode_tokens].")
+
+    def forward_decode(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                       decode_meta: MLACommonDecodeMetadata
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+def forward_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    prefill_meta: MLACommonPrefillMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of each prefill request over its own in-flight K/V.
+
+    q, k: [T, H, qk_head_dim]; v: [T, H, v_head_dim] -> [T, H, v_head_dim].
+    Prefill rows start at position 0, so no cached context is involved.
+    """
+    if q.shape[:2] != k.shape[:2] or q.shape[:2] != v.shape[:2]:
+        raise ValueError(f"forward_prefill: q {tuple(q.shape)}, k {tuple(k.shape)} and "
+                         f"v {tuple(v.shape)} must share [T, H].")
+    qsl = prefill_meta.query_start_loc_cpu
+    if qsl is None:
+        qsl = prefill_meta.query_start_loc.cpu()
+    bounds = qsl.tolist()
+    if bounds[-1] != q.shape[0]:
+        raise ValueError(f"forward_prefill: metadata covers {bounds[-1]} tokens, q has "
+                         f"{q.shape[0]}; pass only the prefill tokens.")
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        # SDPA wants [H, L, D]
+        qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+        out[start:end] = o.transpose(0, 1)
+    return out
+
+
+# ------------------------------------------------------- start-up validation
+def validate_dspark_dcp_backends(speculative_method: str | None,
+                                 decode_context_parallel_size: int,
+                                 group_builders: Iterable[tuple[Any, type]]) -> None:
+    """Reject, at start-up, DSpark+DCP KV cache groups whose builder cannot serve them.
+
+    group_builders: (kv_cache_spec or bool non_causal flag, builder class) per KV cache group.
+    Non-causal (draft) groups need supports_non_causal_multi_token_dcp; causal (target)
+    groups need supports_dcp_with_varlen (verification is varlen multi-token under DCP).
+    """
+    if speculative_method != "dspark" or decode_context_parallel_size <= 1:
+        return
+    n = decode_context_parallel_size
+    for spec, builder_cls in group_builders:
+        non_causal = spec if isinstance(spec, bool) else _spec_is_non_causal(spec)
+        name = builder_cls.__name__
+        if non_causal and not getattr(builder_cls, "supports_non_causal_multi_token_dcp", False):
+            raise ValueError(
+                f"DSpark with decode_context_parallel_size={n}: the non-causal draft KV cache "
+                f"group uses {name}, which does not declare supports_non_causal_multi_token_dcp. "
+                f"Choose another attention backend (FLASHINFER_MLA or TORCH_MLA) or set "
+                f"decode_context_parallel_size=1.")
+        if not non_causal and not getattr(builder_cls, "supports_dcp_with_varlen", False):
+            raise ValueError(
+                f"DSpark with decode_context_parallel_size={n}: the causal target KV cache "
+                f"group uses {name}, which does not declare supports_dcp_with_varlen "
+                f"(verification runs multi-token causal decode under DCP). Choose another "
+                f"attention backend (FLASHINFER_MLA or TORCH_MLA) or set "
+                f"decode_context_parallel_size=1.")

@@ -1,0 +1,326 @@
+"""FLASHINFER_MLA: FlashInfer 0.7.2 MLA decode kernels (DESIGN §5).
+
+Hopper (sm90): `flashinfer.mla.BatchMLAPagedAttentionWrapper(backend="fa3")`.
+  * non-causal DSpark/DFlash blocks and single-token rows run FUSED: one request
+    per block, qo_len = Q, kv_len = local(G), causal=False;
+  * causal multi-token rows under DCP cannot use causal=True on local keys
+    (DESIGN §2). "runs" (default) splits each block into runs of consecutive rows
+    with the same visible local count c_j and plans every run as a non-causal
+    request over the same pages; "flattened" plans every row on its own (the
+    slow baseline and the oracle for "runs"). At DCP=1 "auto" uses causal=True.
+  * the plan is made once per step (first layer that runs) and reused by every
+    layer of the group; LSE comes back natural-log either via lse_mode="basee"
+    or as base 2 converted once here (`natural_lse` flag).
+Blackwell (sm100): `flashinfer.decode.trtllm_batch_decode_with_kv_cache_mla`
+  with the kernel's native DCP arguments (cute-dsl, interleave 1, natural-log LSE).
+
+flashinfer is imported lazily (`_import_flashinfer`) so this module imports on
+machines without it; CPU tests replace that function with recording fakes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from vllm.v1.attention.backend import AttentionBackend, CommonAttentionMetadata
+from vllm.v1.attention.backends.mla.common import (MLACommonDecodeMetadata, MLACommonImpl,
+                                                    MLACommonMetadata,
+                                                    MLACommonMetadataBuilder)
+
+LN2 = math.log(2.0)
+DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024
+BLACKWELL_BLOCK_SIZES = (32, 64)
+KernelFamily = Literal["hopper", "blackwell"]
+CausalPlanMode = Literal["auto", "runs", "flattened"]
+
+
+def _import_flashinfer():
+    """Return the flashinfer package with .mla and .decode loaded (patched in CPU tests)."""
+    import flashinfer
+    import flashinfer.decode  # noqa: F401
+    import flashinfer.mla  # noqa: F401
+    return flashinfer
+
+
+def detect_kernel_family(device: torch.device) -> KernelFamily:
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"FLASHINFER_MLA needs a CUDA device, got {device}; use "
+                         f"attention_backend=TORCH_MLA on this device.")
+    major, minor = torch.cuda.get_device_capability(device)
+    if major == 9:
+        return "hopper"
+    if major == 10:
+        return "blackwell"
+    raise ValueError(f"FLASHINFER_MLA supports sm90 (Hopper) and sm100 (Blackwell), got "
+                     f"sm{major}{minor}; use attention_backend=TORCH_MLA.")
+
+
+# ------------------------------------------------------------ Hopper planning
+@dataclass
+class HopperPlanInputs:
+    """Host-side CSR description of one step's decode rows as FlashInfer requests."""
+
+    qo_indptr: torch.Tensor   # [R+1] int32
+    kv_indptr: torch.Tensor   # [R+1] int32 (pages)
+    kv_indices: torch.Tensor  # [total pages] int32
+    kv_len_arr: torch.Tensor  # [R] int32 (tokens)
+    causal: bool
+
+    @property
+    def num_requests(self) -> int:
+        return self.kv_len_arr.numel()
+
+
+def _segments_of_block(row_lens: list[int], mode: str) -> list[tuple[int, int]]:
+    """Split one causal block's rows into (num_rows, kv_len) planned requests."""
+    if mode == "flattened":
+        return [(1, n) for n in row_lens]
+    segments: list[tuple[int, int]] = []
+    for n in row_lens:  # runs of consecutive rows with the same visible count
+        if segments and segments[-1][1] == n:
+            segments[-1] = (segments[-1][0] + 1, n)
+        else:
+            segments.append((1, n))
+    return segments
+
+
+def plan_hopper_decode(decode: MLACommonDecodeMetadata, page_size: int,
+                       causal_mode: CausalPlanMode = "auto") -> HopperPlanInputs | None:
+    """Turn the decode rows into FlashInfer CSR requests (None when there is no row)."""
+    if causal_mode not in ("auto", "runs", "flattened"):
+        raise ValueError(f"causal_mode={causal_mode!r}; choose 'auto', 'runs' or 'flattened'.")
+    bounds = decode.query_start_loc_cpu.tolist()
+    row_lens = decode.row_seq_lens.cpu().tolist()
+    block_table = decode.block_table.cpu()
+    multi_token = decode.causal and decode.max_query_len > 1
+    plan_causal = multi_token and causal_mode == "auto" and decode.dcp_world_size == 1
+    qo, kv_lens, kv_pages = [0], [], []
+    for req, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if end == start:
+            continue
+        rows = row_lens[start:end]
+        if not multi_token or plan_causal:
+            # fused: one request; every row sees rows[-1] (non-causal / Q=1) or the
+            # causal bottom-right alignment of the kernel at DCP=1
+            segments = [(end - start, rows[-1])]
+        else:
+            segments = _segments_of_block(rows, "flattened" if causal_mode == "flattened"
+                                          else "runs")
+        for num_rows, kv_len in segments:
+            qo.append(qo[-1] + num_rows)
+            kv_lens.append(kv_len)
+            kv_pages.append(block_table[req, : -(-kv_len // page_size)])
+    if not kv_lens:
+        return None
+    pages_per = torch.tensor([p.numel() for p in kv_pages], dtype=torch.int64)
+    kv_indptr = torch.zeros(len(kv_pages) + 1, dtype=torch.int32)
+    kv_indptr[1:] = torch.cumsum(pages_per, 0).to(torch.int32)
+    return HopperPlanInputs(
+        qo_indptr=torch.tensor(qo, dtype=torch.int32), kv_indptr=kv_indptr,
+        kv_indices=torch.cat(kv_pages).to(torch.int32),
+        kv_len_arr=torch.tensor(kv_lens, dtype=torch.int32), causal=plan_causal)
+
+
+@dataclass
+class _WrapperSlot:
+    """The builder's one wrapper and the key of the plan it currently holds."""
+
+    wrapper: Any
+    planned_for: tuple | None = None
+
+
+@dataclass
+class FlashInferDecodeState:
+    """Per-step backend state hung on MLACommonDecodeMetadata.backend_state."""
+
+    kernel_family: KernelFamily
+    natural_lse: bool = True
+    hopper_inputs: HopperPlanInputs | None = None
+    wrapper_slot: _WrapperSlot | None = None
+    workspace: torch.Tensor | None = None
+    step_id: int = 0
+    plan_calls: list = field(default_factory=list)  # keys planned this step (reuse check)
+
+
+class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
+    supports_non_causal_multi_token_decode = True
+    supports_non_causal_multi_token_dcp = True
+    supports_dcp_with_varlen = True
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any,
+                 device: torch.device | str, *, dcp_rank: int | None = None,
+                 kernel_family: KernelFamily | None = None,
+                 causal_mode: CausalPlanMode = "auto", natural_lse: bool = True,
+                 workspace_bytes: int = DEFAULT_WORKSPACE_BYTES):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device, dcp_rank=dcp_rank)
+        self.kernel_family = kernel_family or detect_kernel_family(self.device)
+        if self.kernel_family not in ("hopper", "blackwell"):
+            raise ValueError(f"kernel_family={self.kernel_family!r}; use 'hopper' or 'blackwell'.")
+        self.causal_mode = causal_mode
+        self.natural_lse = natural_lse
+        self.workspace_bytes = workspace_bytes
+        self.page_size = int(kv_cache_spec.block_size)
+        if self.kernel_family == "blackwell":
+            if self.dcp_world_size > 1 and self.dcp_interleave != 1:
+                raise ValueError(
+                    f"FLASHINFER_MLA on Blackwell supports DCP only with "
+                    f"cp_kv_cache_interleave_size=1 (the kernel stores token t on rank "
+                    f"t % N), got {self.dcp_interleave}; set cp_kv_cache_interleave_size=1 "
+                    f"or use TORCH_MLA.")
+            if self.page_size not in BLACKWELL_BLOCK_SIZES:
+                raise ValueError(f"FLASHINFER_MLA on Blackwell needs block_size in "
+                                 f"{BLACKWELL_BLOCK_SIZES}, got {self.page_size}.")
+        self._workspace: torch.Tensor | None = None
+        self._slot: _WrapperSlot | None = None
+        self._step = 0
+
+    def _get_workspace(self) -> torch.Tensor:
+        if self._workspace is None:
+            # zero-initialised: the Blackwell kernels keep semaphores in it
+            self._workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8,
+                                          device=self.device)
+        return self._workspace
+
+    def _get_wrapper_slot(self) -> _WrapperSlot:
+        if self._slot is None:
+            fi = _import_flashinfer()
+            # backend pinned: "auto" may wander to backends that reject sm90
+            wrapper = fi.mla.BatchMLAPagedAttentionWrapper(self._get_workspace(), backend="fa3")
+            self._slot = _WrapperSlot(wrapper)
+        return self._slot
+
+    def build(self, common_prefix_len: int,
+              common_attn_metadata: CommonAttentionMetadata) -> MLACommonMetadata:
+        metadata = super().build(common_prefix_len, common_attn_metadata)
+        decode = metadata.decode
+        if decode is None:
+            return metadata
+        self._step += 1
+        state = FlashInferDecodeState(kernel_family=self.kernel_family,
+                                      natural_lse=self.natural_lse, step_id=self._step)
+        if self.kernel_family == "hopper":
+            state.hopper_inputs = plan_hopper_decode(decode, self.page_size, self.causal_mode)
+            state.wrapper_slot = self._get_wrapper_slot()
+        else:
+            state.workspace = self._get_workspace()
+        decode.backend_state = state
+        return metadata
+
+
+class FlashInferMLAImpl(MLACommonImpl):
+
+    def __init__(self, num_heads: int, scale: float, kv_lora_rank: int = 512,
+                 qk_rope_head_dim: int = 64, qk_nope_head_dim: int = 128, **kwargs: Any):
+        super().__init__(num_heads, scale, kv_lora_rank, qk_rope_head_dim)
+        self.qk_nope_head_dim = qk_nope_head_dim
+
+    def forward_decode(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                       decode_meta: MLACommonDecodeMetadata
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check_decode_inputs(q, kv_cache, decode_meta)
+        state = decode_meta.backend_state
+        if not isinstance(state, FlashInferDecodeState):
+            raise ValueError("FLASHINFER_MLA forward_decode needs metadata built by "
+                             "FlashInferMLAMetadataBuilder (backend_state missing).")
+        if state.kernel_family == "hopper":
+            return self._forward_hopper(q, kv_cache, decode_meta, state)
+        return self._forward_blackwell(q, kv_cache, decode_meta, state)
+
+    # ----------------------------------------------------------------- Hopper
+    def _forward_hopper(self, q, kv_cache, decode_meta, state: FlashInferDecodeState):
+        inputs = state.hopper_inputs
+        if inputs is None:  # only zero-length padding rows
+            return (q.new_zeros(q.shape[0], q.shape[1], self.kv_lora_rank),
+                    torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device))
+        slot = state.wrapper_slot
+        key = (id(state), state.step_id, q.shape[1], q.dtype, kv_cache.dtype, self.scale,
+               kv_cache.shape[1])
+        if slot.planned_for != key:
+            fi = _import_flashinfer()
+            slot.wrapper.plan(
+                metadata=fi.mla.MLAPlanMetadata.csr(inputs.qo_indptr, inputs.kv_indptr,
+                                                    inputs.kv_indices, inputs.kv_len_arr),
+                num_heads=q.shape[1], head_dim_ckv=self.kv_lora_rank,
+                head_dim_kpe=self.qk_rope_head_dim, page_size=kv_cache.shape[1],
+                causal=inputs.causal, sm_scale=self.scale, q_data_type=q.dtype,
+                kv_data_type=kv_cache.dtype,
+                lse_mode="basee" if state.natural_lse else "base2")
+            slot.planned_for = key
+            state.plan_calls.append(key)
+        out, lse = slot.wrapper.run(query=q, kv_cache=kv_cache, return_lse=True,
+                                    return_lse_base_on_e=state.natural_lse)
+        if not state.natural_lse:
+            lse = lse * LN2  # base 2 -> natural log, once, at the backend boundary
+        return out, lse
+
+    # -------------------------------------------------------------- Blackwell
+    def _forward_blackwell(self, q, kv_cache, decode_meta: MLACommonDecodeMetadata,
+                           state: FlashInferDecodeState):
+        fi = _import_flashinfer()
+        num_tokens, num_heads, width = q.shape
+        qsl = decode_meta.query_start_loc_cpu
+        qlens = (qsl[1:] - qsl[:-1]).tolist()
+        active = [n for n in qlens if n > 0]
+        if not active:
+            return (q.new_zeros(num_tokens, num_heads, self.kv_lora_rank),
+                    torch.full((num_tokens, num_heads), float("-inf"), dtype=torch.float32,
+                               device=q.device))
+        q_len = active[0]
+        num_active = len(active)
+        uniform = (all(n == q_len for n in qlens[:num_active])
+                   and all(n == 0 for n in qlens[num_active:]))
+        dcp = decode_meta.dcp_world_size > 1
+        seq_lens = decode_meta.seq_lens[:num_active]
+        bounds = decode_meta.dcp_tot_seq_lens[:num_active] if dcp else None
+        block_tables = decode_meta.block_table[:num_active]
+        extra: dict[str, Any] = {}
+        if not decode_meta.causal:
+            # each block row becomes its own single-token request: table, local lengths
+            # AND global bounds are all repeated per row
+            query = q.view(num_active * q_len, 1, num_heads, width)
+            block_tables = block_tables.repeat_interleave(q_len, dim=0)
+            seq_lens = seq_lens.repeat_interleave(q_len)
+            bounds = bounds.repeat_interleave(q_len) if bounds is not None else None
+        elif uniform:
+            query = q.view(num_active, q_len, num_heads, width)
+        else:  # causal varlen: compact query described by cum_seq_lens_q
+            query = q
+            extra = dict(cum_seq_lens_q=decode_meta.query_start_loc.to(torch.int32),
+                         max_q_len=max(active))
+        out, lse = fi.decode.trtllm_batch_decode_with_kv_cache_mla(
+            query=query, kv_cache=kv_cache.unsqueeze(1), workspace_buffer=state.workspace,
+            qk_nope_head_dim=self.qk_nope_head_dim, kv_lora_rank=self.kv_lora_rank,
+            qk_rope_head_dim=self.qk_rope_head_dim, block_tables=block_tables,
+            seq_lens=seq_lens, max_seq_len=decode_meta.max_seq_len,
+            bmm1_scale=self.scale, bmm2_scale=1.0,
+            backend="cute-dsl" if dcp else "auto", return_lse=True,
+            return_lse_base="basee" if state.natural_lse else "base2",
+            enable_dcp=dcp, cp_world=decode_meta.dcp_world_size if dcp else 1,
+            cp_rank=decode_meta.dcp_rank if dcp else 0,
+            causal_seqlens_kv_global=bounds.to(torch.int32).contiguous() if dcp else None,
+            **extra)
+        out = out.reshape(num_tokens, num_heads, self.kv_lora_rank)
+        lse = lse.reshape(num_tokens, num_heads).float()
+        if not state.natural_lse:
+            lse = lse * LN2
+        return out, lse
+
+
+class FlashInferMLABackend(AttentionBackend):
+    lse_base_on_e = True  # converted at the impl boundary
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLASHINFER_MLA"
+
+    @staticmethod
+    def get_builder_cls() -> type:
+        return FlashInferMLAMetadataBuilder
+
+    @staticmethod
+    def get_impl_cls() -> type:
+        return FlashInferMLAImpl

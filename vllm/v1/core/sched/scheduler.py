@@ -1,0 +1,313 @@
+"""Continuous batching with whole-prompt prefill and preemption by recompute.
+
+Each step: running requests first (oldest first), each scheduling its last sampled token plus its
+drafts; then waiting requests (front first) while the token budget, the sequence budget and the KV
+blocks last. A running request that cannot get blocks preempts the newest running request (its
+blocks are freed and it returns to the FRONT of the waiting queue with prompt + outputs as its new
+prompt, to be prefilled again), so a running request's KV is never touched by anyone else.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.core.sched.request import Request, RequestStatus
+from vllm.v1.outputs import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineCoreOutput:
+    """Tokens a request gained this step (after stop truncation) and, if it ended, why."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SpecDecodingStats:
+    num_spec_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.accepted_per_position:
+            self.accepted_per_position = [0] * self.num_spec_tokens
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        if num_draft_tokens <= 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for position in range(num_accepted_tokens):
+            self.accepted_per_position[position] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    def as_dict(self) -> dict:
+        return {
+            "num_spec_tokens": self.num_spec_tokens,
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
+            "acceptance_rate_per_position": [
+                count / self.num_drafts if self.num_drafts else 0.0
+                for count in self.accepted_per_position],
+            "mean_acceptance_length": self.mean_acceptance_length,
+        }
+
+
+class Scheduler:
+
+    def __init__(self, vllm_config, num_blocks: int, block_pool=None):
+        model_config = vllm_config.model_config
+        parallel_config = vllm_config.parallel_config
+        spec_config = vllm_config.speculative_config
+        self.max_model_len = int(model_config.max_model_len)
+        self.max_num_batched_tokens = int(vllm_config.max_num_batched_tokens)
+        self.num_spec_tokens = int(spec_config.num_speculative_tokens) if spec_config else 0
+        # Every running request needs room for its token plus its drafts each step; capping the
+        # batch this way means a running request is never left unscheduled for lack of tokens.
+        tokens_per_running_req = 1 + self.num_spec_tokens
+        self.max_num_running_reqs = min(int(vllm_config.max_num_seqs),
+                                        self.max_num_batched_tokens // tokens_per_running_req)
+        if self.max_num_running_reqs < 1:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} cannot fit one decode step "
+                f"of {tokens_per_running_req} tokens (1 + num_speculative_tokens); raise it")
+        dcp_size = int(getattr(parallel_config, "decode_context_parallel_size", 1) or 1)
+        self.kv_cache_manager = KVCacheManager(num_blocks, vllm_config.cache_config.block_size,
+                                               dcp_size, block_pool=block_pool)
+        longest = self.max_model_len + self.num_spec_tokens + 1
+        if self.kv_cache_manager.num_blocks_for(longest) > self.kv_cache_manager.num_total_blocks:
+            raise ValueError(
+                f"the KV cache holds {self.kv_cache_manager.num_total_blocks} blocks of "
+                f"{self.kv_cache_manager.tokens_per_block} tokens, fewer than one request of "
+                f"max_model_len={self.max_model_len} needs (+{self.num_spec_tokens + 1} lookahead); "
+                "lower max_model_len or give the KV cache more memory/blocks")
+
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: newest last
+        self.finished_req_ids: set[str] = set()  # runner must drop these at the next step
+        self.spec_decoding_stats = SpecDecodingStats(self.num_spec_tokens) if spec_config else None
+        self.num_preemptions = 0
+
+    # ---- requests in / out -------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        n = request.num_tokens
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use; "
+                             "use a unique request id")
+        if n < 1:
+            raise ValueError("the prompt is empty; give at least one prompt token")
+        if n > self.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens, more than max_model_len="
+                             f"{self.max_model_len}; shorten the prompt or raise max_model_len")
+        if n > self.max_num_batched_tokens:
+            raise ValueError(f"the prompt has {n} tokens, more than max_num_batched_tokens="
+                             f"{self.max_num_batched_tokens} (prompts are prefilled whole); shorten "
+                             "the prompt or raise max_num_batched_tokens")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside (abort, stop string); frees their blocks. Unknown ids are ignored."""
+        if not RequestStatus.is_finished(status):
+            raise ValueError(f"finish_requests needs a finished status, got {status!r}")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request.request_id)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
+        cached = CachedRequestData()
+        new_reqs: list[NewRequestData] = []
+        preempted: list[Request] = []
+
+        index = 0
+        while index < len(self.running):
+            request = self.running[index]
+            # Drafts must not run past max_model_len (the last token sits at num_tokens - 1).
+            drafts = request.spec_token_ids[:max(0, self.max_model_len - request.num_tokens)]
+            num_new = 1 + len(drafts)
+            assert num_new <= token_budget, "max_num_running_reqs keeps decode steps in budget"
+            need = request.num_computed_tokens + num_new + self.num_spec_tokens + 1
+            new_blocks = self.kv_cache_manager.allocate_slots(request.request_id, need)
+            while new_blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+                new_blocks = self.kv_cache_manager.allocate_slots(request.request_id, need)
+            if new_blocks is None:
+                break  # the request preempted itself; everyone after it is gone too
+            cached.req_ids.append(request.request_id)
+            cached.new_block_ids.append(new_blocks)
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            num_scheduled[request.request_id] = num_new
+            if drafts:
+                spec_tokens[request.request_id] = list(drafts)
+            token_budget -= num_new
+            index += 1
+
+        # No admissions in a step that had to preempt: the pool is known to be short.
+        while (not preempted and self.waiting and len(self.running) < self.max_num_running_reqs):
+            request = self.waiting[0]
+            num_new = request.num_tokens
+            if num_new > self.max_num_batched_tokens:
+                # Only a preempted request can grow past the prefill budget; it cannot be
+                # recomputed, so it ends here as length-capped rather than blocking the queue.
+                logger.warning("request %s (%d tokens) cannot be re-prefilled within "
+                               "max_num_batched_tokens=%d after preemption; finishing it",
+                               request.request_id, num_new, self.max_num_batched_tokens)
+                self.waiting.popleft()
+                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                self._free_request(request)
+                continue
+            if num_new > token_budget:
+                break
+            need = num_new + self.num_spec_tokens + 1
+            new_blocks = self.kv_cache_manager.allocate_slots(request.request_id, need)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = 0
+            self.running.append(request)
+            new_reqs.append(NewRequestData(
+                req_id=request.request_id, prompt_token_ids=request.all_token_ids,
+                block_ids=list(self.kv_cache_manager.get_block_ids(request.request_id)),
+                num_computed_tokens=0, sampling_params=request.sampling_params))
+            num_scheduled[request.request_id] = num_new
+            token_budget -= num_new
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            scheduled_spec_decode_tokens=spec_tokens,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted},
+        )
+        self.finished_req_ids = set()
+        return output
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute policy: drop the KV, requeue at the front; outputs so far become prompt."""
+        self.kv_cache_manager.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- results of a step -------------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        spec_out = runner_output.spec_token_ids
+        for row, req_id in enumerate(runner_output.req_ids):
+            request = self.requests.get(req_id)
+            num_scheduled = scheduler_output.num_scheduled_tokens.get(req_id)
+            if request is None or num_scheduled is None or request.status != RequestStatus.RUNNING:
+                continue  # finished or aborted while the step ran
+            sampled = list(runner_output.sampled_token_ids[row])
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, ())
+            if not 1 <= len(sampled) <= len(drafts) + 1:
+                raise RuntimeError(
+                    f"model runner returned {len(sampled)} tokens for request {req_id!r}, which "
+                    f"verified {len(drafts)} drafts; expected between 1 and {len(drafts) + 1}")
+            num_accepted = len(sampled) - 1
+            # The KV of rejected drafts is garbage: they do not count as computed.
+            request.num_computed_tokens += num_scheduled - (len(drafts) - num_accepted)
+            if self.spec_decoding_stats is not None:
+                self.spec_decoding_stats.observe(len(drafts), num_accepted)
+
+            new_tokens: list[int] = []
+            for token in sampled:
+                request.output_token_ids.append(token)
+                new_tokens.append(token)
+                if self._check_stop(request, token):
+                    break
+            if request.is_finished():
+                self.running.remove(request)
+                self._free_request(request)
+            else:
+                request.spec_token_ids = list(spec_out[row]) if spec_out is not None else []
+            outputs.append(EngineCoreOutput(req_id, new_tokens, request.get_finished_reason(),
+                                            request.stop_reason))
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> bool:
+        params = request.sampling_params
+        min_tokens = int(getattr(params, "min_tokens", 0) or 0)
+        if request.num_output_tokens >= min_tokens:
+            if token == request.eos_token_id and not getattr(params, "ignore_eos", False):
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token in (getattr(params, "stop_token_ids", None) or ()):
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token
+                return True
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    # ---- metrics --------------------------------------------------------------------------
+    def get_stats(self) -> dict:
+        kv = self.kv_cache_manager
+        return {
+            "num_requests_running": len(self.running),
+            "num_requests_waiting": len(self.waiting),
+            "kv_cache_usage": kv.usage,
+            "num_free_blocks": kv.num_free_blocks,
+            "num_total_blocks": kv.num_total_blocks,
+            "num_preemptions": self.num_preemptions,
+            "spec_decode": self.spec_decoding_stats.as_dict() if self.spec_decoding_stats else None,
+        }

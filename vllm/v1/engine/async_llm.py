@@ -1,0 +1,257 @@
+"""AsyncLLM: an asyncio front for the synchronous LLMEngine, used by the OpenAI server.
+
+The engine is not thread-safe, so exactly one background thread owns it. Coroutines talk to that
+thread through a command queue (add / abort); the thread steps the engine while any request is
+pending and hands each RequestOutput to the request's asyncio queue with `call_soon_threadsafe`.
+Because new requests are drained from the queue before every step, concurrent requests land in
+the same engine batch.
+
+Failure model:
+* bad input found by the engine at `add_request` time (ValueError) is raised to the caller;
+* an exception inside `engine.step()` kills the engine: every waiting request receives
+  EngineDeadError, later requests are refused with it, and `is_healthy` turns False;
+* a consumer that stops iterating before its request finished (client disconnect) aborts the
+  request, so the engine frees its KV blocks and keeps serving everyone else.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import queue
+import threading
+import time
+from typing import Any, AsyncIterator
+
+from vllm.v1.metrics.prometheus import PrometheusMetrics
+from vllm.v1.metrics.stats import RequestTimer
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop raised; no request can be served until the server restarts."""
+
+
+_ABORTED = object()  # queue sentinel: the request was aborted, end the stream quietly
+_request_counter = itertools.count()
+
+
+def _num_output_tokens(output) -> int:
+    return len(output.outputs[0].token_ids) if output.outputs else 0
+
+
+class RequestStream:
+    """Async iterator over one request's RequestOutputs (cumulative, as the engine emits them)."""
+
+    def __init__(self, request_id: str, owner: "AsyncLLM", loop: asyncio.AbstractEventLoop,
+                 num_prompt_tokens: int):
+        self.request_id = request_id
+        self.timer = RequestTimer(num_prompt_tokens=num_prompt_tokens)
+        self._owner = owner
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._num_tokens_seen = 0  # engine-thread only
+        self.finished = False
+
+    def _deliver(self, item: Any) -> None:
+        """Called from the engine thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:
+            pass  # the consumer's event loop is closed: nobody is listening any more
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        try:
+            while True:
+                item = await self._queue.get()
+                if item is _ABORTED:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    self.finished = True
+                yield item
+                if self.finished:
+                    return
+        finally:
+            if not self.finished:
+                self._owner.abort_nowait(self.request_id)
+
+
+class AsyncLLM:
+    def __init__(self, engine, model_name: str | None = None, max_model_len: int | None = None,
+                 start: bool = True):
+        self.engine = engine
+        config = getattr(engine, "vllm_config", None)
+        model_config = getattr(config, "model_config", None)
+        self.model_name = model_name or getattr(model_config, "model", None) or "model"
+        self.max_model_len = max_model_len or getattr(model_config, "max_model_len", None)
+        self.metrics = PrometheusMetrics(self.model_name, self.get_metrics)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # engine-thread only
+        self._snapshot: dict[str, Any] = {}
+        self._dead_error: BaseException | None = None
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run_engine_loop, name="vllm-engine-loop",
+                                        daemon=True)
+        self._refresh_snapshot()
+        if start:
+            self._thread.start()
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config, model_name: str | None = None) -> "AsyncLLM":
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine.from_vllm_config(vllm_config)
+        return cls(engine, model_name=model_name,
+                   max_model_len=getattr(vllm_config.model_config, "max_model_len", None))
+
+    # ---- public API --------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead_error is None and self._thread.is_alive()
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead_error
+
+    def get_metrics(self) -> dict[str, Any]:
+        """Latest engine metrics snapshot (refreshed by the engine thread after every change)."""
+        return self._snapshot
+
+    async def add_request(self, request_id: str | None, prompt: str | list[int], sampling_params,
+                          num_prompt_tokens: int | None = None) -> RequestStream:
+        """Admit a request; raises the engine's ValueError for bad input, EngineDeadError if dead."""
+        self._raise_if_dead()
+        request_id = request_id or f"req-{next(_request_counter)}"
+        if num_prompt_tokens is None:
+            num_prompt_tokens = len(prompt) if isinstance(prompt, list) else 0
+        stream = RequestStream(request_id, self, asyncio.get_running_loop(), num_prompt_tokens)
+        admitted: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("add", request_id, prompt, sampling_params, stream, admitted))
+        await asyncio.wrap_future(admitted)
+        return stream
+
+    async def generate(self, prompt: str | list[int], sampling_params,
+                       request_id: str | None = None) -> AsyncIterator:
+        """Yield the request's RequestOutputs until it finishes (cumulative text and token ids)."""
+        stream = await self.add_request(request_id, prompt, sampling_params)
+        async for output in stream:
+            yield output
+
+    async def abort(self, request_id: str) -> None:
+        self.abort_nowait(request_id)
+
+    def abort_nowait(self, request_id: str) -> None:
+        """Thread-safe, non-blocking abort (safe inside `finally` of a cancelled coroutine)."""
+        self._commands.put(("abort", request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._commands.put(("stop",))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ---- engine thread -----------------------------------------------------------------------
+    def _raise_if_dead(self) -> None:
+        if self._dead_error is not None:
+            raise EngineDeadError(f"engine loop died: {self._dead_error!r}") from self._dead_error
+
+    def _refresh_snapshot(self) -> None:
+        try:
+            self._snapshot = self.engine.get_metrics()
+        except Exception:  # metrics must never take the engine down
+            pass
+
+    def _run_engine_loop(self) -> None:
+        while not self._stopping.is_set():
+            busy = self._dead_error is None and self.engine.has_unfinished_requests()
+            self._handle_commands(block=not busy)
+            if self._dead_error is not None or not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except BaseException as error:  # noqa: BLE001 - any engine failure is fatal
+                self._fail_all(error)
+                continue
+            self._dispatch(outputs, time.perf_counter())
+            self._refresh_snapshot()
+
+    def _handle_commands(self, block: bool) -> None:
+        changed = False
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            changed |= self._handle_command(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+        if changed:
+            self._refresh_snapshot()
+
+    def _handle_command(self, command) -> bool:
+        kind = command[0]
+        if kind == "stop":
+            self._stopping.set()
+            return False
+        if kind == "abort":
+            stream = self._streams.pop(command[1], None)
+            if stream is None:
+                return False  # already finished (or never admitted): nothing to free
+            try:
+                self.engine.abort_request([stream.request_id])
+            except BaseException as error:  # noqa: BLE001
+                self._fail_all(error)
+                return False
+            self.metrics.record_aborted()
+            stream._deliver(_ABORTED)
+            return True
+        _, request_id, prompt, params, stream, admitted = command
+        if self._dead_error is not None:
+            admitted.set_exception(EngineDeadError(f"engine loop died: {self._dead_error!r}"))
+            return False
+        if request_id in self._streams:
+            admitted.set_exception(ValueError(
+                f"request id {request_id!r} is already running; use a unique request id"))
+            return False
+        try:
+            self.engine.add_request(request_id, prompt, params)
+        except Exception as error:  # bad input: the caller reports it, the engine is fine
+            admitted.set_exception(error)
+            return False
+        self._streams[request_id] = stream
+        self.metrics.record_admitted(stream.timer.num_prompt_tokens)
+        admitted.set_result(None)
+        return True
+
+    def _dispatch(self, outputs, now: float) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue  # aborted while the step ran
+            num_tokens = _num_output_tokens(output)
+            new_tokens = num_tokens - stream._num_tokens_seen
+            stream._num_tokens_seen = num_tokens
+            stream.timer.record_tokens(new_tokens, now)
+            self.metrics.record_tokens(stream.timer, new_tokens)
+            if output.finished:
+                del self._streams[output.request_id]
+                reason = output.outputs[0].finish_reason if output.outputs else None
+                self.metrics.record_finished(stream.timer, reason)
+            stream._deliver(output)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._dead_error = error
+        dead = EngineDeadError(f"engine loop died: {error!r}")
+        for stream in self._streams.values():
+            stream._deliver(dead)
+        self._streams.clear()

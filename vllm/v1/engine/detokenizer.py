@@ -1,0 +1,68 @@
+"""Incremental detokenization with stop-string detection.
+
+Decoding one token at a time is wrong for byte-level BPE (a character can span tokens) and for
+tokenizers that drop a word's leading space at the start of a decode. So each step decodes a short
+window that starts a few tokens back (`prefix_offset`) and emits only the text past the window's
+already-emitted part (`read_offset`), holding back while the text ends in an incomplete character.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# Prompt tokens used as decoding context for the first output tokens.
+_CONTEXT_TOKENS = 5
+_INCOMPLETE_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+
+    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True,
+                 stop: Sequence[str] = (), include_stop_str_in_output: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = [s for s in stop if s]
+        self.include_stop_str_in_output = include_stop_str_in_output
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._tokens: list[int] = context  # context + outputs
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self.output_text = ""
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def update(self, new_token_ids: Sequence[int]) -> str | None:
+        """Append tokens; return the stop string if one appeared (text is then cut at it)."""
+        if self.stopped:
+            return None
+        for token in new_token_ids:
+            self._tokens.append(int(token))
+            prefix_text = self._decode(self._tokens[self._prefix_offset:self._read_offset])
+            full_text = self._decode(self._tokens[self._prefix_offset:])
+            if len(full_text) <= len(prefix_text) or full_text.endswith(_INCOMPLETE_CHAR):
+                continue  # nothing printable yet
+            delta = full_text[len(prefix_text):]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._tokens)
+            self.output_text += delta
+            matched = self._find_stop(len(delta))
+            if matched is not None:
+                self.stopped = True
+                return matched
+        return None
+
+    def _find_stop(self, new_chars: int) -> str | None:
+        """Search only where a stop string could end inside the newly added text."""
+        best = None
+        for stop in self.stop:
+            start = max(0, len(self.output_text) - new_chars - len(stop) + 1)
+            index = self.output_text.find(stop, start)
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        if best is None:
+            return None
+        index, stop = best
+        end = index + len(stop) if self.include_stop_str_in_output else index
+        self.output_text = self.output_text[:end]
+        return stop

@@ -1,0 +1,254 @@
+"""LLMEngine: requests in, RequestOutputs out, one scheduler step at a time.
+
+add_request tokenizes and validates; step() = schedule -> executor (all ranks run the model, rank 0
+answers) -> scheduler update (token-level stops) -> incremental detokenization (stop strings) ->
+cumulative RequestOutputs. Metrics cover queues, KV usage, TTFT/TPOT and spec-decode acceptance.
+"""
+from __future__ import annotations
+
+import atexit
+import copy
+import itertools
+import logging
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass
+
+from vllm.v1.core.sched.request import Request, RequestStatus
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+from vllm.v1.executor.abstract import DEFAULT_WORKER_CLS, Executor
+from vllm.v1.metrics.stats import RequestTimer
+from vllm.v1.sample.metadata import is_greedy
+
+logger = logging.getLogger(__name__)
+
+# Latency samples kept for get_metrics() (the most recent ones).
+_MAX_LATENCY_SAMPLES = 4096
+
+
+def resolve_model_paths(vllm_config) -> None:
+    """model None -> the built-in tiny checkpoint (written on first use); likewise the drafter."""
+    model_config = vllm_config.model_config
+    spec = vllm_config.speculative_config
+    needs_target = model_config.model is None
+    needs_drafter = spec is not None and spec.model is None
+    if not (needs_target or needs_drafter):
+        return
+    from vllm.model_executor.models.tiny import write_tiny_models
+    paths = write_tiny_models()
+    if needs_target:
+        model_config.model = str(paths.target)
+    if needs_drafter:
+        drafter_dir = getattr(paths, spec.method, None)
+        if drafter_dir is None:
+            raise ValueError(f"no built-in tiny drafter for speculative method {spec.method!r}; "
+                             "set speculative_config.model to a drafter checkpoint directory")
+        spec.model = str(drafter_dir)
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    detokenizer: IncrementalDetokenizer | None
+    timer: RequestTimer
+
+
+class LLMEngine:
+
+    def __init__(self, vllm_config, executor_class: type[Executor] | None = None,
+                 worker_cls: str = DEFAULT_WORKER_CLS):
+        self.vllm_config = vllm_config
+        resolve_model_paths(vllm_config)
+        model_config = vllm_config.model_config
+        from vllm.transformers_utils.tokenizer import get_tokenizer
+        self.tokenizer = get_tokenizer(model_config.model)
+        hf_config = model_config.hf_config
+        self.vocab_size = int(getattr(hf_config, "vocab_size"))
+        self.eos_token_id = self.tokenizer.eos_token_id
+        if self.eos_token_id is None:
+            eos = getattr(hf_config, "eos_token_id", None)
+            self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
+        self.max_model_len = int(model_config.max_model_len)
+        self.seed = int(getattr(model_config, "seed", 0) or 0)
+
+        self.executor = None
+        executor_class = executor_class or Executor.get_class(vllm_config)
+        self.executor = executor_class(vllm_config, worker_cls=worker_cls)
+        try:
+            num_blocks = self.executor.initialize_kv_cache()
+            self.scheduler = Scheduler(vllm_config, num_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        logger.info("KV cache: %d blocks of %d tokens", num_blocks,
+                    self.scheduler.kv_cache_manager.tokens_per_block)
+
+        self._states: dict[str, _RequestState] = {}
+        self._request_index = itertools.count()
+        self._ttft_samples: deque[float] = deque(maxlen=_MAX_LATENCY_SAMPLES)
+        self._tpot_samples: deque[float] = deque(maxlen=_MAX_LATENCY_SAMPLES)
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        self._num_finished = 0
+        self._shut_down = False
+        self_ref = weakref.ref(self)
+        self._atexit_hook = lambda: (self_ref() is not None and self_ref().shutdown())
+        atexit.register(self._atexit_hook)
+
+    # ---- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_vllm_config(cls, vllm_config, **kwargs) -> LLMEngine:
+        return cls(vllm_config, **kwargs)
+
+    @classmethod
+    def from_engine_args(cls, engine_args, **kwargs) -> LLMEngine:
+        return cls(engine_args.create_engine_config(), **kwargs)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params=None) -> None:
+        from vllm.sampling_params import SamplingParams
+        if params is None:
+            params = SamplingParams()
+        if request_id in self._states:
+            raise ValueError(f"request id {request_id!r} is already in use; use a unique request id")
+        if getattr(params, "n", 1) != 1:
+            raise ValueError(f"SamplingParams.n={params.n} is not supported; send n separate requests")
+        if isinstance(prompt, str):
+            prompt_text = prompt
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_text = None
+            prompt_token_ids = [int(t) for t in prompt]
+            bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                                 f"[0, {self.vocab_size}); pass valid token ids")
+        index = next(self._request_index)
+        if not is_greedy(params) and getattr(params, "seed", None) is None:
+            # Every rank must draw the same numbers: give the request a definite seed.
+            params = copy.copy(params)
+            params.seed = self.seed + index
+        max_tokens = getattr(params, "max_tokens", None)
+        if max_tokens is None:
+            max_tokens = max(1, self.max_model_len - len(prompt_token_ids))
+        request = Request(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                          sampling_params=params, eos_token_id=self.eos_token_id,
+                          max_tokens=int(max_tokens))
+        self.scheduler.add_request(request)  # validates lengths (ValueError)
+        detokenizer = None
+        if getattr(params, "detokenize", True):
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids,
+                skip_special_tokens=getattr(params, "skip_special_tokens", True),
+                stop=_as_list(getattr(params, "stop", None)),
+                include_stop_str_in_output=getattr(params, "include_stop_str_in_output", False))
+        self._states[request_id] = _RequestState(request_id, prompt_text, prompt_token_ids, [],
+                                                 detokenizer,
+                                                 RequestTimer(num_prompt_tokens=len(prompt_token_ids)))
+        self._num_prompt_tokens += len(prompt_token_ids)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for req_id in request_ids:
+            self._states.pop(req_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self) -> list:
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        now = time.perf_counter()
+        outputs = []
+        for core in core_outputs:
+            state = self._states.get(core.request_id)
+            if state is None:
+                continue
+            state.output_token_ids.extend(core.new_token_ids)
+            finish_reason, stop_reason = core.finish_reason, core.stop_reason
+            if state.detokenizer is not None:
+                stop_str = state.detokenizer.update(core.new_token_ids)
+                if stop_str is not None:
+                    finish_reason, stop_reason = "stop", stop_str
+                    if not core.finished:
+                        self.scheduler.finish_requests(core.request_id,
+                                                       RequestStatus.FINISHED_STOPPED)
+            state.timer.record_tokens(len(core.new_token_ids), now)
+            self._num_generation_tokens += len(core.new_token_ids)
+            finished = finish_reason is not None
+            outputs.append(self._make_output(state, finished, finish_reason, stop_reason))
+            if finished:
+                self._record_finished(state)
+                del self._states[core.request_id]
+        return outputs
+
+    def _make_output(self, state: _RequestState, finished: bool, finish_reason, stop_reason):
+        from vllm.outputs import CompletionOutput, RequestOutput
+        text = state.detokenizer.output_text if state.detokenizer is not None else ""
+        completion = CompletionOutput(index=0, text=text, token_ids=list(state.output_token_ids),
+                                      finish_reason=finish_reason, stop_reason=stop_reason)
+        return RequestOutput(request_id=state.request_id, prompt=state.prompt,
+                             prompt_token_ids=list(state.prompt_token_ids), outputs=[completion],
+                             finished=finished)
+
+    def _record_finished(self, state: _RequestState) -> None:
+        self._num_finished += 1
+        if state.timer.ttft is not None:
+            self._ttft_samples.append(state.timer.ttft)
+        if state.timer.tpot is not None:
+            self._tpot_samples.append(state.timer.tpot)
+
+    # ---- metrics -----------------------------------------------------------------------------
+    def get_metrics(self) -> dict:
+        metrics = self.scheduler.get_stats()
+        metrics.update({
+            "num_prompt_tokens": self._num_prompt_tokens,
+            "num_generation_tokens": self._num_generation_tokens,
+            "num_finished_requests": self._num_finished,
+            "ttft_s": list(self._ttft_samples),
+            "tpot_s": list(self._tpot_samples),
+        })
+        return metrics
+
+    # ---- lifetime ----------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if self._shut_down:
+            return
+        self._shut_down = True
+        atexit.unregister(self._atexit_hook)
+        if self.executor is not None:
+            self.executor.shutdown()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - interpreter teardown
+            pass
+
+
+def _as_list(stop) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    return list(stop)

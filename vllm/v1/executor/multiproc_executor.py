@@ -1,0 +1,162 @@
+"""One worker process per rank (spawn context), driven over pipes by the engine process.
+
+Every call is sent to all ranks and every rank answers ("ok", result) or ("error", traceback). The
+engine waits on the pipes AND the process sentinels, so a rank that raises or dies ends the wait at
+once with a RuntimeError naming the rank, instead of leaving the engine blocked on a rank that is
+itself blocked in a collective with the dead one. After a failure every worker is terminated.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from multiprocessing.connection import wait as wait_for_any
+
+import torch.multiprocessing as mp
+
+from vllm.v1.executor.abstract import Executor, resolve_qualname
+
+# Model load (+ a FlashInfer JIT build on first use) can take minutes on a cold node.
+STARTUP_TIMEOUT_S = float(os.environ.get("VLLM_WORKER_STARTUP_TIMEOUT_S", "1200"))
+# No healthy step takes this long; past it the engine gives up instead of hanging.
+RPC_TIMEOUT_S = float(os.environ.get("VLLM_WORKER_RPC_TIMEOUT_S", "900"))
+_SHUTDOWN_GRACE_S = 5.0
+_SPAWN_HINT = ("; its stderr has the reason. Workers are spawned, which re-imports the main "
+               "script: a script that builds the engine at top level needs an "
+               "`if __name__ == '__main__':` guard")
+
+
+def get_open_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_main(worker_cls: str, vllm_config, rank: int, init_method: str, conn) -> None:
+    """Entry point of a worker process: start up, then serve calls until shutdown or EOF."""
+    worker = None
+    try:
+        worker = resolve_qualname(worker_cls)(vllm_config, rank, init_method)
+        worker.init_device()
+        worker.load_model()
+        conn.send(("ok", None))
+    except BaseException:  # noqa: BLE001 - report anything, then exit
+        _send_quietly(conn, ("error", traceback.format_exc()))
+        return
+    while True:
+        try:
+            method, args, kwargs = conn.recv()
+        except (EOFError, OSError):
+            break  # the engine is gone
+        if method == "shutdown":
+            try:
+                worker.shutdown()
+            finally:
+                _send_quietly(conn, ("ok", None))
+            break
+        try:
+            result = getattr(worker, method)(*args, **kwargs)
+        except BaseException:  # noqa: BLE001
+            _send_quietly(conn, ("error", traceback.format_exc()))
+            break  # the engine stops all ranks after any failure
+        conn.send(("ok", result))
+
+
+def _send_quietly(conn, message) -> None:
+    try:
+        conn.send(message)
+    except (BrokenPipeError, EOFError, OSError):
+        pass
+
+
+class MultiprocExecutor(Executor):
+
+    def _init_executor(self) -> None:
+        ctx = mp.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{get_open_port()}"
+        self.processes = []
+        self.conns = []
+        for rank in range(self.world_size):
+            parent_conn, child_conn = ctx.Pipe(duplex=True)
+            process = ctx.Process(target=worker_main, name=f"VllmWorker-rank{rank}", daemon=True,
+                                  args=(self.worker_cls, self.vllm_config, rank, init_method,
+                                        child_conn))
+            process.start()
+            child_conn.close()
+            self.processes.append(process)
+            self.conns.append(parent_conn)
+        self._gather("start-up", STARTUP_TIMEOUT_S)
+
+    def collective_rpc(self, method, args=(), kwargs=None, timeout=None) -> list:
+        if self.is_shutdown:
+            raise RuntimeError("the executor is shut down; create a new engine")
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send((method, tuple(args), dict(kwargs or {})))
+            except (BrokenPipeError, OSError):
+                self._fail(f"worker rank {rank} is gone (pipe closed) before `{method}`"
+                           f"{self._exit_note(rank)}")
+        return self._gather(method, RPC_TIMEOUT_S if timeout is None else timeout)
+
+    def _gather(self, what: str, timeout: float) -> list:
+        results: list = [None] * self.world_size
+        pending = set(range(self.world_size))
+        deadline = time.monotonic() + timeout
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._fail(f"worker ranks {sorted(pending)} did not answer `{what}` within "
+                           f"{timeout:.0f}s")
+            ready = set(wait_for_any([self.conns[r] for r in pending]
+                                     + [self.processes[r].sentinel for r in pending],
+                                     timeout=remaining))
+            # Read answers before looking at deaths: a rank may report an error and then exit.
+            for rank in sorted(pending):
+                conn = self.conns[rank]
+                if conn in ready or conn.poll():
+                    try:
+                        status, payload = conn.recv()
+                    except (EOFError, OSError):
+                        self._fail(f"worker rank {rank} died during `{what}`"
+                                   f"{self._exit_note(rank)}")
+                    if status == "error":
+                        self._fail(f"worker rank {rank} raised during `{what}`:\n{payload}")
+                    results[rank] = payload
+                    pending.discard(rank)
+            for rank in sorted(pending):
+                if self.processes[rank].sentinel in ready and not self.conns[rank].poll():
+                    hint = _SPAWN_HINT if what == "start-up" else ""
+                    self._fail(f"worker rank {rank} died during `{what}`{self._exit_note(rank)}"
+                               f"{hint}")
+        return results
+
+    def _exit_note(self, rank: int) -> str:
+        process = self.processes[rank]
+        process.join(timeout=0.5)
+        return f" (exit code {process.exitcode})" if process.exitcode is not None else ""
+
+    def _fail(self, message: str):
+        self.shutdown(graceful=False)
+        raise RuntimeError(message)
+
+    def shutdown(self, graceful: bool = True) -> None:
+        if self.is_shutdown:
+            return
+        self.is_shutdown = True
+        if graceful:
+            for conn in self.conns:
+                _send_quietly(conn, ("shutdown", (), {}))
+            deadline = time.monotonic() + _SHUTDOWN_GRACE_S
+            for process in self.processes:
+                process.join(timeout=max(0.0, deadline - time.monotonic()))
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+        for process in self.processes:
+            process.join(timeout=_SHUTDOWN_GRACE_S)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=_SHUTDOWN_GRACE_S)
+        for conn in self.conns:
+            conn.close()

@@ -1,0 +1,1 @@
+"""Request timing statistics and the Prometheus exporter used by the OpenAI server."""

@@ -1,0 +1,89 @@
+"""Attention-metadata assembly: one CommonAttentionMetadata per KV cache group, built per step.
+
+Causality is decided per group because a DFlash/DSpark drafter's layers live in their own
+non-causal group (DESIGN §1.3): the same step may build the target group causal and the draft
+group non-causal, and a marked group may still build causal batches.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from vllm.v1.attention.backend import CommonAttentionMetadata
+
+
+def resolve_group_causality(causal: bool | Mapping[int, bool], num_groups: int) -> list[bool]:
+    """Per-group causal flags from a bool (all groups) or a {group_id: bool} map (missing -> True)."""
+    if isinstance(causal, bool):
+        return [causal] * num_groups
+    if not isinstance(causal, Mapping):
+        raise ValueError(
+            f"causal={causal!r} is invalid: pass a bool or a {{group_id: bool}} mapping.")
+    flags = [True] * num_groups
+    for group_id, flag in causal.items():
+        if not isinstance(group_id, int) or not 0 <= group_id < num_groups:
+            raise ValueError(
+                f"causal has group id {group_id!r}, but the KV cache config has {num_groups} "
+                f"groups; use ids in [0, {num_groups}).")
+        flags[group_id] = bool(flag)
+    return flags
+
+
+def build_attn_metadata(
+    *,
+    attn_metadata_builders: Sequence[Any],
+    kv_cache_config: Any,
+    num_reqs: int,
+    num_tokens: int,
+    query_start_loc: torch.Tensor,
+    query_start_loc_cpu: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    block_tables: Sequence[torch.Tensor],
+    slot_mappings: torch.Tensor,
+    causal: bool | Mapping[int, bool] = True,
+    dcp_local_seq_lens: torch.Tensor | None = None,
+    seq_lens_cpu_upper_bound: torch.Tensor | None = None,
+    group_ids: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """Build the per-layer attention metadata of one forward.
+
+    Tensors carry `num_reqs` rows (trailing zero-length rows are padding) and `num_tokens` tokens.
+    `block_tables[g]` / `slot_mappings[g]` belong to KV cache group g. `group_ids` restricts the
+    build to the groups a model actually has layers in (a drafter's forward needs only its own).
+    Returns {layer_name: metadata} for every layer of the built groups.
+    """
+    groups = kv_cache_config.kv_cache_groups
+    if len(attn_metadata_builders) != len(groups):
+        raise ValueError(
+            f"got {len(attn_metadata_builders)} metadata builders for {len(groups)} KV cache "
+            "groups; build one builder per group.")
+    causal_flags = resolve_group_causality(causal, len(groups))
+    selected = range(len(groups)) if group_ids is None else group_ids
+
+    attn_metadata: dict[str, Any] = {}
+    for group_id in selected:
+        common = CommonAttentionMetadata(
+            query_start_loc=query_start_loc[: num_reqs + 1],
+            query_start_loc_cpu=query_start_loc_cpu[: num_reqs + 1],
+            seq_lens=seq_lens[:num_reqs],
+            num_reqs=num_reqs,
+            num_actual_tokens=num_tokens,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            block_table_tensor=block_tables[group_id][:num_reqs],
+            slot_mapping=slot_mappings[group_id][:num_tokens],
+            causal=causal_flags[group_id],
+            dcp_local_seq_lens=(None if dcp_local_seq_lens is None
+                                else dcp_local_seq_lens[:num_reqs]),
+            seq_lens_cpu_upper_bound=(None if seq_lens_cpu_upper_bound is None
+                                      else seq_lens_cpu_upper_bound[:num_reqs]),
+        )
+        metadata = attn_metadata_builders[group_id].build(common_prefix_len=0,
+                                                           common_attn_metadata=common)
+        for layer_name in groups[group_id].layer_names:
+            attn_metadata[layer_name] = metadata
+    return attn_metadata

@@ -1,0 +1,227 @@
+"""Per-KV-cache-group block tables and slot mappings, DCP aware.
+
+Layout (all persistent, allocated once):
+  - `block_tables[g]`       [max_num_reqs, max_num_blocks_per_req] int32, row = persistent request slot;
+  - `input_block_tables[g]` same shape; rows [0, num_reqs) hold the rows of this step's batch, in
+    batch order (filled by `gather_block_tables`);
+  - `slot_mappings`         [num_groups, max_num_batched_tokens] int64 (-1 = PAD: not stored here).
+
+Under DCP (DESIGN §2) a block id covers a virtual block of block_size * cp_size global tokens; every
+rank uses the same block ids and stores only the tokens it owns, so slot mappings are rank specific.
+On CUDA slot mappings come from a Triton kernel (no host sync, capturable); elsewhere from torch.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm.v1.worker.gpu.cp_utils import HAS_TRITON, _check_geometry
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+PAD_SLOT_ID = -1
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _compute_slot_mappings_kernel(
+        slot_mappings_ptr,  # [num_groups, slot_stride] int64
+        slot_stride,
+        block_tables_ptr,  # [num_groups, max_num_reqs, max_blocks] int32 (gathered rows)
+        table_group_stride,
+        table_row_stride,
+        max_blocks,
+        block_sizes_ptr,  # [num_groups] int32
+        query_start_loc_ptr,  # [num_reqs + 1]
+        positions_ptr,  # [num_tokens]
+        num_reqs,
+        num_tokens,
+        cp_size,
+        cp_rank,
+        cp_interleave,
+        BLOCK: tl.constexpr,
+    ):
+        group = tl.program_id(0)
+        row = tl.program_id(1)
+        out_ptr = slot_mappings_ptr + group * slot_stride
+        if row == num_reqs:
+            # The extra program PADs the tail tokens that belong to no request (graph padding).
+            start = tl.load(query_start_loc_ptr + num_reqs).to(tl.int64)
+            for first in range(start, num_tokens, BLOCK):
+                offs = first + tl.arange(0, BLOCK)
+                tl.store(out_ptr + offs, tl.full((BLOCK,), -1, tl.int64), mask=offs < num_tokens)
+        else:
+            block_size = tl.load(block_sizes_ptr + group).to(tl.int64)
+            virtual_block = block_size * cp_size
+            table_row_ptr = block_tables_ptr + group * table_group_stride + row * table_row_stride
+            start = tl.load(query_start_loc_ptr + row).to(tl.int64)
+            end = tl.load(query_start_loc_ptr + row + 1).to(tl.int64)
+            for first in range(start, end, BLOCK):
+                offs = first + tl.arange(0, BLOCK)
+                in_row = offs < end
+                pos = tl.load(positions_ptr + offs, mask=in_row, other=0).to(tl.int64)
+                block_index = pos // virtual_block
+                offset = pos - block_index * virtual_block
+                owned = ((offset // cp_interleave) % cp_size) == cp_rank
+                # Loads stay inside the row even for out-of-range positions.
+                readable = in_row & (block_index < max_blocks)
+                block_id = tl.load(table_row_ptr + block_index, mask=readable, other=0).to(tl.int64)
+                local_offset = (offset // (cp_interleave * cp_size)) * cp_interleave \
+                    + offset % cp_interleave
+                slot = tl.where(owned, block_id * block_size + local_offset, -1)
+                tl.store(out_ptr + offs, slot, mask=in_row)
+
+
+class BlockTables:
+    def __init__(self, block_sizes: list[int], max_num_reqs: int, max_num_blocks_per_req: int,
+                 max_num_batched_tokens: int, device: torch.device | str, cp_size: int = 1,
+                 cp_rank: int = 0, cp_interleave: int = 1):
+        _check_geometry(cp_size, cp_rank, cp_interleave)
+        if len(block_sizes) == 0:
+            raise ValueError("block_sizes is empty: pass one block size per KV cache group.")
+        for block_size in block_sizes:
+            if not isinstance(block_size, int) or block_size < 1 or block_size % cp_interleave:
+                raise ValueError(
+                    f"block size {block_size!r} is invalid: it must be a positive multiple of "
+                    f"cp_interleave={cp_interleave}.")
+        for name, value in (("max_num_reqs", max_num_reqs),
+                            ("max_num_blocks_per_req", max_num_blocks_per_req),
+                            ("max_num_batched_tokens", max_num_batched_tokens)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} is invalid: it must be an int >= 1.")
+        self.block_sizes = list(block_sizes)
+        self.max_num_reqs = max_num_reqs
+        self.max_num_blocks_per_req = max_num_blocks_per_req
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.device = torch.device(device)
+        self.cp_size = cp_size
+        self.cp_rank = cp_rank
+        self.cp_interleave = cp_interleave
+
+        num_groups = len(block_sizes)
+        table_shape = (num_groups, max_num_reqs, max_num_blocks_per_req)
+        # One tensor per kind, so the slot-mapping kernel reaches every group through strides.
+        self._block_tables = torch.zeros(table_shape, dtype=torch.int32, device=self.device)
+        self._input_block_tables = torch.zeros(table_shape, dtype=torch.int32, device=self.device)
+        self.block_tables = tuple(self._block_tables[g] for g in range(num_groups))
+        self.input_block_tables = tuple(self._input_block_tables[g] for g in range(num_groups))
+        self.num_blocks = np.zeros((num_groups, max_num_reqs), dtype=np.int32)  # host-side counts
+        self._block_sizes = torch.tensor(block_sizes, dtype=torch.int32, device=self.device)
+        self.slot_mappings = torch.full((num_groups, max_num_batched_tokens), PAD_SLOT_ID,
+                                        dtype=torch.int64, device=self.device)
+        self._num_gathered_reqs = 0
+
+    @property
+    def num_kv_cache_groups(self) -> int:
+        return len(self.block_sizes)
+
+    def _check_req_index(self, req_index: int) -> None:
+        if not isinstance(req_index, (int, np.integer)) or not 0 <= req_index < self.max_num_reqs:
+            raise ValueError(
+                f"req_index={req_index!r} is invalid: it must be in [0, {self.max_num_reqs}).")
+
+    def append_block_ids(self, req_index: int, block_ids: tuple[list[int], ...],
+                         overwrite: bool) -> None:
+        """Append (or, with overwrite, replace) the block ids of one request, one list per group."""
+        self._check_req_index(req_index)
+        if len(block_ids) != self.num_kv_cache_groups:
+            raise ValueError(
+                f"got block ids for {len(block_ids)} groups, expected {self.num_kv_cache_groups} "
+                "(one list per KV cache group).")
+        for group, ids in enumerate(block_ids):
+            start = 0 if overwrite else int(self.num_blocks[group, req_index])
+            end = start + len(ids)
+            if end > self.max_num_blocks_per_req:
+                raise ValueError(
+                    f"request slot {req_index} would hold {end} blocks in group {group}, more than "
+                    f"max_num_blocks_per_req={self.max_num_blocks_per_req}; raise max_model_len "
+                    "headroom or shorten the request.")
+            if len(ids) > 0:
+                values = torch.tensor(ids, dtype=torch.int32)
+                self.block_tables[group][req_index, start:end].copy_(values, non_blocking=False)
+            self.num_blocks[group, req_index] = end
+
+    def remove_request(self, req_index: int) -> None:
+        self._check_req_index(req_index)
+        self.num_blocks[:, req_index] = 0
+
+    def gather_block_tables(self, idx_mapping: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Copy the rows of this step's requests (idx_mapping[i] = slot of batch row i) into the
+        persistent input tables; returns one [num_reqs, max_blocks] view per group."""
+        num_reqs = idx_mapping.shape[0]
+        if num_reqs > self.max_num_reqs:
+            raise ValueError(
+                f"idx_mapping has {num_reqs} rows, more than max_num_reqs={self.max_num_reqs}.")
+        idx_mapping = idx_mapping.to(device=self.device, dtype=torch.int64)
+        for table, input_table in zip(self.block_tables, self.input_block_tables):
+            # index_select writes straight into the persistent rows (contiguous view, no realloc).
+            torch.index_select(table, 0, idx_mapping, out=input_table[:num_reqs])
+        self._num_gathered_reqs = num_reqs
+        return tuple(t[:num_reqs] for t in self.input_block_tables)
+
+    def compute_slot_mappings(self, query_start_loc: torch.Tensor,
+                              positions: torch.Tensor) -> torch.Tensor:
+        """Slot of every token in every group on this rank; -1 for tokens stored by another rank
+        and for tail tokens past query_start_loc[num_reqs]. Uses the rows gathered last.
+
+        Returns a [num_groups, num_tokens] view of the persistent `slot_mappings` buffer.
+        """
+        num_reqs = query_start_loc.shape[0] - 1
+        num_tokens = positions.shape[0]
+        if not 0 <= num_reqs <= self.max_num_reqs:
+            raise ValueError(
+                f"query_start_loc describes {num_reqs} requests; allowed 0..{self.max_num_reqs}.")
+        if num_tokens > self.max_num_batched_tokens:
+            raise ValueError(
+                f"{num_tokens} positions exceed max_num_batched_tokens="
+                f"{self.max_num_batched_tokens}.")
+        for name, tensor in (("query_start_loc", query_start_loc), ("positions", positions)):
+            if tensor.device.type != self.device.type:
+                raise ValueError(f"{name} is on {tensor.device} but the block tables live on "
+                                 f"{self.device}; pass the device buffers.")
+        out = self.slot_mappings[:, :num_tokens]
+        if self.device.type == "cuda" and HAS_TRITON:
+            self._compute_slot_mappings_triton(query_start_loc, positions, num_reqs, num_tokens)
+        else:
+            self._compute_slot_mappings_torch(query_start_loc, positions, num_reqs, num_tokens)
+        return out
+
+    def _compute_slot_mappings_torch(self, query_start_loc, positions, num_reqs, num_tokens):
+        query_start_loc = query_start_loc.to(device=self.device, dtype=torch.int64)
+        positions = positions.to(device=self.device, dtype=torch.int64)
+        token_index = torch.arange(num_tokens, device=self.device)
+        # Batch row of each token; tokens past the last request get row == num_reqs (PAD).
+        row = torch.searchsorted(query_start_loc[1:], token_index, right=True)
+        in_batch = row < num_reqs
+        row = row.clamp(max=max(num_reqs - 1, 0))
+        for group, block_size in enumerate(self.block_sizes):
+            virtual_block = block_size * self.cp_size
+            block_index = torch.div(positions, virtual_block, rounding_mode="floor")
+            bad = in_batch & ((block_index >= self.max_num_blocks_per_req) | (positions < 0))
+            if bool(bad.any()):
+                raise ValueError(
+                    f"position {int(positions[bad][0])} falls outside the block table "
+                    f"({self.max_num_blocks_per_req} virtual blocks of {virtual_block} tokens).")
+            offset = positions - block_index * virtual_block
+            owned = torch.div(offset, self.cp_interleave, rounding_mode="floor") % self.cp_size \
+                == self.cp_rank
+            local_offset = (torch.div(offset, self.cp_interleave * self.cp_size,
+                                      rounding_mode="floor") * self.cp_interleave
+                            + offset % self.cp_interleave)
+            table = self.input_block_tables[group]
+            block_id = table[row, block_index.clamp(0, self.max_num_blocks_per_req - 1)]
+            slots = block_id.to(torch.int64) * block_size + local_offset
+            slots = torch.where(owned & in_batch, slots, torch.full_like(slots, PAD_SLOT_ID))
+            self.slot_mappings[group, :num_tokens].copy_(slots)
+
+    def _compute_slot_mappings_triton(self, query_start_loc, positions, num_reqs, num_tokens):
+        grid = (self.num_kv_cache_groups, num_reqs + 1)
+        _compute_slot_mappings_kernel[grid](
+            self.slot_mappings, self.slot_mappings.stride(0),
+            self._input_block_tables, self._input_block_tables.stride(0),
+            self._input_block_tables.stride(1), self.max_num_blocks_per_req,
+            self._block_sizes, query_start_loc, positions, num_reqs, num_tokens,
+            self.cp_size, self.cp_rank, self.cp_interleave, BLOCK=256)

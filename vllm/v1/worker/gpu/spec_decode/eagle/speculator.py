@@ -1,0 +1,60 @@
+"""EAGLE: an autoregressive, causal one-layer drafter over [embed(token) ; target hidden state].
+
+Draft KV at position p encodes (token p+1, hidden p). Per engine step:
+  * first pass over the step's processed tokens, input ids shifted left by one; the row of the
+    last accepted position carries the anchor (bonus/corrected token) and yields draft 1;
+  * steps s = 1..k-1: one token per request at position num_computed_new + s - 1, the draft's own
+    seq_len = num_computed_new + s. Every engine step starts again from the accepted prefix, which
+    is the roll-back: KV the draft wrote for rejected positions is overwritten before it is read.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm.v1.worker.gpu.spec_decode.speculator import DraftInputs, Speculator, greedy_draft
+
+
+class EagleSpeculator(Speculator):
+    """Also MTP's speculator: both drafters share the (input_ids, positions, hidden) contract."""
+
+    def propose(self, inputs: DraftInputs) -> torch.Tensor:
+        num_reqs = inputs.num_reqs
+        buffers = self.input_buffers
+        drafts = torch.empty(num_reqs, self.num_speculative_tokens, dtype=torch.int64,
+                             device=self.device)
+        if num_reqs == 0:
+            return drafts
+        num_tokens = int(inputs.query_start_loc_np[num_reqs])
+        # First pass: same rows, positions and lengths as the target step, ids shifted by one.
+        buffers.input_ids[: num_tokens - 1].copy_(inputs.target_input_ids[1:num_tokens])
+        buffers.input_ids[inputs.last_accepted_index] = inputs.next_token_ids
+        buffers.positions[:num_tokens].copy_(inputs.target_positions[:num_tokens])
+        buffers.seq_lens[:num_reqs].copy_(inputs.target_seq_lens_cpu[:num_reqs])
+        attn_metadata = self._build_draft_attn_metadata(
+            num_reqs, num_reqs, num_tokens, inputs.target_seq_lens_cpu, step=0, causal=True,
+            query_start_loc_np=inputs.query_start_loc_np)
+        hidden_for_logits, hidden_for_next = self._run_forward(
+            attn_metadata, self.model, buffers.input_ids[:num_tokens],
+            buffers.positions[:num_tokens], inputs.target_hidden_states[:num_tokens])
+        rows = inputs.last_accepted_index
+        drafts[:, 0] = greedy_draft(self.model.compute_logits(hidden_for_logits[rows]))
+        hidden = hidden_for_next[rows]
+
+        accepted = torch.as_tensor(np.asarray(inputs.num_computed_new), dtype=torch.int64,
+                                   device=self.device)
+        for step in range(1, self.num_speculative_tokens):
+            buffers.input_ids[:num_reqs].copy_(drafts[:, step - 1])
+            # Drafts past max_model_len are dropped by the scheduler; clamping keeps their
+            # (useless) forward inside the rope table and the block table.
+            buffers.positions[:num_reqs].copy_(
+                (accepted + step - 1).clamp(max=self.max_model_len - 1))
+            buffers.seq_lens[:num_reqs].copy_((accepted + step).clamp(max=self.max_model_len))
+            attn_metadata = self._build_draft_attn_metadata(
+                num_reqs, num_reqs, num_reqs, inputs.target_seq_lens_cpu, step=step,
+                num_query_per_req=1, causal=True)
+            hidden_for_logits, hidden = self._run_forward(
+                attn_metadata, self.model, buffers.input_ids[:num_reqs],
+                buffers.positions[:num_reqs], hidden)
+            drafts[:, step] = greedy_draft(self.model.compute_logits(hidden_for_logits))
+        return drafts

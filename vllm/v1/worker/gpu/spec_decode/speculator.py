@@ -1,0 +1,184 @@
+"""The shared speculator base: draft buffers and the DCP-aware draft attention-metadata builder.
+
+Every draft forward (EAGLE/MTP steps, DFlash/DSpark blocks) describes its batch with the draft's
+OWN global seq_lens, which advance every autoregressive step and roll back to the accepted prefix
+at the next engine step. Rank-local lengths computed for the target are therefore stale for the
+draft (DESIGN §6 worked example); `_build_draft_attn_metadata` recomputes them from the draft's
+seq_lens for all speculators, so no speculator carries a private copy of that logic.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm.forward_context import set_forward_context
+from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
+# Module attribute on purpose: tests patch `speculator.prepare_dcp_local_seq_lens`.
+from vllm.v1.worker.gpu.cp_utils import prepare_dcp_local_seq_lens
+from vllm.v1.worker.gpu.input_batch import InputBuffers
+
+
+@dataclass
+class DraftInputs:
+    """The target step as the speculator needs it, after verification.
+
+    Token rows follow the target batch (decode rows first, prefills after). For request i:
+    `num_computed_new[i]` = accepted prefix length = position of its anchor `next_token_ids[i]`
+    (the bonus/corrected token, not yet in any cache); `last_accepted_index[i]` = flat index in
+    the target batch of the token at position num_computed_new[i] - 1.
+    """
+
+    num_reqs: int
+    query_start_loc_np: np.ndarray          # [num_reqs + 1] target query starts (host)
+    target_input_ids: torch.Tensor          # [T]
+    target_positions: torch.Tensor          # [T]
+    target_hidden_states: torch.Tensor      # [T, D] final hidden states of the target
+    target_seq_lens_cpu: torch.Tensor       # [num_reqs] int32: upper bound of every draft seq_len
+    num_computed_new: np.ndarray            # [num_reqs] int64 (host)
+    last_accepted_index: torch.Tensor       # [num_reqs] int64
+    next_token_ids: torch.Tensor            # [num_reqs] int64 anchors
+    aux_hidden_states: torch.Tensor | None = None  # [T, k*D] tapped target layers (block drafters)
+
+
+class Speculator:
+    """Base of the four speculators; subclasses implement `propose`."""
+
+    def __init__(self, vllm_config: Any, device: torch.device | str, block_tables: Any,
+                 max_num_reqs: int, max_num_tokens: int):
+        self.vllm_config = vllm_config
+        self.device = torch.device(device)
+        self.block_tables = block_tables
+        self.max_num_reqs = max_num_reqs
+        self.max_num_tokens = max_num_tokens
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        spec_config = vllm_config.speculative_config
+        self.num_speculative_tokens = int(spec_config.num_speculative_tokens) if spec_config else 1
+        # The draft's own buffers: its seq_lens differ from the target's every draft step.
+        self.input_buffers = InputBuffers(max_num_reqs, max_num_tokens, self.device)
+        self.model: Any = None
+        self.kv_cache_config: Any = None
+        self.attn_metadata_builders: list[Any] = []
+        self.group_ids: tuple[int, ...] = ()
+
+    # ----------------------------------------------------------------- set-up
+    def load_model(self, target_model: Any) -> None:
+        from vllm.model_executor.model_loader import get_draft_model
+        self.model = get_draft_model(self.vllm_config, target_model)
+
+    def bind_attention(self, kv_cache_config: Any, attn_metadata_builders: list[Any],
+                       group_ids: tuple[int, ...]) -> None:
+        """Attach the KV cache groups that hold this drafter's layers (and their builders)."""
+        self.kv_cache_config = kv_cache_config
+        self.attn_metadata_builders = attn_metadata_builders
+        self.group_ids = tuple(group_ids)
+
+    @property
+    def aux_hidden_state_layers(self) -> tuple[int, ...]:
+        """Target layers whose hidden states this drafter consumes (none for EAGLE/MTP)."""
+        return ()
+
+    def precompute_context(self, aux_hidden_states: torch.Tensor | None,
+                           positions: torch.Tensor) -> None:
+        """Hook run inside the target step's forward context (block drafters store context KV)."""
+
+    def propose(self, inputs: DraftInputs) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must implement propose()")
+
+    # ------------------------------------------------------- shared metadata
+    def _build_draft_attn_metadata(
+        self,
+        num_reqs: int,
+        num_reqs_padded: int,
+        num_tokens_padded: int,
+        seq_lens_cpu_upper_bound: torch.Tensor | np.ndarray,
+        step: int,
+        num_query_per_req: int | None = None,
+        causal: bool | Mapping[int, bool] = True,
+        query_start_loc_np: np.ndarray | None = None,
+        dcp_local_seq_lens: torch.Tensor | None = None,
+    ) -> dict[str, Any]:
+        """Attention metadata of one draft forward, described by the draft's own buffers.
+
+        The caller has written `input_buffers.seq_lens[:num_reqs]` (the draft's global lengths)
+        and `input_buffers.positions[:num_tokens_padded]`. Query rows are uniform blocks of
+        `num_query_per_req` tokens (row i starts at min(i, num_reqs) * Q, so padding rows are
+        empty) unless `query_start_loc_np` gives explicit starts. `step` is what the draft has
+        advanced past the target's upper bound: the AR step index, or Q for a block drafter.
+        """
+        if not 0 <= num_reqs <= num_reqs_padded <= self.max_num_reqs:
+            raise ValueError(
+                f"need 0 <= num_reqs ({num_reqs}) <= num_reqs_padded ({num_reqs_padded}) <= "
+                f"max_num_reqs ({self.max_num_reqs}).")
+        buffers = self.input_buffers
+        qsl_np = buffers.query_start_loc_np
+        if query_start_loc_np is None:
+            per_req = 1 if num_query_per_req is None else int(num_query_per_req)
+            qsl_np[: num_reqs_padded + 1] = np.minimum(np.arange(num_reqs_padded + 1),
+                                                       num_reqs) * per_req
+            max_query_len = per_req
+        else:
+            qsl_np[: num_reqs_padded + 1] = query_start_loc_np[: num_reqs_padded + 1]
+            query_lens = np.diff(qsl_np[: num_reqs_padded + 1])
+            max_query_len = int(query_lens.max()) if num_reqs_padded else 0
+        if int(qsl_np[num_reqs_padded]) > num_tokens_padded:
+            raise ValueError(
+                f"the draft batch has {int(qsl_np[num_reqs_padded])} query tokens but "
+                f"num_tokens_padded={num_tokens_padded}; pass the padded token count.")
+        buffers.query_start_loc[: num_reqs_padded + 1].copy_(
+            buffers.query_start_loc_cpu[: num_reqs_padded + 1], non_blocking=True)
+        buffers.seq_lens[num_reqs:num_reqs_padded].zero_()
+
+        # Host upper bound of the draft lengths: each step adds at most `step` tokens past the
+        # target's bound, and no sequence outgrows max_model_len. Padding rows stay 0.
+        upper_bound = torch.zeros(num_reqs_padded, dtype=torch.int32)
+        if num_reqs > 0:
+            bound = torch.as_tensor(np.asarray(seq_lens_cpu_upper_bound)[:num_reqs],
+                                    dtype=torch.int64)
+            upper_bound[:num_reqs] = (bound + step).clamp(max=self.max_model_len).to(torch.int32)
+        max_seq_len = int(upper_bound.max()) if num_reqs > 0 else 0
+
+        cp_size = self.block_tables.cp_size
+        if dcp_local_seq_lens is None and cp_size > 1:
+            # Recompute from the draft's OWN seq_lens into the persistent buffer (DESIGN §6);
+            # the target's local lengths would be stale after the draft advanced or rolled back.
+            prepare_dcp_local_seq_lens(buffers.dcp_local_seq_lens, buffers.seq_lens, num_reqs,
+                                       cp_size, self.block_tables.cp_rank,
+                                       self.block_tables.cp_interleave)
+            dcp_local_seq_lens = buffers.dcp_local_seq_lens[:num_reqs_padded]
+
+        slot_mappings = self.block_tables.compute_slot_mappings(
+            buffers.query_start_loc[: num_reqs_padded + 1], buffers.positions[:num_tokens_padded])
+
+        if isinstance(causal, bool):
+            causal = {group_id: causal for group_id in self.group_ids}
+        return build_attn_metadata(
+            attn_metadata_builders=self.attn_metadata_builders,
+            kv_cache_config=self.kv_cache_config,
+            num_reqs=num_reqs_padded,
+            num_tokens=num_tokens_padded,
+            query_start_loc=buffers.query_start_loc,
+            query_start_loc_cpu=buffers.query_start_loc_cpu,
+            seq_lens=buffers.seq_lens,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            # Rows gathered for this batch by the runner (batch order = draft row order).
+            block_tables=self.block_tables.input_block_tables,
+            slot_mappings=slot_mappings,
+            causal=causal,
+            dcp_local_seq_lens=dcp_local_seq_lens,
+            seq_lens_cpu_upper_bound=upper_bound,
+            group_ids=self.group_ids,
+        )
+
+    def _run_forward(self, attn_metadata: dict[str, Any], fn, *args, **kwargs):
+        with set_forward_context(attn_metadata, self.vllm_config):
+            return fn(*args, **kwargs)
+
+
+def greedy_draft(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy draft tokens; drafts only steer speed, verification decides the output."""
+    return logits.argmax(dim=-1)
