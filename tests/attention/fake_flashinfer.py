@@ -26,6 +26,7 @@ class FakePlanMetadata:
 
 class FakeBatchMLAPagedAttentionWrapper:
     instances: list = []
+    garbage_for_empty = False  # emulate a kernel that leaves junk in kv_len == 0 rows
 
     def __init__(self, float_workspace_buffer, use_cuda_graph=False, backend="auto", **kw):
         self.backend = backend
@@ -59,6 +60,8 @@ class FakeBatchMLAPagedAttentionWrapper:
             slots = [p * ps + o for p in pages for o in range(ps)][:kv_len]
             kv = flat[torch.tensor(slots, dtype=torch.long)] if slots else flat[:0]
             start, end = qo[i], qo[i + 1]
+            if kv_len == 0 and self.garbage_for_empty:
+                out[start:end], lse[start:end] = float("nan"), 0.0
             if end == start or kv_len == 0:
                 continue
             k = torch.arange(end - start).unsqueeze(1)
@@ -91,10 +94,16 @@ class RecordingTrtllmDecode:
         return out, lse
 
 
-def install(monkeypatch):
-    """Patch flashinfer_mla to use the fakes; returns the namespace for inspection."""
+def install(monkeypatch, float_inputs: bool = True):
+    """Patch flashinfer_mla to use the fakes; returns the namespace for inspection.
+
+    float_inputs lets the float32/float64 exactness tests through the fa3 dtype gate."""
     from vllm.v1.attention.backends.mla import flashinfer_mla
+    if float_inputs:
+        monkeypatch.setattr(flashinfer_mla, "_FA3_DTYPES",
+                            flashinfer_mla._FA3_DTYPES + (torch.float32, torch.float64))
     FakeBatchMLAPagedAttentionWrapper.instances = []
+    FakeBatchMLAPagedAttentionWrapper.garbage_for_empty = False
     fake = SimpleNamespace(
         mla=SimpleNamespace(BatchMLAPagedAttentionWrapper=FakeBatchMLAPagedAttentionWrapper,
                             MLAPlanMetadata=FakePlanMetadata),

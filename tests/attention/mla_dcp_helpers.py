@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import SimpleNamespace
-
 import torch
 
+from vllm.config import ParallelConfig, VllmConfig
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.ops.mla_kv_cache import concat_and_cache_mla
 from vllm.v1.kv_cache_interface import MLAAttentionSpec
@@ -20,11 +19,11 @@ def brute_local_count(seq_len: int, n: int, rank: int, interleave: int) -> int:
     return sum(1 for t in range(seq_len) if (t // interleave) % n == rank)
 
 
-def parallel_config(dcp: int = 1, interleave: int = 1):
-    # Only the two fields the builder reads (vllm.config is another engineer's module).
-    return SimpleNamespace(parallel_config=SimpleNamespace(
-        decode_context_parallel_size=dcp, cp_kv_cache_interleave_size=interleave,
-        tensor_parallel_size=dcp))
+def parallel_config(dcp: int = 1, interleave: int = 1) -> VllmConfig:
+    """A VllmConfig whose TP ranks are all DCP ranks."""
+    return VllmConfig(parallel_config=ParallelConfig(
+        tensor_parallel_size=dcp, decode_context_parallel_size=dcp,
+        cp_kv_cache_interleave_size=interleave))
 
 
 def mla_spec(block_size: int, non_causal: bool = False, dtype=torch.float64) -> MLAAttentionSpec:
@@ -74,7 +73,7 @@ def reference_decode(case: DecodeCase) -> tuple[torch.Tensor, torch.Tensor]:
 
 def build_rank(case: DecodeCase, builder_cls, n: int, rank: int, interleave: int,
                block_size: int, non_causal_group: bool | None = None, fill=float("nan"),
-               pass_local_lens: bool = True, builder_kwargs=None):
+               pass_local_lens: bool = True, builder_kwargs=None, device="cpu"):
     """Shard the case's KV onto `rank` (written through cp_local_slot + concat_and_cache_mla)
     and build its metadata. Returns (metadata, kv_cache, common_attn_metadata, builder)."""
     dtype = case.q.dtype
@@ -101,13 +100,14 @@ def build_rank(case: DecodeCase, builder_cls, n: int, rank: int, interleave: int
         local = torch.tensor([brute_local_count(g, n, rank, interleave) for g in case.seq_lens],
                              dtype=torch.int32)
     cm = CommonAttentionMetadata(
-        query_start_loc=qsl.clone(), query_start_loc_cpu=qsl, seq_lens=seq_lens,
+        query_start_loc=qsl.to(device), query_start_loc_cpu=qsl, seq_lens=seq_lens.to(device),
         num_reqs=case.num_reqs, num_actual_tokens=int(qsl[-1]),
         max_query_len=max(case.query_lens), max_seq_len=max(case.seq_lens),
-        block_table_tensor=table, slot_mapping=torch.full((int(qsl[-1]),), -1, dtype=torch.int64),
-        causal=case.causal, dcp_local_seq_lens=local)
+        block_table_tensor=table.to(device),
+        slot_mapping=torch.full((int(qsl[-1]),), -1, dtype=torch.int64, device=device),
+        causal=case.causal, dcp_local_seq_lens=None if local is None else local.to(device))
     flag = (not case.causal) if non_causal_group is None else non_causal_group
     builder = builder_cls(mla_spec(block_size, flag, dtype), ["layer.0"],
-                          parallel_config(n, interleave), "cpu", dcp_rank=rank,
+                          parallel_config(n, interleave), device, dcp_rank=rank,
                           **(builder_kwargs or {}))
-    return builder.build(0, cm), cache, cm, builder
+    return builder.build(0, cm), cache.to(device), cm, builder

@@ -121,3 +121,18 @@ def test_selector():
     with pytest.raises(ValueError, match="TORCH_MLA"):
         get_attn_backend("FLASH_ATTN")
     assert get_attn_backend("TORCH_MLA").lse_base_on_e is True
+
+
+def test_forward_context_scoping():
+    from vllm.forward_context import (get_forward_context, is_forward_context_available,
+                                      set_forward_context)
+    assert not is_forward_context_available()
+    with pytest.raises(RuntimeError, match="set_forward_context"):
+        get_forward_context()
+    with set_forward_context({"a": 1}, vllm_config="cfg"):
+        assert get_forward_context().attn_metadata == {"a": 1}
+        with set_forward_context({"b": 2}):
+            assert get_forward_context().attn_metadata == {"b": 2}
+        assert get_forward_context().attn_metadata == {"a": 1}
+        assert get_forward_context().vllm_config == "cfg"
+    assert not is_forward_context_available()

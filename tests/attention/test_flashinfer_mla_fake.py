@@ -3,13 +3,16 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attention import fake_flashinfer
 from attention.mla_dcp_helpers import (brute_local_count, build_rank, make_case, mla_spec,
                                        parallel_config, reference_decode)
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.mla.flashinfer_mla import (FlashInferMLAImpl,
-                                                           FlashInferMLAMetadataBuilder)
+                                                           FlashInferMLAMetadataBuilder,
+                                                           _segments_of_block)
 from vllm.v1.attention.ops.dcp_combine import merge_attn_states
 
 SMALL_WS = dict(workspace_bytes=1024)
@@ -200,3 +203,39 @@ def test_lse_conversion_factor_is_ln2(monkeypatch):
         assert raw_run["return_lse_base_on_e"] is natural
     torch.testing.assert_close(results[False], results[True], rtol=1e-6, atol=1e-6)
     assert math.isclose(math.log(2.0), 0.6931471805599453)
+
+
+def test_hopper_empty_rows_are_pinned_to_zero_and_minus_inf(monkeypatch):
+    fake_flashinfer.install(monkeypatch)
+    fake_flashinfer.FakeBatchMLAPagedAttentionWrapper.garbage_for_empty = True
+    # N=8, rank 7: G=3 and the first row of the G=9 block (visible 7) hold nothing here
+    case = make_case([3, 9], [1, 3], num_heads=2, causal=True)
+    md, cache, _ = hopper_rank(case, 8, 7, 1)
+    assert md.decode.row_seq_lens.tolist() == [0, 0, 1, 1]
+    out, lse = FlashInferMLAImpl(num_heads=2, scale=case.scale).forward_decode(
+        case.q, cache, md.decode)
+    assert torch.all(out[:2] == 0) and torch.all(lse[:2] == float("-inf"))
+    assert torch.isfinite(out[2:]).all() and torch.isfinite(lse[2:]).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.sampled_from([2, 3, 4, 8]), q_len=st.integers(1, 24), g_extra=st.integers(1, 200),
+       rank_seed=st.integers(0, 7))
+def test_run_grouping_bound_and_cover(n, q_len, g_extra, rank_seed):
+    """Runs cover the block's rows in order with their own counts; at I=1 there are at most
+    ceil(Q/N)+1 of them (DESIGN §5)."""
+    rank = rank_seed % n
+    g = q_len + g_extra
+    counts = [brute_local_count(g - (q_len - 1 - j), n, rank, 1) for j in range(q_len)]
+    runs = _segments_of_block(counts, "runs")
+    assert len(runs) <= -(-q_len // n) + 1
+    assert [c for rows, c in runs for _ in range(rows)] == counts
+    assert _segments_of_block(counts, "flattened") == [(1, c) for c in counts]
+
+
+def test_hopper_rejects_float32(monkeypatch):
+    fake_flashinfer.install(monkeypatch, float_inputs=False)
+    case = make_case([9], [1], num_heads=2, causal=True, dtype=torch.float32)
+    md, cache, _ = hopper_rank(case, 1, 0, 1)
+    with pytest.raises(ValueError, match="TORCH_MLA"):
+        FlashInferMLAImpl(num_heads=2, scale=case.scale).forward_decode(case.q, cache, md.decode)

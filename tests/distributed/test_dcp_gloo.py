@@ -39,6 +39,10 @@ def _worker(rank: int, world: int, port: int, heads_per_rank: int) -> None:
             assert torch.equal(q, case.q)  # token-major concat of every rank's heads
             md, cache, _, builder = build_rank(case, TorchMLAMetadataBuilder, world, rank,
                                                interleave, block_size=4)
+            # without an explicit rank the builder takes it from the live DCP group
+            auto = TorchMLAMetadataBuilder(builder.kv_cache_spec, ["l"], builder.vllm_config,
+                                           "cpu")
+            assert auto.dcp_rank == rank and auto.dcp_world_size == world
             out, lse = TorchMLAImpl(num_heads=heads, scale=case.scale).forward_decode(
                 q, cache, md.decode)
             local, local_lse = cp_lse_ag_out_rs(out, lse, dcp, lse_base_on_e=True,
@@ -68,4 +72,7 @@ def _worker(rank: int, world: int, port: int, heads_per_rank: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_dcp_decode_over_gloo_matches_dense_oracle(world):
-    mp.spawn(_worker, args=(world, free_port(), 2), nprocs=world, join=True)
+    # fork: the children inherit the imported torch (spawn re-imports it per rank, tens of
+    # seconds on a loaded 2-core CI box); each child drops to one intra-op thread first.
+    mp.start_processes(_worker, args=(world, free_port(), 2), nprocs=world, join=True,
+                       start_method="fork")

@@ -11,6 +11,7 @@ causal forward of the whole sequence (no forward context, so no KV cache, no DCP
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 from dataclasses import dataclass, field
 
@@ -31,7 +32,8 @@ class Scenario:
     prompts: dict[str, list[int]]
     max_new_tokens: int
     arrival_step: dict[str, int] = field(default_factory=dict)  # default 0
-    # Forced mode: req_id -> drafts to accept at its 1st, 2nd, ... verification (then natural).
+    # Forced mode: req_id -> drafts to accept at its 1st, 2nd, ... verification (then natural);
+    # a negative value means "all k".
     forced_accepts: dict[str, list[int]] | None = None
 
 
@@ -42,6 +44,11 @@ class ScenarioResult:
     accepted: dict[str, list[int]]             # accepted drafts per verification
     drafted: dict[str, list[int]]              # drafts verified per verification
     draft_logits: list[torch.Tensor] = field(default_factory=list)  # every drafter logits call
+    num_dcp_decode_builds: int = 0     # decode metadata built under DCP (target and draft)
+    local_len_mismatches: list[str] = field(default_factory=list)
+    # (group_id, causal, global seq_lens, rank-local seq_lens, query lens) of every DCP decode
+    # build, in build order.
+    decode_builds: list[tuple] = field(default_factory=list)
 
 
 def make_config(model_dir: str, method: str | None = None, draft_dir: str | None = None,
@@ -82,6 +89,7 @@ def run_scenario(runner: GPUModelRunner, scenario: Scenario,
     step = 0
     if runner.speculator is not None:
         _record_draft_logits(runner.speculator.model, result.draft_logits)
+    _check_local_lengths(runner, result)
     while pending or running:
         new_reqs, cached = [], CachedRequestData()
         num_scheduled: dict[str, int] = {}
@@ -102,8 +110,8 @@ def run_scenario(runner: GPUModelRunner, scenario: Scenario,
             forced = (scenario.forced_accepts or {}).get(req_id, [])
             verification = len(result.accepted[req_id])
             if drafts and verification < len(forced):
-                drafts = _forced_drafts(oracle[req_id], state["num_generated"], k,
-                                        forced[verification])
+                accept = k if forced[verification] < 0 else forced[verification]
+                drafts = _forced_drafts(oracle[req_id], state["num_generated"], k, accept)
             # Drafts never run past max_model_len (like the real scheduler).
             room = runner.max_model_len - (state["num_computed"] + 1)
             drafts = drafts[:max(room, 0)]
@@ -160,10 +168,40 @@ def _record_draft_logits(draft_model, log: list[torch.Tensor]) -> None:
 
     def recording(hidden):
         logits = original(draft_model, hidden)
-        log.append(logits.detach().clone())
+        log.append(logits.detach().float().cpu())
         return logits
 
     draft_model.compute_logits = recording
+
+
+def _check_local_lengths(runner: GPUModelRunner, result: ScenarioResult) -> None:
+    """Every decode metadata built under DCP must hand the kernel rank-local lengths that match
+    its global lengths (kernels such as FlashInfer's sm100 path read them directly)."""
+    from vllm.v1.worker.gpu.cp_utils import get_dcp_local_seq_lens
+    if runner.dcp_size == 1:
+        return
+    for group_id, builder in enumerate(runner.attn_metadata_builders):
+        original = builder.build
+
+        def checked(common_prefix_len, common_attn_metadata, _original=original, _g=group_id):
+            metadata = _original(common_prefix_len, common_attn_metadata)
+            decode = metadata.decode
+            if decode is not None:
+                result.num_dcp_decode_builds += 1
+                qsl = decode.query_start_loc_cpu.tolist()
+                result.decode_builds.append((_g, bool(decode.causal),
+                                             decode.dcp_tot_seq_lens.tolist(),
+                                             decode.seq_lens.tolist(),
+                                             [e - s for s, e in zip(qsl[:-1], qsl[1:])]))
+                expected = get_dcp_local_seq_lens(decode.dcp_tot_seq_lens, runner.dcp_size,
+                                                  runner.dcp_rank, runner.dcp_interleave)
+                if decode.seq_lens.tolist() != expected.tolist():
+                    result.local_len_mismatches.append(
+                        f"group {_g}: local {decode.seq_lens.tolist()} for global "
+                        f"{decode.dcp_tot_seq_lens.tolist()}, expected {expected.tolist()}")
+            return metadata
+
+        builder.build = checked
 
 
 def _forced_drafts(continuation: list[int], num_generated: int, k: int, accept: int) -> list[int]:
@@ -176,15 +214,22 @@ def _forced_drafts(continuation: list[int], num_generated: int, k: int, accept: 
 
 
 @torch.inference_mode()
-def greedy_oracle(model, prompts: dict[str, list[int]], max_new_tokens: int) -> dict[str, list[int]]:
-    """Plain greedy decoding by full recomputation (no paged cache, no forward context)."""
+def greedy_oracle(model, prompts: dict[str, list[int]], max_new_tokens: int,
+                  margins: dict[str, list[float]] | None = None) -> dict[str, list[int]]:
+    """Plain greedy decoding by full recomputation (no paged cache, no forward context).
+    `margins`, if given, receives each step's top-1 minus top-2 logit gap."""
+    device = next(model.parameters()).device
     out = {}
     for req_id, prompt in prompts.items():
         tokens = list(prompt)
         for _ in range(max_new_tokens):
-            ids = torch.tensor(tokens, dtype=torch.int64)
-            hidden = model(ids, torch.arange(len(tokens)))
-            tokens.append(int(model.compute_logits(hidden[-1:]).argmax(dim=-1)))
+            ids = torch.tensor(tokens, dtype=torch.int64, device=device)
+            hidden = model(ids, torch.arange(len(tokens), device=device))
+            logits = model.compute_logits(hidden[-1:]).float()[0]
+            if margins is not None:
+                top2 = logits.topk(2).values
+                margins.setdefault(req_id, []).append(float(top2[0] - top2[1]))
+            tokens.append(int(logits.argmax()))
         out[req_id] = tokens[len(prompt):]
     return out
 
@@ -195,12 +240,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_dist(rank: int, world_size: int, port: int, dcp: int) -> None:
+def init_dist(rank: int, world_size: int, port: int, dcp: int, backend: str = "gloo") -> None:
     from vllm.distributed.parallel_state import (init_distributed_environment,
                                                  initialize_model_parallel)
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    init_distributed_environment(world_size, rank, backend="gloo",
+    init_distributed_environment(world_size, rank, backend=backend,
                                  init_method=f"tcp://127.0.0.1:{port}")
     initialize_model_parallel(tensor_parallel_size=world_size, decode_context_parallel_size=dcp)
 
@@ -225,14 +270,14 @@ def run_all_methods(paths: dict[str, str], cases: list[tuple[str | None, int]], 
 
 
 def run_stale_control(paths, method: str, k: int, scenario: Scenario, oracle, *, dcp: int,
-                      interleave: int, rank: int) -> ScenarioResult:
+                      interleave: int, rank: int, **options) -> ScenarioResult:
     """Negative control: the draft metadata gets the TARGET's (stale) rank-local lengths, the
     bug the shared builder exists to prevent. Output must stay exact (verification), but the
     drafts must change, which shows the cross-DCP draft comparison can fail."""
     from vllm.v1.worker.gpu.spec_decode import speculator as speculator_module
     config = make_config(paths["target"], method, paths[method], k=k, dcp=dcp,
-                         interleave=interleave)
-    runner = make_runner(config, rank=rank)
+                         interleave=interleave, **options)
+    runner = make_runner(config, device=options.get("device", "cpu"), rank=rank)
     real = speculator_module.prepare_dcp_local_seq_lens
 
     def stale(out, seq_lens, num_reqs, cp_size, cp_rank, cp_interleave):
@@ -246,17 +291,24 @@ def run_stale_control(paths, method: str, k: int, scenario: Scenario, oracle, *,
 
 
 def dcp_world_main(rank: int, world_size: int, port: int, interleave: int, paths, cases,
-                   scenario, oracle, stale_cases, queue) -> None:
-    """Entry point of one spawned rank (TP = DCP = world_size); rank 0 reports."""
+                   scenario, oracle, stale_cases, queue, gpu: bool = False) -> None:
+    """Entry point of one spawned rank (TP = DCP = world_size); rank 0 reports.
+    gpu=True: NCCL, cuda:rank, FLASHINFER_MLA, bfloat16; else gloo, CPU, TORCH_MLA, float32."""
     try:
-        init_dist(rank, world_size, port, dcp=world_size)
+        options = {}
+        if gpu:
+            torch.cuda.set_device(rank)
+            options = dict(backend="FLASHINFER_MLA", device=f"cuda:{rank}", dtype="bfloat16")
+        init_dist(rank, world_size, port, dcp=world_size, backend="nccl" if gpu else "gloo")
         results = run_all_methods(paths, cases, scenario, oracle, dcp=world_size,
-                                  interleave=interleave, rank=rank)
+                                  interleave=interleave, rank=rank, **options)
         stale = {m: run_stale_control(paths, m, k, scenario, oracle, dcp=world_size,
-                                      interleave=interleave, rank=rank)
+                                      interleave=interleave, rank=rank, **options)
                  for m, k in stale_cases}
         if rank == 0:
-            queue.put(("ok", results, stale))
+            # Plain pickle bytes: tensors sent through a Queue would live in shared memory that
+            # vanishes when this process exits.
+            queue.put(("ok", pickle.dumps((results, stale)), None))
     except BaseException:  # report instead of hanging the parent
         import traceback
         queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}", None))
@@ -269,7 +321,7 @@ def dcp_world_main(rank: int, world_size: int, port: int, interleave: int, paths
 
 
 def spawn_dcp_world(world_size: int, interleave: int, paths, cases, scenario, oracle,
-                    stale_cases=(), timeout_s: float = 300.0):
+                    stale_cases=(), timeout_s: float = 300.0, gpu: bool = False):
     import multiprocessing as mp
     import queue as queue_module
     ctx = mp.get_context("spawn")
@@ -277,12 +329,12 @@ def spawn_dcp_world(world_size: int, interleave: int, paths, cases, scenario, or
     port = free_port()
     procs = [ctx.Process(target=dcp_world_main,
                          args=(r, world_size, port, interleave, paths, cases, scenario, oracle,
-                               list(stale_cases), results_queue), daemon=True)
+                               list(stale_cases), results_queue, gpu), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
     try:
-        status, payload, stale = results_queue.get(timeout=timeout_s)
+        status, payload, _ = results_queue.get(timeout=timeout_s)
     except queue_module.Empty:
         raise RuntimeError(f"DCP={world_size} world produced no result in {timeout_s}s") from None
     finally:
@@ -292,4 +344,4 @@ def spawn_dcp_world(world_size: int, interleave: int, paths, cases, scenario, or
                 p.terminate()
     if status != "ok":
         raise RuntimeError(payload)
-    return payload, stale
+    return pickle.loads(payload)

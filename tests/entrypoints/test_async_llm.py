@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.entrypoints.fake_engine import NUM_BLOCKS, FakeEngine, expected_text
+from entrypoints.fake_engine import NUM_BLOCKS, FakeEngine, expected_text
 from vllm.v1.engine.async_llm import AsyncLLM, EngineDeadError
 
 

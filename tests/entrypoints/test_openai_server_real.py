@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.entrypoints.server_process import ServerProcess
+from entrypoints.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -195,3 +195,23 @@ def test_metrics_report_latency_and_acceptance(server):
     mean_len = [line for line in text.splitlines()
                 if line.startswith("vllm:spec_decode_mean_acceptance_length")]
     assert float(mean_len[0].split()[-1]) >= 1.0
+
+
+def test_bench_serve_against_running_server(server, tmp_path, capsys):
+    from vllm.entrypoints.cli.main import main
+
+    out_json = tmp_path / "serve.json"
+    with pytest.raises(SystemExit) as excinfo:
+        main(["bench", "serve", "--base-url", server.base_url, "--num-prompts", "6",
+              "--input-len", "10", "--output-len", "6", "--max-concurrency", "3",
+              "--output-json", str(out_json)])
+    assert excinfo.value.code == 0
+    out = capsys.readouterr().out
+    assert "TTFT" in out and "mean acceptance length" in out
+    result = json.loads(out_json.read_text())
+    assert result["num_failed"] == 0 and result["num_requests"] == 6
+    assert result["total_output_tokens"] == 6 * 6
+    assert result["total_prompt_tokens"] == 6 * 10  # byte-level tokenizer: 1 char = 1 token
+    assert 0 < result["ttft"]["mean_ms"] < 60_000 and result["tpot"]["mean_ms"] > 0
+    spec = result["spec_decode"]
+    assert spec["num_drafts"] > 0 and spec["mean_acceptance_length"] >= 1.0

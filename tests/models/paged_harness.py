@@ -10,7 +10,7 @@ import torch
 
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
-from vllm.v1.attention.backends.mla.torch_mla import TorchMLAMetadataBuilder
+from vllm.v1.attention.selector import get_attn_backend
 from vllm.v1.worker.gpu.cp_utils import cp_local_slot
 
 
@@ -36,16 +36,19 @@ class PagedRunner:
     """Allocates a KV cache per attention layer of `model` and runs scheduled chunks."""
 
     def __init__(self, model, *, block_size: int = 4, num_blocks: int = 64, dcp_size: int = 1,
-                 dcp_rank: int = 0, interleave: int = 1, dtype=torch.float32):
+                 dcp_rank: int = 0, interleave: int = 1, dtype=torch.float32, device="cpu",
+                 backend: str = "TORCH_MLA"):
         self.model = model
+        self.device = torch.device(device)
         self.block_size, self.dcp_size, self.dcp_rank, self.interleave = block_size, dcp_size, dcp_rank, interleave
         self.layers = {m.layer_name: m for m in model.modules() if hasattr(m, "get_kv_cache_spec")}
         spec = next(iter(self.layers.values())).get_kv_cache_spec(block_size, dtype)
         for layer in self.layers.values():
-            layer.kv_cache = torch.zeros(num_blocks, block_size, 576, dtype=dtype)
+            layer.kv_cache = torch.zeros(num_blocks, block_size, 576, dtype=dtype, device=self.device)
         parallel = SimpleNamespace(decode_context_parallel_size=dcp_size, cp_kv_cache_interleave_size=interleave)
-        self.builder = TorchMLAMetadataBuilder(spec, list(self.layers), SimpleNamespace(parallel_config=parallel),
-                                               "cpu", dcp_rank=dcp_rank)
+        builder_cls = get_attn_backend(backend).get_builder_cls()
+        self.builder = builder_cls(spec, list(self.layers), SimpleNamespace(parallel_config=parallel),
+                                   self.device, dcp_rank=dcp_rank)
         self.next_block = 0
         self.num_blocks = num_blocks
 
@@ -76,13 +79,14 @@ class PagedRunner:
         for i, (req, _) in enumerate(scheduled):
             block_table[i, :len(req.block_ids)] = torch.tensor(req.block_ids, dtype=torch.int32)
         qsl_t = torch.tensor(qsl, dtype=torch.int32)
+        dev = self.device
         cm = CommonAttentionMetadata(
-            query_start_loc=qsl_t, query_start_loc_cpu=qsl_t.clone(),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32), num_reqs=len(scheduled),
+            query_start_loc=qsl_t.to(dev), query_start_loc_cpu=qsl_t.clone(),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev), num_reqs=len(scheduled),
             num_actual_tokens=qsl[-1], max_query_len=max(n for _, n in scheduled),
-            max_seq_len=max(seq_lens), block_table_tensor=block_table, slot_mapping=torch.cat(slots),
-            causal=causal)
-        return self.builder.build(0, cm), torch.tensor(ids), torch.cat(pos), qsl
+            max_seq_len=max(seq_lens), block_table_tensor=block_table.to(dev),
+            slot_mapping=torch.cat(slots).to(dev), causal=causal)
+        return self.builder.build(0, cm), torch.tensor(ids, device=dev), torch.cat(pos).to(dev), qsl
 
     def step(self, scheduled: list[tuple[PagedRequest, int]]) -> None:
         """Run one step; `scheduled` = (request, num_tokens), decode rows (with context) first."""
@@ -90,12 +94,15 @@ class PagedRunner:
         with torch.no_grad(), set_forward_context({name: metadata for name in self.layers}):
             logits = self.model.compute_logits(self.model(input_ids, positions))
         for i, (req, n) in enumerate(scheduled):
-            req.logits.append(logits[qsl[i]:qsl[i + 1]])
+            req.logits.append(logits[qsl[i]:qsl[i + 1]].float().cpu())
             req.num_computed += n
 
     def run(self, requests: list[PagedRequest]) -> list[torch.Tensor]:
         """Schedule every request's chunks (decodes before prefills each step); return the
         concatenated per-position logits of each request."""
+        for r in requests:
+            if sum(r.chunks) > len(r.token_ids):
+                raise ValueError(f"chunks {r.chunks} schedule more than the {len(r.token_ids)} tokens")
         progress = [0] * len(requests)
         step = 0
         while any(progress[i] < len(r.chunks) for i, r in enumerate(requests)):

@@ -15,7 +15,7 @@ from vllm.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
 from vllm.model_executor.models.tiny import write_random_target
 from vllm.transformers_utils.config import load_hf_config
 
-PROMPT_A = [(11 * i * i + 5 * i + 3) % 256 for i in range(21)]
+PROMPT_A = [(11 * i * i + 5 * i + 3) % 256 for i in range(22)]
 PROMPT_B = [(13 * i + 40) % 256 for i in range(13)]
 
 

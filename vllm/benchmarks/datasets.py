@@ -38,10 +38,9 @@ def random_text_prompts(num_prompts: int, input_len: int, seed: int = 0) -> list
     rng = random.Random(seed)
     prompts = []
     for _ in range(num_prompts):
-        words, length = [], 0
-        while length < input_len:
+        text = ""
+        while len(text) < input_len:
             word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 7)))
-            words.append(word)
-            length += len(word) + 1
-        prompts.append(" ".join(words)[:input_len])
+            text = f"{text} {word}" if text else word
+        prompts.append(text[:input_len])
     return prompts

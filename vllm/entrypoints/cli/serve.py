@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from vllm.entrypoints.cli.engine_setup import add_model_and_engine_args, create_vllm_config
-from vllm.entrypoints.openai.api_server import add_server_args, run_server
+from vllm.entrypoints.openai.cli_args import add_server_args
 
 
 def register(subparsers) -> None:
@@ -19,6 +19,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from vllm.entrypoints.openai.api_server import run_server
     from vllm.transformers_utils.tokenizer import get_tokenizer
     from vllm.v1.engine.async_llm import AsyncLLM
 

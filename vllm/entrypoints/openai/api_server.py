@@ -100,17 +100,6 @@ def build_app(llm: AsyncLLM, tokenizer=None, model_name: str | None = None,
     return app
 
 
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1",
-                       help="interface to listen on (default 127.0.0.1; use 0.0.0.0 for all)")
-    group.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
-    group.add_argument("--served-model-name", default=None,
-                       help="name clients pass as `model` (default: the model directory name)")
-    group.add_argument("--uvicorn-log-level", default="warning",
-                       choices=["critical", "error", "warning", "info", "debug", "trace"])
-
-
 def run_server(llm: AsyncLLM, args: argparse.Namespace, model_dir: str, tokenizer=None) -> None:
     import uvicorn
 

@@ -305,6 +305,22 @@ def write_random_target(model_dir: str, seed: int = 0, num_shards: int = 1, **co
                             num_shards=num_shards)
 
 
+def add_successor_structure(target_weights: dict[str, torch.Tensor], seed: int, alpha: float = 0.3) -> None:
+    """Blend into the LM head a fixed successor permutation pi: the row of token pi(v) leans
+    towards the embedding of v, so the residual stream's copy of the current token votes for its
+    successor. With alpha 0.3 about 70% of greedy steps follow pi and the rest depend on the
+    context (mean top probability ~0.57): text with structure a drafter can learn, still
+    context-dependent and far from one-hot."""
+    gen = torch.Generator().manual_seed(seed + 99)
+    embed = target_weights["model.embed_tokens.weight"]
+    vocab, hidden = embed.shape
+    successor = torch.randperm(vocab, generator=gen)
+    source = torch.empty_like(successor)
+    source[successor] = torch.arange(vocab)
+    head = target_weights["lm_head.weight"]
+    target_weights["lm_head.weight"] = ((1 - alpha) * head + alpha * embed[source] * (3.0 / math.sqrt(hidden))).contiguous()
+
+
 # ---------------------------------------------------------------------------------------------
 # the cached tiny model family
 # ---------------------------------------------------------------------------------------------
@@ -323,13 +339,19 @@ def _is_complete(root: str, names: tuple[str, ...], stamp: dict) -> bool:
     return all(os.path.isfile(os.path.join(root, n, "config.json")) for n in names)
 
 
+DEFAULT_TRAIN_STEPS = 24
+
+
 def write_tiny_models(cache_dir: str | None = None, seed: int = 0, force: bool = False,
-                      train_steps: int = 0) -> TinyModelPaths:
+                      train_steps: int = DEFAULT_TRAIN_STEPS) -> TinyModelPaths:
     """Write (once) the tiny target and its four drafters under `cache_dir` and return their dirs.
 
     Idempotent: a complete directory written with the same seed / train_steps is reused.
     `train_steps` > 0 distils the drafters on the target's greedy continuations so their drafts
-    are accepted more often than chance; correctness of speculative decoding never depends on it.
+    are accepted more often than chance (once per cache, ~30-50 s CPU at the default; pass
+    train_steps=0 for untrained drafters in a second); correctness never depends on it.
+    Measured with the defaults (held-out top-1 agreement with the target, chance 1/260):
+    EAGLE ~0.45, MTP ~0.45, DSpark ~0.16, DFlash ~0.03.
     """
     from tqdm import tqdm
 
@@ -353,6 +375,7 @@ def write_tiny_models(cache_dir: str | None = None, seed: int = 0, force: bool =
         "dspark": (tiny_dspark_config(target_cfg), dspark_tensor_shapes),
     }
     weights = {name: random_weights(shapes(cfg), seed + k) for k, (name, (cfg, shapes)) in enumerate(configs.items())}
+    add_successor_structure(weights["target"], seed)
     if train_steps > 0:
         from vllm.model_executor.models.tiny_distill import distill_drafters
         weights = distill_drafters(configs, weights, train_steps=train_steps, seed=seed)

@@ -153,10 +153,14 @@ class AsyncLLM:
         self._commands.put(("abort", request_id))
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread, then the engine (its worker processes, if any)."""
         self._stopping.set()
         self._commands.put(("stop",))
         if self._thread.is_alive():
             self._thread.join(timeout)
+        engine_shutdown = getattr(self.engine, "shutdown", None)
+        if engine_shutdown is not None and not self._thread.is_alive():
+            engine_shutdown()
 
     # ---- engine thread -----------------------------------------------------------------------
     def _raise_if_dead(self) -> None:

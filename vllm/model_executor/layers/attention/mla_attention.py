@@ -172,7 +172,7 @@ class MLAAttention(nn.Module):
             num_heads = self.num_local_heads * dcp_group().world_size  # heads after the DCP q gather
             self._impl = self._backend.get_impl_cls()(
                 num_heads=num_heads, scale=self.scaling, kv_lora_rank=self.kv_lora_rank,
-                qk_rope_head_dim=self.qk_rope_head_dim)
+                qk_rope_head_dim=self.qk_rope_head_dim, qk_nope_head_dim=self.qk_nope_head_dim)
         return self._backend, self._impl
 
     def _forward_absorbed(self, q_nope, q_pe, decode_metadata) -> torch.Tensor:

@@ -10,6 +10,7 @@ generators seeded the same everywhere), so each rank's request state stays in lo
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,25 @@ from vllm.v1.worker.gpu.spec_decode.speculator import DraftInputs
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass
+class StepBatch:
+    """Host-side description of one step's batch (device data lives in the input buffers)."""
+
+    req_ids: list[str]                    # batch rows: decode rows first, prefills after
+    num_tokens: int
+    query_start_loc_np: np.ndarray        # [num_reqs + 1]
+    num_computed: np.ndarray              # [num_reqs] tokens already in the cache
+    num_scheduled: np.ndarray             # [num_reqs] tokens processed this step
+    seq_lens_cpu: torch.Tensor            # [num_reqs] int32 = num_computed + num_scheduled
+    drafts: list[list[int]]               # drafts verified per row (empty for prefills)
+    logits_indices: torch.Tensor          # token rows whose logits are sampled / verified
+    attn_metadata: dict[str, Any]         # layer name -> metadata
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
 
 
 class GPUModelRunner:
@@ -199,14 +219,14 @@ class GPUModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[],
                                      spec_token_ids=[] if self.speculator else None)
         batch = self._prepare_inputs(scheduler_output)
-        num_reqs, num_tokens = batch["num_reqs"], batch["num_tokens"]
+        num_reqs, num_tokens = batch.num_reqs, batch.num_tokens
         buffers = self.input_buffers
         input_ids = buffers.input_ids[:num_tokens]
         positions = buffers.positions[:num_tokens]
 
         aux_layers = self.speculator.aux_hidden_state_layers if self.speculator else ()
         aux_hidden = None
-        with set_forward_context(batch["attn_metadata"], self.vllm_config):
+        with set_forward_context(batch.attn_metadata, self.vllm_config):
             if aux_layers:
                 hidden, aux_list = self.model(input_ids, positions,
                                               aux_hidden_state_layers=aux_layers)
@@ -218,12 +238,12 @@ class GPUModelRunner:
                 # group's slot mapping of this very step.
                 self.speculator.precompute_context(aux_hidden, positions)
 
-        logits = self.model.compute_logits(hidden[batch["logits_indices"]])
-        req_ids = batch["req_ids"]
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        req_ids = batch.req_ids
         params = [self.requests[r].sampling_params for r in req_ids]
         sampling_metadata = SamplingMetadata.from_sampling_params(
             params, self.device, self.generators.for_batch(req_ids))
-        drafts = batch["drafts"]
+        drafts = batch.drafts
         if self.rejection_sampler is not None:
             result = self.rejection_sampler(logits, drafts, sampling_metadata)
             sampled, num_draft, num_accepted = (result.sampled_token_ids, result.num_draft_tokens,
@@ -232,8 +252,8 @@ class GPUModelRunner:
             sampled = [[t] for t in self.sampler(logits, sampling_metadata).tolist()]
             num_draft, num_accepted = [0] * num_reqs, [0] * num_reqs
 
-        num_computed_old = batch["num_computed"]
-        num_scheduled = batch["num_scheduled"]
+        num_computed_old = batch.num_computed
+        num_scheduled = batch.num_scheduled
         num_rejected = np.asarray(num_draft, dtype=np.int64) - np.asarray(num_accepted, np.int64)
         num_computed_new = num_computed_old + num_scheduled - num_rejected
         for req_id, tokens, computed in zip(req_ids, sampled, num_computed_new):
@@ -243,7 +263,7 @@ class GPUModelRunner:
 
         spec_token_ids = None
         if self.speculator is not None:
-            qsl = batch["query_start_loc_np"]
+            qsl = batch.query_start_loc_np
             last_accepted = qsl[:num_reqs] + (num_computed_new - num_computed_old) - 1
             draft_inputs = DraftInputs(
                 num_reqs=num_reqs,
@@ -251,7 +271,7 @@ class GPUModelRunner:
                 target_input_ids=input_ids,
                 target_positions=positions,
                 target_hidden_states=hidden,
-                target_seq_lens_cpu=batch["seq_lens_cpu"],
+                target_seq_lens_cpu=batch.seq_lens_cpu,
                 num_computed_new=num_computed_new,
                 last_accepted_index=torch.as_tensor(last_accepted, dtype=torch.int64,
                                                     device=self.device),
@@ -265,7 +285,7 @@ class GPUModelRunner:
                                  spec_token_ids=spec_token_ids, num_draft_tokens=list(num_draft),
                                  num_accepted_tokens=list(num_accepted))
 
-    def _prepare_inputs(self, scheduler_output: Any) -> dict[str, Any]:
+    def _prepare_inputs(self, scheduler_output: Any) -> StepBatch:
         """Write this step's batch into the persistent buffers and build its metadata."""
         new_ids = [n.req_id for n in scheduler_output.scheduled_new_reqs]
         new_set = set(new_ids)
@@ -357,10 +377,9 @@ class GPUModelRunner:
             dcp_local_seq_lens=dcp_local_seq_lens,
             seq_lens_cpu_upper_bound=seq_lens_cpu,
         )
-        return {
-            "num_reqs": num_reqs, "num_tokens": num_tokens, "req_ids": req_ids,
-            "drafts": drafts, "attn_metadata": attn_metadata,
-            "logits_indices": torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
-            "num_computed": num_computed, "num_scheduled": num_scheduled,
-            "query_start_loc_np": qsl_np[: num_reqs + 1].copy(), "seq_lens_cpu": seq_lens_cpu,
-        }
+        return StepBatch(
+            req_ids=req_ids, num_tokens=num_tokens,
+            query_start_loc_np=qsl_np[: num_reqs + 1].copy(), num_computed=num_computed,
+            num_scheduled=num_scheduled, seq_lens_cpu=seq_lens_cpu, drafts=drafts,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
+            attn_metadata=attn_metadata)

@@ -33,6 +33,7 @@ from vllm.v1.attention.backends.mla.common import (MLACommonDecodeMetadata, MLAC
 LN2 = math.log(2.0)
 DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024
 BLACKWELL_BLOCK_SIZES = (32, 64)
+_FA3_DTYPES = (torch.bfloat16, torch.float16)  # what fa3 plans accept (float fakes widen it)
 KernelFamily = Literal["hopper", "blackwell"]
 CausalPlanMode = Literal["auto", "runs", "flattened"]
 
@@ -69,6 +70,8 @@ class HopperPlanInputs:
     kv_indices: torch.Tensor  # [total pages] int32
     kv_len_arr: torch.Tensor  # [R] int32 (tokens)
     causal: bool
+    has_empty_rows: bool = False  # some row sees no token on this rank
+
 
     @property
     def num_requests(self) -> int:
@@ -122,7 +125,8 @@ def plan_hopper_decode(decode: MLACommonDecodeMetadata, page_size: int,
     return HopperPlanInputs(
         qo_indptr=torch.tensor(qo, dtype=torch.int32), kv_indptr=kv_indptr,
         kv_indices=torch.cat(kv_pages).to(torch.int32),
-        kv_len_arr=torch.tensor(kv_lens, dtype=torch.int32), causal=plan_causal)
+        kv_len_arr=torch.tensor(kv_lens, dtype=torch.int32), causal=plan_causal,
+        has_empty_rows=min(kv_lens) == 0)
 
 
 @dataclass
@@ -232,6 +236,10 @@ class FlashInferMLAImpl(MLACommonImpl):
 
     # ----------------------------------------------------------------- Hopper
     def _forward_hopper(self, q, kv_cache, decode_meta, state: FlashInferDecodeState):
+        if q.dtype not in _FA3_DTYPES or kv_cache.dtype != q.dtype:
+            raise ValueError(f"FLASHINFER_MLA (fa3) needs bf16/fp16 q and cache of one dtype, got "
+                             f"q {q.dtype}, cache {kv_cache.dtype}; run the model with "
+                             f"dtype=bfloat16 or use attention_backend=TORCH_MLA.")
         inputs = state.hopper_inputs
         if inputs is None:  # only zero-length padding rows
             return (q.new_zeros(q.shape[0], q.shape[1], self.kv_lora_rank),
@@ -255,6 +263,12 @@ class FlashInferMLAImpl(MLACommonImpl):
                                     return_lse_base_on_e=state.natural_lse)
         if not state.natural_lse:
             lse = lse * LN2  # base 2 -> natural log, once, at the backend boundary
+        if inputs.has_empty_rows:
+            # Pin the contract (O=0, LSE=-inf) for rows this rank holds nothing of,
+            # whatever the kernel leaves there, so the DCP merge ignores them.
+            empty = decode_meta.row_seq_lens == 0
+            out = out.masked_fill(empty[:, None, None], 0.0)
+            lse = lse.masked_fill(empty[:, None], float("-inf"))
         return out, lse
 
     # -------------------------------------------------------------- Blackwell

@@ -57,6 +57,12 @@ class Speculator:
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         spec_config = vllm_config.speculative_config
         self.num_speculative_tokens = int(spec_config.num_speculative_tokens) if spec_config else 1
+        draft_sampling = getattr(spec_config, "draft_sample_method", "greedy")
+        if draft_sampling != "greedy":
+            # Verification would need the draft distributions q, which are not kept yet.
+            raise ValueError(
+                f"draft_sample_method={draft_sampling!r} is not supported by this runner; use "
+                "'greedy' (outputs stay exact under either rejection_sample_method).")
         # The draft's own buffers: its seq_lens differ from the target's every draft step.
         self.input_buffers = InputBuffers(max_num_reqs, max_num_tokens, self.device)
         self.model: Any = None

@@ -1,0 +1,49 @@
+"""The built-in tiny model family: written once from a seed, loadable by Hugging Face with no
+missing/unexpected keys, and with non-degenerate next-token distributions."""
+import json
+import os
+
+import torch
+
+from vllm.config import ModelConfig, VllmConfig
+from vllm.model_executor.model_loader import get_model
+from vllm.model_executor.models.tiny import write_tiny_models
+
+
+def test_write_is_idempotent_and_seeded(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_TINY_MODEL_DIR", str(tmp_path / "env"))
+    paths = write_tiny_models()
+    assert paths.target.startswith(str(tmp_path / "env"))
+    for d in (paths.target, paths.eagle, paths.mtp, paths.dflash, paths.dspark):
+        assert os.path.isfile(os.path.join(d, "config.json")) and os.path.isfile(os.path.join(d, "model.safetensors"))
+    stamp = os.path.getmtime(os.path.join(paths.target, "model.safetensors"))
+    assert write_tiny_models() == paths
+    assert os.path.getmtime(os.path.join(paths.target, "model.safetensors")) == stamp  # not rewritten
+    other = write_tiny_models(cache_dir=str(tmp_path / "again"), seed=0)
+    with open(os.path.join(paths.target, "model.safetensors"), "rb") as a, \
+            open(os.path.join(other.target, "model.safetensors"), "rb") as b:
+        assert a.read() == b.read()  # same seed, same bytes
+    os.remove(os.path.join(paths.dspark, "config.json"))  # incomplete -> rewritten
+    write_tiny_models()
+    assert os.path.isfile(os.path.join(paths.dspark, "config.json"))
+
+
+def test_tiny_target_is_hf_loadable_and_has_real_mla_dims(tmp_path):
+    import transformers
+    paths = write_tiny_models(cache_dir=str(tmp_path))
+    cfg = json.load(open(os.path.join(paths.target, "config.json")))
+    assert (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]) == (512, 64)
+    assert cfg["num_attention_heads"] % 8 == 0 and cfg["q_lora_rank"] is not None
+    _, info = transformers.DeepseekV3ForCausalLM.from_pretrained(paths.target, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+
+
+def test_tiny_target_distributions_are_not_degenerate(tmp_path):
+    paths = write_tiny_models(cache_dir=str(tmp_path))
+    model = get_model(VllmConfig(model_config=ModelConfig(model=paths.target, dtype="float32", device="cpu")))
+    ids = torch.tensor(list(b"The quick brown fox jumps over the lazy dog. 0123456789"))
+    with torch.no_grad():
+        probs = model.compute_logits(model(ids, torch.arange(len(ids)))).softmax(-1)
+    top = probs.max(-1).values
+    assert 0.05 < top.mean() < 0.95          # neither uniform nor one-hot
+    assert probs.argmax(-1).unique().numel() >= 5  # greedy choice depends on the context
