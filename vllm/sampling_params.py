@@ -24,6 +24,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Output-text options (upstream names), read by the engine's detokenizer.
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -64,8 +68,10 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids entry {t!r} is invalid: token ids are ints >= 0.")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos={self.ignore_eos!r} is invalid: it must be a bool.")
+        for name in ("ignore_eos", "detokenize", "skip_special_tokens",
+                     "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: it must be a bool.")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs={self.logprobs!r} is invalid: it must be an int >= 0 "
                              "or None.")

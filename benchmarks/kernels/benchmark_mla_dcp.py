@@ -34,13 +34,18 @@ WORKSPACE_BYTES = 128 * 1024 * 1024
 
 
 # ----------------------------------------------------------------- timing
-def time_cuda(fn, repeats: int = 50, warmup: int = 5) -> float:
-    """Median milliseconds of fn() over `repeats` CUDA-event-timed calls."""
+def time_cuda(fn, repeats: int = 50, warmup: int = 5, before=None) -> float:
+    """Median milliseconds of fn() over `repeats` CUDA-event-timed calls.
+
+    `before` runs untimed ahead of every call (e.g. a barrier lining up the ranks)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     samples = []
     for _ in range(repeats):
+        if before is not None:
+            before()
+            torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -216,13 +221,8 @@ def _section_d_worker(rank, n, port, batch, ctx, heads, queue):
         out, lse = attn()
         return cp_lse_ag_out_rs(out, lse, dcp)
 
-    def synced(fn):
-        def run():
-            dist.barrier()
-            return fn()
-        return run
     attn_ms = time_cuda(attn)
-    step_ms = time_cuda(synced(step), repeats=30)
+    step_ms = time_cuda(step, repeats=30, before=dist.barrier)
     results = [None] * n
     dist.all_gather_object(results, (attn_ms, step_ms))
     if rank == 0:

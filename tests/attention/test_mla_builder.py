@@ -38,6 +38,14 @@ def test_non_causal_needs_group_flag():
         builder(non_causal=False).build(0, common_md([0, 4, 8], [20, 30], causal=False))
 
 
+def test_decode_kinds():
+    from vllm.v1.attention.backends.mla.common import MLADecodeKind as K
+    b = builder()
+    assert b.build(0, common_md([0, 1, 2], [9, 9])).decode.kind == K.CAUSAL_SINGLE
+    assert b.build(0, common_md([0, 1, 4], [9, 9])).decode.kind == K.CAUSAL_MULTI
+    assert b.build(0, common_md([0, 3, 6], [9, 9], causal=False)).decode.kind == K.NON_CAUSAL_BLOCK
+
+
 def test_non_causal_with_both_is_accepted():
     md = builder().build(0, common_md([0, 4, 8], [20, 30], causal=False))
     assert md.causal is False and md.decode.causal is False
@@ -92,6 +100,12 @@ def test_decode_rows_first_then_prefill():
     assert md.prefill.query_start_loc.tolist() == [0, 5]
     assert md.prefill.seq_lens.tolist() == [5]
     assert md.decode.row_seq_lens.tolist() == [10, 6, 7, 8]
+
+
+def test_padding_rows_after_prefill_are_ignored():
+    # trailing zero-length padding row with a stale seq_len (CUDA-graph padding)
+    md = builder(non_causal=False).build(0, common_md([0, 1, 6, 6], [10, 5, 33]))
+    assert (md.num_decodes, md.num_prefills, md.num_decode_tokens) == (1, 1, 1)
 
 
 def test_prefill_before_decode_is_rejected():

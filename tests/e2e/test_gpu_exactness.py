@@ -36,7 +36,7 @@ def _candidates(length: int, count: int = 24):
 
 @pytest.fixture(scope="module")
 def gpu_setup(tmp_path_factory):
-    paths = write_tiny_models(str(tmp_path_factory.mktemp("tiny_gpu")))
+    paths = write_tiny_models()
     paths = {name: getattr(paths, name) for name in ("target", *METHODS)}
     model = make_runner(make_config(paths["target"], **GPU_OPTIONS), device="cuda").model
     prompts, oracle = {}, {}
@@ -76,21 +76,25 @@ def test_flashinfer_dcp1_greedy_exact(gpu_setup, dcp1_results, method):
 
 @pytest.fixture(scope="module")
 def dcp2_results(gpu_setup):
+    """interleave -> results of one 2-GPU world (spawned once per interleave size)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("DCP=2 over NCCL needs two GPUs")
     paths, scenario, oracle = gpu_setup
-    results, _ = spawn_dcp_world(2, 1, paths, CASES, scenario, oracle, gpu=True,
-                                 timeout_s=600)
-    return results
+    cache: dict[int, dict] = {}
+
+    def get(interleave: int):
+        if interleave not in cache:
+            cache[interleave], _ = spawn_dcp_world(2, interleave, paths, CASES, scenario, oracle,
+                                                   gpu=True, timeout_s=600)
+        return cache[interleave]
+    return get
 
 
+@pytest.mark.parametrize("interleave", [1, 4])
 @pytest.mark.parametrize("method", ["plain", *METHODS])
-def test_flashinfer_dcp2_two_gpus_greedy_exact(gpu_setup, dcp1_results, dcp2_results, method):
-    result = dcp2_results[method]
+def test_flashinfer_dcp2_two_gpus_greedy_exact(gpu_setup, dcp2_results, method, interleave):
+    result = dcp2_results(interleave)[method]
     _check_exact(result, gpu_setup[2], method)
     assert result.num_dcp_decode_builds > 0 and result.local_len_mismatches == []
-    if method != "plain":
-        # Drafter numerics agree with DCP=1 up to bfloat16 rounding.
-        assert len(result.draft_logits) == len(dcp1_results[method].draft_logits)
-        for ours, ref in zip(result.draft_logits, dcp1_results[method].draft_logits):
-            torch.testing.assert_close(ours.float().cpu(), ref.float().cpu(), atol=0.25, rtol=0)
+    # (Draft tokens are not compared with DCP=1 here: in bfloat16 a near-tie in a drafter's
+    # logits may legitimately pick another draft, which changes later batches.)

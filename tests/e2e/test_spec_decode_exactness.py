@@ -42,7 +42,7 @@ DCP_WORLDS = {2: 4, 4: 1}  # DCP size -> interleave
 
 @pytest.fixture(scope="module")
 def e2e(tmp_path_factory):
-    paths = write_tiny_models(str(tmp_path_factory.mktemp("tiny")))
+    paths = write_tiny_models()  # shared cache: distilled drafters, written once per machine
     paths = {name: getattr(paths, name) for name in ("target", *METHODS)}
     oracle_runner = make_runner(make_config(paths["target"]))
     oracle = greedy_oracle(oracle_runner.model, PROMPTS, SCENARIO.max_new_tokens)

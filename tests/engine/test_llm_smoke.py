@@ -45,22 +45,29 @@ def _token_ids(outputs):
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def test_llm_greedy_matches_transformers_and_seeded_sampling_reproduces(hf_greedy):
-    with LLM(max_model_len=128, max_num_seqs=4) as llm:
-        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert _token_ids(outputs) == hf_greedy
-        assert outputs[0].prompt == "The engine"
-        assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outputs)
-        # A list of SamplingParams, one per prompt; results stay in input order.
-        short = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-        mixed = llm.generate(PROMPTS, [short, GREEDY, short], use_tqdm=False)
-        assert _token_ids(mixed) == [hf_greedy[0][:3], hf_greedy[1], hf_greedy[2][:3]]
-        # Seeded random sampling is reproducible across calls.
-        seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=6, ignore_eos=True)
-        first = _token_ids(llm.generate(PROMPTS[1], seeded, use_tqdm=False))
-        second = _token_ids(llm.generate(PROMPTS[1], seeded, use_tqdm=False))
-        assert first == second
-        assert llm.get_metrics()["spec_decode"] is None
+SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(max_model_len=128, max_num_seqs=4) as engine:
+        yield engine
+
+
+def test_llm_greedy_matches_transformers_and_seeded_sampling_reproduces(llm, hf_greedy):
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert _token_ids(outputs) == hf_greedy
+    assert outputs[0].prompt == "The engine"
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outputs)
+    # A list of SamplingParams, one per prompt; results stay in input order.
+    short = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    mixed = llm.generate(PROMPTS, [short, GREEDY, short], use_tqdm=False)
+    assert _token_ids(mixed) == [hf_greedy[0][:3], hf_greedy[1], hf_greedy[2][:3]]
+    # Seeded random sampling is reproducible across calls.
+    first = _token_ids(llm.generate(PROMPTS[1], SEEDED, use_tqdm=False))
+    second = _token_ids(llm.generate(PROMPTS[1], SEEDED, use_tqdm=False))
+    assert first == second
+    assert llm.get_metrics()["spec_decode"] is None
 
 
 def test_llm_spec_decode_under_kv_pressure_matches_transformers(hf_greedy):
@@ -81,11 +88,26 @@ def test_llm_spec_decode_under_kv_pressure_matches_transformers(hf_greedy):
     assert metrics["kv_cache_usage"] == 0.0
 
 
+def test_llm_rejects_unknown_arguments_and_bad_prompts(llm):
+    with pytest.raises(ValueError, match="max_modl_len"):
+        LLM(max_modl_len=64)
+    with pytest.raises(ValueError, match="neither a string nor a list of token ids"):
+        llm.generate([["a"]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="one per prompt"):
+        llm.generate(["a", "b"], [GREEDY], use_tqdm=False)
+
+
 @pytest.mark.slow
 def test_llm_tp2_dcp2_gloo_workers_match_transformers(hf_greedy):
-    with LLM(max_model_len=128, max_num_seqs=4, tensor_parallel_size=2,
-             decode_context_parallel_size=2,
-             speculative_config={"method": "mtp", "num_speculative_tokens": 2}) as llm:
-        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert llm.get_metrics()["spec_decode"]["num_drafts"] > 0
+    config = dict(max_model_len=128, max_num_seqs=4,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    with LLM(**config) as single:
+        seeded_single_rank = _token_ids(single.generate(PROMPTS, SEEDED, use_tqdm=False))
+    with LLM(tensor_parallel_size=2, decode_context_parallel_size=2, **config) as tp_llm:
+        outputs = tp_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert tp_llm.get_metrics()["spec_decode"]["num_drafts"] > 0
+        # Both ranks draw the same random numbers (per-request generators), so seeded sampling
+        # gives what one rank gives; a rank drifting apart would change the tokens.
+        seeded = _token_ids(tp_llm.generate(PROMPTS, SEEDED, use_tqdm=False))
     assert _token_ids(outputs) == hf_greedy
+    assert seeded == seeded_single_rank

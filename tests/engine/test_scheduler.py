@@ -1,6 +1,7 @@
 import random
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from vllm.v1.core.sched.request import RequestStatus
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -243,3 +244,48 @@ def test_running_batch_is_capped_so_decode_steps_fit_the_token_budget():
         assert so.total_num_scheduled_tokens <= 20
         assert len(sched.running) <= 5
         sched.update_from_output(so, runner.execute_model(so))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_random_workloads_keep_outputs_exact_and_blocks_consistent(data):
+    num_spec = data.draw(st.sampled_from([0, 2]), label="num_spec")
+    dcp = data.draw(st.sampled_from([1, 2]), label="dcp")
+    max_model_len = 48
+    min_blocks = -(-(max_model_len + num_spec + 1) // (4 * dcp))
+    num_blocks = data.draw(st.integers(min_blocks, 4 * min_blocks), label="num_blocks")
+    cfg = make_config(max_model_len=max_model_len, block_size=4, dcp=dcp, num_spec=num_spec,
+                      max_num_seqs=data.draw(st.integers(1, 6), label="max_num_seqs"))
+    sched = Scheduler(cfg, num_blocks=num_blocks)
+    runner = FakeRunner(4 * dcp, num_spec)
+    n = data.draw(st.integers(1, 8), label="num_requests")
+    specs = {}
+    for i in range(n):
+        prompt = data.draw(st.lists(st.integers(4, 96), min_size=1, max_size=20), label=f"p{i}")
+        max_tokens = data.draw(st.integers(1, 30), label=f"max_tokens{i}")
+        specs[f"r{i}"] = (prompt, max_tokens)
+        sched.add_request(make_request(f"r{i}", prompt, max_tokens=max_tokens))
+    aborted = set(data.draw(st.lists(st.sampled_from(sorted(specs)), max_size=2), label="aborts"))
+    abort_step = data.draw(st.integers(0, 10), label="abort_step")
+    outputs = {}
+    for step in range(2000):
+        if not sched.has_unfinished_requests():
+            break
+        if step == abort_step:
+            sched.finish_requests(aborted, RequestStatus.FINISHED_ABORTED)
+        so = sched.schedule()
+        for core in sched.update_from_output(so, runner.execute_model(so)):
+            outputs.setdefault(core.request_id, []).extend(core.new_token_ids)
+        kv = sched.kv_cache_manager
+        held = [b for blocks in kv.req_to_blocks.values() for b in blocks]
+        assert len(held) == len(set(held)), "a block is held by two requests"
+        assert len(held) + kv.num_free_blocks == num_blocks
+    assert not sched.has_unfinished_requests()
+    assert sched.kv_cache_manager.num_free_blocks == num_blocks
+    for rid, (prompt, max_tokens) in specs.items():
+        expected = reference_greedy(prompt, max_tokens, max_model_len=max_model_len)
+        got = outputs.get(rid, [])
+        if rid in aborted:
+            assert got == expected[:len(got)]  # aborted: a prefix of the right answer
+        else:
+            assert got == expected

@@ -120,3 +120,25 @@ def test_engine_crash_reaches_waiters_and_later_requests():
         assert isinstance(llm.dead_error, RuntimeError)
     finally:
         llm.shutdown()
+
+
+def test_failure_outside_step_also_fails_waiters_instead_of_hanging():
+    class BrokenAbort(FakeEngine):
+        def abort_request(self, ids):
+            raise RuntimeError("abort exploded")
+
+    llm = AsyncLLM(BrokenAbort(), model_name="fake", max_model_len=64)
+    try:
+        async def main():
+            waiter = await llm.add_request("waiter", [1], params(10_000))
+            await llm.abort("other")  # unknown id: never reaches the engine
+            doomed = await llm.add_request("doomed", [2], params(10_000))
+            await llm.abort("doomed")
+            with pytest.raises(EngineDeadError, match="abort exploded"):
+                await asyncio.wait_for(_drain(waiter), timeout=5)
+            del doomed
+
+        asyncio.run(main())
+        assert not llm.is_healthy
+    finally:
+        llm.shutdown()

@@ -116,7 +116,7 @@ def test_non_causal_draft_on_incapable_backend_refused(monkeypatch, capsys):
 
 def test_tiny_model_command_writes_loadable_dirs(tmp_path, capsys):
     with pytest.raises(SystemExit) as excinfo:
-        main(["tiny-model", "--output", str(tmp_path / "tiny")])
+        main(["tiny-model", "--output", str(tmp_path / "tiny"), "--train-steps", "0"])
     assert excinfo.value.code == 0
     out = capsys.readouterr().out
     for name in ("target", "eagle", "mtp", "dflash", "dspark"):

@@ -20,10 +20,10 @@ PROMPTS = ["Hello, my name is", "The capital of France is", "1, 2, 3,"]
 
 
 @pytest.fixture(scope="module")
-def tiny_paths(tmp_path_factory):
+def tiny_paths():
     from vllm.model_executor.models.tiny import write_tiny_models
 
-    return write_tiny_models(str(tmp_path_factory.mktemp("tiny")))
+    return write_tiny_models()  # the shared, cached tiny family (written once per machine)
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ def test_generate_default_tiny_dspark_on_cuda():
 def test_serve_tp2_dcp2_flashinfer(tmp_path):
     from vllm.model_executor.models.tiny import write_tiny_models
 
-    paths = write_tiny_models(str(tmp_path / "tiny"))
+    paths = write_tiny_models()
     spec = {"method": "dspark", "model": paths.dspark, "num_speculative_tokens": 4}
     server = ServerProcess([paths.target, "-tp", "2", "-dcp", "2", "--attention-backend",
                             "FLASHINFER_MLA", "--block-size", "32", "--max-model-len", "512",

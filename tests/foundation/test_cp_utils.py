@@ -91,7 +91,7 @@ def test_slot_design_example():
 
 
 @settings(max_examples=40, deadline=None)
-@given(cp_size=st.integers(1, 8), interleave=st.sampled_from([1, 2, 4]),
+@given(cp_size=st.integers(1, 8), interleave=INTERLEAVES,
        blocks_per_interleave=st.integers(1, 3), data=st.data())
 def test_slots_store_every_position_once(cp_size, interleave, blocks_per_interleave, data):
     block_size = interleave * blocks_per_interleave

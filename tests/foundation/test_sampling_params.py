@@ -29,6 +29,8 @@ def test_defaults_and_normalisation():
     (dict(stop=[""]), "stop entry"),
     (dict(stop_token_ids=[-3]), "stop_token_ids entry -3"),
     (dict(logprobs=-1), "logprobs=-1"),
+    (dict(ignore_eos="yes"), "ignore_eos='yes'"),
+    (dict(skip_special_tokens=None), "skip_special_tokens=None"),
 ])
 def test_invalid_values_name_the_field(kwargs, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(".", r"\.")):

@@ -56,6 +56,16 @@ def check_slot_mappings(gen):
         assert torch.equal(ref, bt.slot_mappings), (trial, cp_size, interleave, block_size)
 
 
+def check_out_of_table_positions_become_pad():
+    bt = BlockTables([4], 2, 2, 16, "cpu", 2, 0, 1)
+    bt.append_block_ids(0, ([5, 6],), overwrite=False)
+    bt.gather_block_tables(torch.tensor([0]))
+    # 2 virtual blocks of 8 tokens: position 16 is past the table; rank 0 owns even offsets.
+    bt._compute_slot_mappings_triton(torch.tensor([0, 3], dtype=torch.int32),
+                                     torch.tensor([2, 16, -2]), 1, 3)
+    assert bt.slot_mappings[0, :3].tolist() == [5 * 4 + 1, -1, -1], bt.slot_mappings
+
+
 if __name__ == "__main__":
     if not cp_utils.HAS_TRITON:
         print("NO_TRITON")
@@ -63,4 +73,5 @@ if __name__ == "__main__":
     generator = torch.Generator().manual_seed(0)
     check_prepare(generator)
     check_slot_mappings(generator)
+    check_out_of_table_positions_become_pad()
     print("TRITON_INTERPRET_OK")

@@ -1,11 +1,9 @@
 """The four drafters: load from their own directories (tiny models), forward contracts checked
 against weights read straight from the safetensors files, DFlash/DSpark context-KV precompute +
 non-causal paged block attention vs a dense reference, and refusal of targets they do not fit."""
-import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from models.paged_harness import PagedRequest, PagedRunner
@@ -17,7 +15,7 @@ from vllm.model_executor.models.tiny import MASK_ID, write_random_target, write_
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return write_tiny_models(cache_dir=str(tmp_path_factory.mktemp("tiny")), seed=0)
+    return write_tiny_models(cache_dir=str(tmp_path_factory.mktemp("tiny")), seed=0, train_steps=0)
 
 
 def _config(target_dir, method=None, draft_dir=None):
@@ -87,7 +85,6 @@ def _dense_block_reference(draft, features, ctx_pos, block_ids, block_pos):
         q_nope, q_pe = attn.project_q(block_pos, h)
         c_ctx, pe_ctx = attn.rotated_latent_kv(ctx_pos, features)
         c_blk, pe_blk = attn.rotated_latent_kv(block_pos, h)
-        dummy = q_pe[:, :0]  # rotate q only
         q_pe, _ = attn.rotary_emb(block_pos, q_pe, pe_blk)
         c_all, pe_all = torch.cat([c_ctx, c_blk]), torch.cat([pe_ctx, pe_blk])
         kv = (c_all.double() @ attn.kv_b_proj.weight.double().T).view(len(c_all), attn.num_local_heads, -1)

@@ -111,6 +111,10 @@ def test_hf_config_attribute_access_and_defaults(tmp_path):
     assert load_hf_config(str(tmp_path)).rope_interleave is True  # DeepSeek default
     with pytest.raises(AttributeError, match="no_such_key"):
         _ = cfg.no_such_key
+    import copy
+    import pickle
+    for clone in (pickle.loads(pickle.dumps(cfg)), copy.deepcopy(cfg)):  # configs travel to workers
+        assert clone.to_dict() == cfg.to_dict() and clone.path == cfg.path
 
 
 def test_byte_tokenizer_roundtrip(tmp_path):

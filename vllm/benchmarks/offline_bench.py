@@ -64,7 +64,7 @@ def _spec(engine):
     return (engine.get_metrics() or {}).get("spec_decode")
 
 
-def _finish(args, title: str, summary: dict) -> dict:
+def finish_report(args, title: str, summary: dict) -> dict:
     print(format_summary(title, summary))
     if args.output_json:
         save_json(args.output_json, summary, vars(args))
@@ -99,7 +99,7 @@ def run_latency(args: argparse.Namespace) -> dict:
     summary["_raw"]["latency_s"] = latencies
     summary["spec_decode"] = spec_decode_delta(before, _spec(engine))
     summary["model"] = display
-    return _finish(args, f"latency: {display}, batch {args.batch_size}", summary)
+    return finish_report(args, f"latency: {display}, batch {args.batch_size}", summary)
 
 
 def run_throughput(args: argparse.Namespace) -> dict:
@@ -116,4 +116,4 @@ def run_throughput(args: argparse.Namespace) -> dict:
                                  args.input_len * len(results))
     summary["spec_decode"] = spec_decode_delta(before, _spec(engine))
     summary["model"] = display
-    return _finish(args, f"throughput: {display}, {args.num_prompts} prompts", summary)
+    return finish_report(args, f"throughput: {display}, {args.num_prompts} prompts", summary)

@@ -16,7 +16,7 @@ import time
 
 from vllm.benchmarks.datasets import random_text_prompts
 from vllm.benchmarks.offline import spec_decode_delta
-from vllm.benchmarks.offline_bench import add_common_args, _finish
+from vllm.benchmarks.offline_bench import add_common_args, finish_report
 from vllm.benchmarks.results import summarize_requests
 from vllm.v1.metrics.stats import RequestTimer
 
@@ -137,7 +137,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
     if args.request_rate <= 0:
         raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
     summary = asyncio.run(_benchmark(args))
-    summary = _finish(args, f"serve: {summary['model']}, {args.num_prompts} prompts", summary)
+    summary = finish_report(args, f"serve: {summary['model']}, {args.num_prompts} prompts", summary)
     if summary["num_failed"]:
         print(f"{summary['num_failed']} requests failed, e.g. {summary['failures'][0]}")
     return summary

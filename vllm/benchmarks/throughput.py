@@ -1,3 +1,4 @@
 """`vllm bench throughput` (see offline_bench.py)."""
-from vllm.benchmarks.offline_bench import add_throughput_args as add_cli_args  # noqa: F401
-from vllm.benchmarks.offline_bench import run_throughput as main  # noqa: F401
+from vllm.benchmarks.offline_bench import add_throughput_args as add_cli_args
+from vllm.benchmarks.offline_bench import run_throughput as main
+__all__ = ["add_cli_args", "main"]

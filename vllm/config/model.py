@@ -1,7 +1,7 @@
 """ModelConfig: which checkpoint, in which dtype, on which device, with which attention backend."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,10 +50,11 @@ class ModelConfig:
     attention_backend: str = "auto"
     device: str = "auto"  # auto = cuda when available, else cpu
     tokenizer: str | None = None  # tokenizer directory; None = the model directory
-    _hf_config: Any = field(default=None, init=False, repr=False, compare=False)
-    _hf_config_source: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        # Cache of the loaded config.json; plain attributes, not fields (kept out of asdict/replace).
+        self._hf_config: Any = None
+        self._hf_config_source: str | None = None
         if self.model is not None and not isinstance(self.model, str):
             self.model = str(self.model)  # accept pathlib.Path
         if self.tokenizer is not None and not isinstance(self.tokenizer, str):

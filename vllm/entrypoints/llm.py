@@ -11,8 +11,15 @@ class LLM:
     """LLM(model=None, **EngineArgs fields). model None serves the built-in tiny checkpoint."""
 
     def __init__(self, model: str | None = None, **kwargs):
+        from dataclasses import fields
+
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
+        known = {f.name for f in fields(EngineArgs)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"LLM() got unknown engine arguments {unknown}; valid ones are the "
+                             f"EngineArgs fields: {sorted(known)}")
         engine_args = EngineArgs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(engine_args)
         self._request_counter = itertools.count()

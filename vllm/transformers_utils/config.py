@@ -52,6 +52,8 @@ class HFConfig:
         object.__setattr__(self, "path", path)
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("_values", "path"):
+            raise AttributeError(name)  # keeps copy / pickle protocols away from config fields
         values = object.__getattribute__(self, "_values")
         if name in values:
             return values[name]
@@ -73,6 +75,9 @@ class HFConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return copy.deepcopy(self._values)
+
+    def __reduce__(self):
+        return (HFConfig, (self._values, self.path))
 
     def __repr__(self) -> str:
         return f"HFConfig({self.path or ''}: {self._values!r})"

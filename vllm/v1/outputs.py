@@ -24,6 +24,3 @@ class ModelRunnerOutput:
     @classmethod
     def make_empty(cls) -> ModelRunnerOutput:
         return cls(req_ids=[], sampled_token_ids=[], spec_token_ids=None)
-
-
-EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput.make_empty()

@@ -13,6 +13,10 @@ def register(subparsers) -> None:
     parser.add_argument("--output", default=None, metavar="DIR",
                         help="target directory (default: ~/.cache/vllm-dspark/tiny or "
                              "$VLLM_TINY_MODEL_DIR)")
+    parser.add_argument("--train-steps", type=int, default=None, metavar="N",
+                        help="drafter distillation steps (default: the writer's default; 0 = "
+                             "random drafters, fastest)")
+    parser.add_argument("--force", action="store_true", help="rewrite even if already complete")
     parser.set_defaults(dispatch=run)
 
 
@@ -21,7 +25,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.output is not None and os.path.exists(args.output) and not os.path.isdir(args.output):
         raise ValueError(f"--output {args.output!r} exists and is not a directory; pick a directory")
-    paths = write_tiny_models(cache_dir=args.output)
+    kwargs = {"cache_dir": args.output, "force": args.force}
+    if args.train_steps is not None:
+        if args.train_steps < 0:
+            raise ValueError(f"--train-steps must be >= 0, got {args.train_steps}")
+        kwargs["train_steps"] = args.train_steps
+    paths = write_tiny_models(**kwargs)
     for name in ("target", "eagle", "mtp", "dflash", "dspark"):
         print(f"{name:>7}: {getattr(paths, name)}")
     print(f"serve it with: vllm serve {paths.target}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Union
+from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -98,5 +98,3 @@ class APIError(Exception):
         return error_body(self.message, ERROR_TYPES.get(self.status_code, "APIError"),
                           self.status_code, self.param)
 
-
-FinishReason = Literal["stop", "length", "abort"] | None

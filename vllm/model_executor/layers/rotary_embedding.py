@@ -22,9 +22,7 @@ def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
 def rope_settings(config) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict or None) from either `rope_scaling` (DeepSeek checkpoints) or the
     Hugging Face 5 `rope_parameters` field. The scaling dict always carries `rope_type`."""
-    params = config.get("rope_parameters") if hasattr(config, "get") else getattr(config, "rope_parameters", None)
-    scaling = config.get("rope_scaling") if hasattr(config, "get") else getattr(config, "rope_scaling", None)
-    theta = config.get("rope_theta") if hasattr(config, "get") else getattr(config, "rope_theta", None)
+    params, scaling, theta = config.get("rope_parameters"), config.get("rope_scaling"), config.get("rope_theta")
     if params:
         theta = params.get("rope_theta", theta)
         if scaling is None and params.get("rope_type", params.get("type", "default")) != "default":

@@ -5,7 +5,6 @@ import importlib
 
 _MODELS = {
     "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
-    "DeepseekV2ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
     "DeepseekEagleForCausalLM": ("deepseek_eagle", "DeepseekEagleForCausalLM"),
     "EagleDeepSeekMTPModel": ("deepseek_eagle", "DeepseekEagleForCausalLM"),
     "DeepSeekMTPModel": ("deepseek_mtp", "DeepSeekMTP"),

@@ -175,17 +175,19 @@ class AsyncLLM:
 
     def _run_engine_loop(self) -> None:
         while not self._stopping.is_set():
-            busy = self._dead_error is None and self.engine.has_unfinished_requests()
-            self._handle_commands(block=not busy)
-            if self._dead_error is not None or not self.engine.has_unfinished_requests():
-                continue
             try:
-                outputs = self.engine.step()
+                self._loop_once()
             except BaseException as error:  # noqa: BLE001 - any engine failure is fatal
                 self._fail_all(error)
-                continue
-            self._dispatch(outputs, time.perf_counter())
-            self._refresh_snapshot()
+
+    def _loop_once(self) -> None:
+        alive = self._dead_error is None
+        self._handle_commands(block=not (alive and self.engine.has_unfinished_requests()))
+        if self._dead_error is not None or not self.engine.has_unfinished_requests():
+            return
+        outputs = self.engine.step()
+        self._dispatch(outputs, time.perf_counter())
+        self._refresh_snapshot()
 
     def _handle_commands(self, block: bool) -> None:
         changed = False
@@ -211,11 +213,7 @@ class AsyncLLM:
             stream = self._streams.pop(command[1], None)
             if stream is None:
                 return False  # already finished (or never admitted): nothing to free
-            try:
-                self.engine.abort_request([stream.request_id])
-            except BaseException as error:  # noqa: BLE001
-                self._fail_all(error)
-                return False
+            self.engine.abort_request([stream.request_id])  # raising here kills the loop
             self.metrics.record_aborted()
             stream._deliver(_ABORTED)
             return True

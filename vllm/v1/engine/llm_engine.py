@@ -15,6 +15,8 @@ import weakref
 from collections import deque
 from dataclasses import dataclass
 
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.request import Request, RequestStatus
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
@@ -111,7 +113,6 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params=None) -> None:
-        from vllm.sampling_params import SamplingParams
         if params is None:
             params = SamplingParams()
         if request_id in self._states:
@@ -166,7 +167,7 @@ class LLMEngine:
         return self.scheduler.get_num_unfinished_requests()
 
     # ---- one step ----------------------------------------------------------------------------
-    def step(self) -> list:
+    def step(self) -> list[RequestOutput]:
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
@@ -196,8 +197,8 @@ class LLMEngine:
                 del self._states[core.request_id]
         return outputs
 
-    def _make_output(self, state: _RequestState, finished: bool, finish_reason, stop_reason):
-        from vllm.outputs import CompletionOutput, RequestOutput
+    def _make_output(self, state: _RequestState, finished: bool, finish_reason,
+                     stop_reason) -> RequestOutput:
         text = state.detokenizer.output_text if state.detokenizer is not None else ""
         completion = CompletionOutput(index=0, text=text, token_ids=list(state.output_token_ids),
                                       finish_reason=finish_reason, stop_reason=stop_reason)

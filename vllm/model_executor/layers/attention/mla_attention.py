@@ -168,7 +168,8 @@ class MLAAttention(nn.Module):
     def _attention_impl(self):
         if self._impl is None:
             from vllm.v1.attention.selector import get_attn_backend
-            self._backend = get_attn_backend(self.attention_backend_name)
+            device = self.kv_cache.device if self.kv_cache is not None else None
+            self._backend = get_attn_backend(self.attention_backend_name, device=device)
             num_heads = self.num_local_heads * dcp_group().world_size  # heads after the DCP q gather
             self._impl = self._backend.get_impl_cls()(
                 num_heads=num_heads, scale=self.scaling, kv_lora_rank=self.kv_lora_rank,

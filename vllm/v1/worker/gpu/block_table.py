@@ -66,12 +66,13 @@ if HAS_TRITON:
                 block_index = pos // virtual_block
                 offset = pos - block_index * virtual_block
                 owned = ((offset // cp_interleave) % cp_size) == cp_rank
-                # Loads stay inside the row even for out-of-range positions.
-                readable = in_row & (block_index < max_blocks)
+                # Out-of-table positions (a caller bug; the torch path raises) become PAD rather
+                # than overwriting block 0, which may belong to another request.
+                readable = in_row & (pos >= 0) & (block_index < max_blocks)
                 block_id = tl.load(table_row_ptr + block_index, mask=readable, other=0).to(tl.int64)
                 local_offset = (offset // (cp_interleave * cp_size)) * cp_interleave \
                     + offset % cp_interleave
-                slot = tl.where(owned, block_id * block_size + local_offset, -1)
+                slot = tl.where(owned & readable, block_id * block_size + local_offset, -1)
                 tl.store(out_ptr + offs, slot, mask=in_row)
 
 

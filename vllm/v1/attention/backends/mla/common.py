@@ -13,6 +13,7 @@ Every decode row's visible count on this rank is precomputed once per step in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, ClassVar, Iterable
 
 import torch
@@ -34,6 +35,14 @@ def dcp_local_lengths(global_lens: torch.Tensor, dcp_size: int, dcp_rank: int,
     return get_dcp_local_seq_lens(global_lens, dcp_size, dcp_rank, interleave)
 
 
+class MLADecodeKind(str, Enum):
+    """The three decode shapes every MLA backend must serve (module docstring)."""
+
+    CAUSAL_SINGLE = "causal_single"        # Q == 1
+    CAUSAL_MULTI = "causal_multi"          # verification / varlen continuation, causal in-block
+    NON_CAUSAL_BLOCK = "non_causal_block"  # DSpark / DFlash draft block
+
+
 @dataclass
 class MLACommonDecodeMetadata:
     block_table: torch.Tensor            # [num_decodes, max_blocks] int32
@@ -51,6 +60,12 @@ class MLACommonDecodeMetadata:
     dcp_rank: int = 0
     dcp_interleave: int = 1
     backend_state: Any = None            # per-step state a backend attaches (FlashInfer plan)
+
+    @property
+    def kind(self) -> MLADecodeKind:
+        if not self.causal:
+            return MLADecodeKind.NON_CAUSAL_BLOCK
+        return MLADecodeKind.CAUSAL_SINGLE if self.max_query_len <= 1 else MLADecodeKind.CAUSAL_MULTI
 
 
 @dataclass
@@ -188,7 +203,8 @@ class MLACommonMetadataBuilder:
         if not bool(is_prefill.any()):
             return cm.num_reqs
         first_prefill = int(is_prefill.nonzero()[0, 0])
-        if bool(has_context[first_prefill:].any()):
+        # zero-length padding rows may carry stale seq_lens: only real rows must be ordered
+        if bool((has_context & (query_lens > 0))[first_prefill:].any()):
             raise ValueError(
                 "MLA metadata: decode rows (requests with prior context) must come before "
                 f"prefill rows; got context lengths {(seq_lens - query_lens).tolist()}. "

@@ -28,7 +28,7 @@ import torch
 from vllm.v1.attention.backend import AttentionBackend, CommonAttentionMetadata
 from vllm.v1.attention.backends.mla.common import (MLACommonDecodeMetadata, MLACommonImpl,
                                                     MLACommonMetadata,
-                                                    MLACommonMetadataBuilder)
+                                                    MLACommonMetadataBuilder, MLADecodeKind)
 
 LN2 = math.log(2.0)
 DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -99,7 +99,7 @@ def plan_hopper_decode(decode: MLACommonDecodeMetadata, page_size: int,
     bounds = decode.query_start_loc_cpu.tolist()
     row_lens = decode.row_seq_lens.cpu().tolist()
     block_table = decode.block_table.cpu()
-    multi_token = decode.causal and decode.max_query_len > 1
+    multi_token = decode.kind == MLADecodeKind.CAUSAL_MULTI
     plan_causal = multi_token and causal_mode == "auto" and decode.dcp_world_size == 1
     qo, kv_lens, kv_pages = [0], [], []
     for req, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):

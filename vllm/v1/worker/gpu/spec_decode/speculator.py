@@ -65,6 +65,8 @@ class Speculator:
                 "'greedy' (outputs stay exact under either rejection_sample_method).")
         # The draft's own buffers: its seq_lens differ from the target's every draft step.
         self.input_buffers = InputBuffers(max_num_reqs, max_num_tokens, self.device)
+        # Host upper bound of the draft seq_lens (metadata aliases it, like the other buffers).
+        self.seq_lens_cpu_upper_bound = torch.zeros(max_num_reqs, dtype=torch.int32)
         self.model: Any = None
         self.kv_cache_config: Any = None
         self.attn_metadata_builders: list[Any] = []
@@ -140,7 +142,8 @@ class Speculator:
 
         # Host upper bound of the draft lengths: each step adds at most `step` tokens past the
         # target's bound, and no sequence outgrows max_model_len. Padding rows stay 0.
-        upper_bound = torch.zeros(num_reqs_padded, dtype=torch.int32)
+        upper_bound = self.seq_lens_cpu_upper_bound[:num_reqs_padded]
+        upper_bound.zero_()
         if num_reqs > 0:
             bound = torch.as_tensor(np.asarray(seq_lens_cpu_upper_bound)[:num_reqs],
                                     dtype=torch.int64)
