@@ -35,6 +35,7 @@ class Scenario:
     # Forced mode: req_id -> drafts to accept at its 1st, 2nd, ... verification (then natural);
     # a negative value means "all k".
     forced_accepts: dict[str, list[int]] | None = None
+    sampling_params: dict = field(default_factory=dict)  # req_id -> SamplingParams (else greedy)
 
 
 @dataclass
@@ -127,7 +128,8 @@ def run_scenario(runner: GPUModelRunner, scenario: Scenario,
             prompt = pending.pop(req_id)
             state = {"num_computed": 0, "blocks": [], "drafts": [], "num_generated": 0}
             ids = allocate(state, len(prompt) + k + 1)
-            new_reqs.append(NewRequestData(req_id, list(prompt), ids, 0, None))
+            new_reqs.append(NewRequestData(req_id, list(prompt), ids, 0,
+                                           scenario.sampling_params.get(req_id)))
             num_scheduled[req_id] = len(prompt)
             running[req_id] = state
         output = SchedulerOutput(

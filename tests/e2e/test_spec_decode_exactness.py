@@ -21,6 +21,7 @@ import torch
 from runner_harness import (Scenario, greedy_oracle, make_config, make_runner, run_all_methods,
                             spawn_dcp_world)
 from vllm.model_executor.models.tiny import write_tiny_models
+from vllm.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -32,11 +33,14 @@ PROMPTS = {
     "a": [72, 101, 108, 108, 111, 32, 119, 111],                              # 8 tokens
     "b": [84, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98, 114, 111],       # 13 tokens
     "c": [1, 2, 3],                                                           # joins at step 2
+    "d": [65, 66, 67, 68, 69],                                                # seeded sampling
 }
+GREEDY_IDS = ("a", "b", "c")
 # Drafts to accept at each request's first verifications (-1 = all); natural drafts afterwards.
 FORCED = {"a": [1, -1, 0], "b": [2, 0, -1], "c": [-1, 1]}
-SCENARIO = Scenario("mixed", PROMPTS, max_new_tokens=9, arrival_step={"c": 2},
-                    forced_accepts=FORCED)
+SCENARIO = Scenario("mixed", PROMPTS, max_new_tokens=9, arrival_step={"c": 2, "d": 1},
+                    forced_accepts=FORCED,
+                    sampling_params={"d": SamplingParams(temperature=0.8, seed=7, max_tokens=9)})
 DCP_WORLDS = {2: 4, 4: 1}  # DCP size -> interleave
 
 
@@ -45,7 +49,8 @@ def e2e(tmp_path_factory):
     paths = write_tiny_models()  # shared cache: distilled drafters, written once per machine
     paths = {name: getattr(paths, name) for name in ("target", *METHODS)}
     oracle_runner = make_runner(make_config(paths["target"]))
-    oracle = greedy_oracle(oracle_runner.model, PROMPTS, SCENARIO.max_new_tokens)
+    oracle = greedy_oracle(oracle_runner.model, {r: PROMPTS[r] for r in GREEDY_IDS},
+                           SCENARIO.max_new_tokens)
     results = {1: run_all_methods(paths, CASES, SCENARIO, oracle)}
     stale = {}
     for dcp, interleave in DCP_WORLDS.items():
@@ -66,7 +71,16 @@ def test_oracle_is_not_degenerate(e2e):
 @pytest.mark.parametrize("method", ["plain", *METHODS])
 def test_greedy_output_equals_plain_greedy(e2e, method, dcp):
     result = e2e["results"][dcp][method]
-    assert result.outputs == e2e["oracle"]
+    assert {r: result.outputs[r] for r in GREEDY_IDS} == e2e["oracle"]
+
+
+@pytest.mark.parametrize("dcp", [2, 4])
+@pytest.mark.parametrize("method", ["plain", *METHODS])
+def test_seeded_sampling_is_identical_on_every_dcp_size(e2e, method, dcp):
+    """Random rows draw from per-request generators seeded alike on every rank: the sampled
+    continuation (drafts verified by rejection sampling) does not depend on DCP."""
+    assert e2e["results"][dcp][method].outputs["d"] == e2e["results"][1][method].outputs["d"]
+    assert len(e2e["results"][1][method].outputs["d"]) == SCENARIO.max_new_tokens
 
 
 @pytest.mark.parametrize("dcp", [1, 2, 4])
@@ -124,5 +138,5 @@ def test_stale_target_lengths_control_is_caught(e2e, method):
     """Negative control: feeding the draft the TARGET's local lengths keeps the output exact
     (verification) but hands kernels inconsistent lengths, which the check above catches."""
     stale = e2e["stale"][method]
-    assert stale.outputs == e2e["oracle"]
+    assert {r: stale.outputs[r] for r in GREEDY_IDS} == e2e["oracle"]
     assert stale.local_len_mismatches

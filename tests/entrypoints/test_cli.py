@@ -31,6 +31,8 @@ SUBPROCESS_CASES = {
                              ["--prompts-file", "/nonexistent/prompts.txt"]),
     "unknown_flag": (["generate", "--no-such-flag"], ["--no-such-flag"]),
     "bench_bad_len": (["bench", "latency", "--input-len", "0"], ["--input-len", ">= 1"]),
+    "bad_attention_backend": (["generate", "--attention-backend", "FAST_MLA"],
+                              ["attention_backend='FAST_MLA'", "TORCH_MLA"]),
 }
 
 
@@ -79,6 +81,12 @@ def run_main(argv, capsys):
 def test_bad_input_in_process(case, capsys):
     code, err = run_main(SUBPROCESS_CASES[case][0], capsys)
     check_one_line_error(code, err, SUBPROCESS_CASES[case][1])
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-CUDA message")
+def test_cuda_device_without_gpu_refused(capsys):
+    code, err = run_main(["generate", "--device", "cuda"], capsys)
+    check_one_line_error(code, err, ["--device cuda", "no CUDA device"])
 
 
 def test_flashinfer_dcp_interleave_refused_on_blackwell(monkeypatch, capsys):

@@ -122,6 +122,7 @@ def preflight(config) -> None:
     tp = int(parallel.tensor_parallel_size)
     dcp = int(parallel.decode_context_parallel_size)
     interleave = int(getattr(parallel, "cp_kv_cache_interleave_size", 1) or 1)
+    _check_device(str(getattr(config.model_config, "device", "auto")), tp)
     if dcp < 1 or tp % dcp != 0:  # ParallelConfig already refuses this; kept for other configs
         raise CLIError(f"--tensor-parallel-size {tp} is not divisible by "
                        f"--decode-context-parallel-size {dcp}; DCP reuses TP ranks, so pick a dcp "
@@ -157,3 +158,16 @@ def _load_backend(name: str):
     except ImportError as error:
         raise CLIError(f"--attention-backend {name} cannot be loaded here ({error}); install its "
                        "kernels or use --attention-backend TORCH_MLA") from None
+
+
+def _check_device(device: str, tp: int) -> None:
+    import torch
+
+    if not device.startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        raise CLIError(f"--device {device} but no CUDA device is visible here; use --device cpu "
+                       "(or auto)")
+    if torch.cuda.device_count() < tp:
+        raise CLIError(f"--tensor-parallel-size {tp} needs {tp} GPUs but only "
+                       f"{torch.cuda.device_count()} are visible; lower -tp or expose more GPUs")

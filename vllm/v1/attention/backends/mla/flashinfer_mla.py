@@ -72,7 +72,6 @@ class HopperPlanInputs:
     causal: bool
     has_empty_rows: bool = False  # some row sees no token on this rank
 
-
     @property
     def num_requests(self) -> int:
         return self.kv_len_arr.numel()
