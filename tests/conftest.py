@@ -1,6 +1,18 @@
-"""Shared pytest set-up: GPU tests are skipped (with a reason) when CUDA is absent."""
-import pytest
-import torch
+"""Shared pytest set-up.
+
+- GPU tests are skipped (with a reason) when CUDA is absent.
+- One intra-op thread per process: CI has 2 cores and many tests spawn several worker processes;
+  oversubscribed OpenMP pools made small CPU kernels 10-50x slower there. Spawned workers inherit
+  the environment variable.
+"""
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -60,7 +60,6 @@ def measured_copy_bandwidth(num_bytes: int = 4 * 1024**3) -> float:
     src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
     ms = time_cuda(lambda: dst.copy_(src), repeats=20)
-    del src, dst
     return 2 * num_bytes / (ms * 1e-3)
 
 
@@ -111,8 +110,6 @@ def section_a(batch=64, ctx=32768, heads=16) -> dict:
     ms = time_cuda(lambda: run_wrapper(wrapper, q, cache), repeats=50)
     kv_bytes = batch * ctx * KV_WIDTH * 2
     copy_bw = measured_copy_bandwidth()
-    del cache
-    torch.cuda.empty_cache()
     attn_bw = kv_bytes / (ms * 1e-3)
     return dict(batch=batch, ctx=ctx, heads=heads, ms=ms, kv_gb=kv_bytes / 1e9,
                 attn_tb_s=attn_bw / 1e12, copy_tb_s=copy_bw / 1e12,
@@ -194,7 +191,6 @@ def section_d_simulated(n, batch, ctx, heads) -> dict:
         md, cache, q = _dcp_inputs(n, r, batch, ctx, heads, "cuda")
         rank_ms.append(time_cuda(lambda: impl.forward_decode(q, cache, md.decode)))
         parts.append(impl.forward_decode(q, cache, md.decode))
-        del cache
     lses = torch.stack([p[1] for p in parts])
     merge_ms = time_cuda(lambda: correct_attn_out(parts[0][0], lses, 0), repeats=100)
     return dict(N=n, mode="simulated on 1 GPU" if n > 1 else "1 GPU", attn_ms=max(rank_ms),

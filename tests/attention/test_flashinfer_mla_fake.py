@@ -13,6 +13,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.mla.flashinfer_mla import (FlashInferMLAImpl,
                                                            FlashInferMLAMetadataBuilder,
                                                            _segments_of_block)
+from vllm.v1.attention.backends.mla.torch_mla import TorchMLAImpl
 from vllm.v1.attention.ops.dcp_combine import merge_attn_states
 
 SMALL_WS = dict(workspace_bytes=1024)
@@ -233,9 +234,13 @@ def test_run_grouping_bound_and_cover(n, q_len, g_extra, rank_seed):
     assert _segments_of_block(counts, "flattened") == [(1, c) for c in counts]
 
 
-def test_hopper_rejects_float32(monkeypatch):
+def test_unsupported_dtype_falls_back_to_the_exact_path(monkeypatch):
     fake_flashinfer.install(monkeypatch, float_inputs=False)
-    case = make_case([9], [1], num_heads=2, causal=True, dtype=torch.float32)
-    md, cache, _ = hopper_rank(case, 1, 0, 1)
-    with pytest.raises(ValueError, match="TORCH_MLA"):
-        FlashInferMLAImpl(num_heads=2, scale=case.scale).forward_decode(case.q, cache, md.decode)
+    case = make_case([9, 30], [3, 3], num_heads=2, causal=True, dtype=torch.float32)
+    md, cache, _ = hopper_rank(case, 2, 1, 1)
+    out, lse = FlashInferMLAImpl(num_heads=2, scale=case.scale).forward_decode(
+        case.q, cache, md.decode)
+    assert fake_flashinfer.FakeBatchMLAPagedAttentionWrapper.instances[0].runs == []
+    ref_out, ref_lse = TorchMLAImpl(num_heads=2, scale=case.scale).forward_decode(
+        case.q, cache, md.decode)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)

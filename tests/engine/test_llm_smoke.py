@@ -50,7 +50,7 @@ SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=6, ign
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(max_model_len=128, max_num_seqs=4) as engine:
+    with LLM(max_model_len=128, max_num_seqs=4, device="cpu") as engine:
         yield engine
 
 
@@ -74,6 +74,7 @@ def test_llm_spec_decode_under_kv_pressure_matches_transformers(hf_greedy):
     # max_model_len 40 with 4-token blocks: one request needs cdiv(40 + 3 + 1, 4) = 11 blocks,
     # and that is all there is, so the three requests must preempt each other.
     with LLM(max_model_len=40, block_size=4, num_gpu_blocks_override=11, max_num_seqs=4,
+             device="cpu",
              speculative_config={"method": "dspark", "num_speculative_tokens": 3}) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         metrics = llm.get_metrics()
@@ -99,7 +100,7 @@ def test_llm_rejects_unknown_arguments_and_bad_prompts(llm):
 
 @pytest.mark.slow
 def test_llm_tp2_dcp2_gloo_workers_match_transformers(hf_greedy):
-    config = dict(max_model_len=128, max_num_seqs=4,
+    config = dict(max_model_len=128, max_num_seqs=4, device="cpu",
                   speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     with LLM(**config) as single:
         seeded_single_rank = _token_ids(single.generate(PROMPTS, SEEDED, use_tqdm=False))

@@ -132,7 +132,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [T]; q [T, H, d]; k [T, d] or [T, 1, d]. Returns rotated (q, k), same shapes."""
-        if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
+        capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing and positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
             raise ValueError(
                 f"position {int(positions.max())} is beyond max_position_embeddings="
                 f"{self.cos_cache.shape[0]}; lower max_model_len"

@@ -5,6 +5,7 @@ steps on the same scheduler output; only rank 0's ModelRunnerOutput goes back to
 """
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -73,11 +74,7 @@ class Worker:
         budget = getattr(cache, "kv_cache_memory_bytes", None)
         if budget is None:
             if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-                free, total = torch.cuda.mem_get_info(self.device)
-                utilization = float(getattr(cache, "gpu_memory_utilization",
-                                            _DEFAULT_GPU_MEMORY_UTILIZATION))
-                budget = int(free - (1.0 - utilization) * total)
+                budget = self._free_gpu_memory_budget()
             else:
                 budget = _DEFAULT_CPU_KV_CACHE_BYTES
         num_blocks = int(get_num_blocks(max(budget, 0), specs))
@@ -85,6 +82,23 @@ class Worker:
             # Enough for max_num_seqs full-length requests is all a CPU run can use anyway.
             num_blocks = min(num_blocks, self._blocks_for_full_batch())
         return num_blocks
+
+    def _free_gpu_memory_budget(self) -> int:
+        torch.cuda.synchronize(self.device)
+        # Memory cached by an earlier engine in this process would otherwise count as used.
+        gc.collect()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        utilization = float(getattr(self.vllm_config.cache_config, "gpu_memory_utilization",
+                                    _DEFAULT_GPU_MEMORY_UTILIZATION))
+        budget = int(free - (1.0 - utilization) * total)
+        if budget <= 0:
+            raise ValueError(
+                f"rank {self.rank}: no GPU memory left for the KV cache ({free / 2**30:.1f} GiB "
+                f"free of {total / 2**30:.1f} GiB, {1 - utilization:.0%} kept in reserve); free "
+                "the GPU (another engine alive?) or set kv_cache_memory_bytes / "
+                "num_gpu_blocks_override")
+        return budget
 
     def _blocks_for_full_batch(self) -> int:
         cfg = self.vllm_config
@@ -116,3 +130,7 @@ class Worker:
             destroy_model_parallel()
         finally:
             destroy_distributed_environment()
+        if self.device.type == "cuda":
+            # Hand the KV cache and weights back, for a later engine in this process.
+            gc.collect()
+            torch.cuda.empty_cache()

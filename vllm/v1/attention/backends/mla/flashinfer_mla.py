@@ -19,6 +19,7 @@ machines without it; CPU tests replace that function with recording fakes.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -29,11 +30,23 @@ from vllm.v1.attention.backend import AttentionBackend, CommonAttentionMetadata
 from vllm.v1.attention.backends.mla.common import (MLACommonDecodeMetadata, MLACommonImpl,
                                                     MLACommonMetadata,
                                                     MLACommonMetadataBuilder, MLADecodeKind)
+from vllm.v1.attention.backends.mla.torch_mla import TorchMLAImpl
+
+logger = logging.getLogger(__name__)
 
 LN2 = math.log(2.0)
 DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024
 BLACKWELL_BLOCK_SIZES = (32, 64)
-_FA3_DTYPES = (torch.bfloat16, torch.float16)  # what fa3 plans accept (float fakes widen it)
+_FA3_DTYPES = (torch.bfloat16, torch.float16)  # what the kernels accept (float fakes widen it)
+_warned: set[str] = set()
+
+
+def _warn_fallback_once(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        logger.warning("FLASHINFER_MLA falls back to the exact TORCH_MLA decode: %s. Use "
+                       "dtype=bfloat16 (and one backend for builder and layers) to run the "
+                       "FlashInfer kernels.", reason)
 KernelFamily = Literal["hopper", "blackwell"]
 CausalPlanMode = Literal["auto", "runs", "flattened"]
 
@@ -220,25 +233,29 @@ class FlashInferMLAImpl(MLACommonImpl):
                  qk_rope_head_dim: int = 64, qk_nope_head_dim: int = 128, **kwargs: Any):
         super().__init__(num_heads, scale, kv_lora_rank, qk_rope_head_dim)
         self.qk_nope_head_dim = qk_nope_head_dim
+        self._exact = TorchMLAImpl(num_heads, scale, kv_lora_rank, qk_rope_head_dim)
 
     def forward_decode(self, q: torch.Tensor, kv_cache: torch.Tensor,
                        decode_meta: MLACommonDecodeMetadata
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_decode_inputs(q, kv_cache, decode_meta)
         state = decode_meta.backend_state
+        reason = None
         if not isinstance(state, FlashInferDecodeState):
-            raise ValueError("FLASHINFER_MLA forward_decode needs metadata built by "
-                             "FlashInferMLAMetadataBuilder (backend_state missing).")
+            reason = "the metadata was not built by FlashInferMLAMetadataBuilder"
+        elif q.dtype not in _FA3_DTYPES or kv_cache.dtype != q.dtype:
+            reason = (f"the kernels need bf16/fp16 q and cache of one dtype (got q {q.dtype}, "
+                      f"cache {kv_cache.dtype})")
+        if reason is not None:
+            # Same geometry (row_seq_lens) through the exact reference: correct, just slower.
+            _warn_fallback_once(reason)
+            return self._exact.forward_decode(q, kv_cache, decode_meta)
         if state.kernel_family == "hopper":
             return self._forward_hopper(q, kv_cache, decode_meta, state)
         return self._forward_blackwell(q, kv_cache, decode_meta, state)
 
     # ----------------------------------------------------------------- Hopper
     def _forward_hopper(self, q, kv_cache, decode_meta, state: FlashInferDecodeState):
-        if q.dtype not in _FA3_DTYPES or kv_cache.dtype != q.dtype:
-            raise ValueError(f"FLASHINFER_MLA (fa3) needs bf16/fp16 q and cache of one dtype, got "
-                             f"q {q.dtype}, cache {kv_cache.dtype}; run the model with "
-                             f"dtype=bfloat16 or use attention_backend=TORCH_MLA.")
         inputs = state.hopper_inputs
         if inputs is None:  # only zero-length padding rows
             return (q.new_zeros(q.shape[0], q.shape[1], self.kv_lora_rank),
