@@ -34,7 +34,7 @@ def register(subparsers) -> None:
                        help="a prompt (repeatable)")
     group.add_argument("--prompts-file", default=None, metavar="F",
                        help="text file with one prompt per line (blank lines skipped)")
-    group.add_argument("--max-tokens", type=int, default=32, help="tokens per completion")
+    group.add_argument("--max-tokens", type=int, default=24, help="tokens per completion")
     group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     group.add_argument("--top-p", type=float, default=None)
     group.add_argument("--top-k", type=int, default=None)

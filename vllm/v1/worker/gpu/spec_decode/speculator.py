@@ -67,16 +67,12 @@ class Speculator:
         self.input_buffers = InputBuffers(max_num_reqs, max_num_tokens, self.device)
         # Host upper bound of the draft seq_lens (metadata aliases it, like the other buffers).
         self.seq_lens_cpu_upper_bound = torch.zeros(max_num_reqs, dtype=torch.int32)
-        self.model: Any = None
+        self.model: Any = None  # the drafter, set by the runner after loading it
         self.kv_cache_config: Any = None
         self.attn_metadata_builders: list[Any] = []
         self.group_ids: tuple[int, ...] = ()
 
     # ----------------------------------------------------------------- set-up
-    def load_model(self, target_model: Any) -> None:
-        from vllm.model_executor.model_loader import get_draft_model
-        self.model = get_draft_model(self.vllm_config, target_model)
-
     def bind_attention(self, kv_cache_config: Any, attn_metadata_builders: list[Any],
                        group_ids: tuple[int, ...]) -> None:
         """Attach the KV cache groups that hold this drafter's layers (and their builders)."""
