@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Runs the GPU validation on the H200 node (see README "GPU node"). Usage, from the project root:
+#   bash scripts/gpu_validation.sh kernels   # foundation/attention/model/sampler GPU tests + NCCL test
+#   bash scripts/gpu_validation.sh bench     # benchmarks/kernels/benchmark_mla_dcp.py (DCP 1,2)
+#   bash scripts/gpu_validation.sh engine    # engine / e2e exactness / server GPU tests
+# Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
+set -uo pipefail
+out="${OUT:-out}"; mkdir -p "$out"
+[ -f .gpu/env.sh ] || bash ../shared/gpu/stage.sh
+export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
+# shellcheck disable=SC1091
+source .gpu/env.sh || exit 1
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
+summary=()
+run_pytest() {  # name, then pytest arguments
+  local name="$1"; shift
+  timeout "${PYTEST_TIMEOUT_S:-420}" python3 -m pytest -m gpu -q -p no:cacheprovider -rA \
+    --junitxml="$out/junit_$name.xml" "$@" >"$out/pytest_$name.log" 2>&1
+  local rc=$?
+  summary+=("$name rc=$rc $(tail -n 1 "$out/pytest_$name.log")")
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)" "$out/pytest_$name.log" | sed "s/^/[$name] /" | tail -n 80
+}
+for what in "$@"; do
+  case "$what" in
+    kernels) run_pytest kernels tests/foundation tests/attention tests/models tests/sample tests/distributed ;;
+    bench)
+      timeout 300 python3 benchmarks/kernels/benchmark_mla_dcp.py --out "$out/bench" --dcp-sizes "${DCP_SIZES:-1,2}" \
+        >"$out/bench.log" 2>&1
+      summary+=("bench rc=$?"); tail -n 40 "$out/bench.log" ;;
+    engine) run_pytest engine tests/engine tests/e2e tests/spec_decode tests/entrypoints ;;
+    *) echo "unknown group $what" >&2; exit 2 ;;
+  esac
+done
+echo "==== summary ===="
+printf '%s\n' "${summary[@]}"
