@@ -90,13 +90,42 @@ def test_inconsistent_scheduler_output_raises(tiny):
         runner.execute_model(stale_computed)
 
 
-def test_probabilistic_draft_sampling_is_refused_clearly(tiny):
-    config = make_config(tiny.target, "eagle", tiny.eagle, k=2)
-    config.speculative_config.draft_sample_method = "probabilistic"
-    runner = GPUModelRunner(config, torch.device("cpu"), 0)
-    runner.load_model()
-    with pytest.raises(ValueError, match="draft_sample_method"):
-        runner.initialize_kv_cache(get_kv_cache_config(runner.get_kv_cache_spec(), num_blocks=8))
+def test_probabilistic_drafts_feed_their_q_to_rejection_sampling(tiny):
+    """draft_sample_method=probabilistic with probabilistic rejection: greedy requests stay exact
+    (their q is one-hot), the seeded random request reproduces, and verification receives the
+    q rows of exactly the drafts it checks."""
+    from vllm.sampling_params import SamplingParams
+
+    def run_once():
+        config = make_config(tiny.target, "dspark", tiny.dspark, k=3)
+        config.speculative_config.draft_sample_method = "probabilistic"
+        config.speculative_config.rejection_sample_method = "probabilistic"
+        runner = make_runner(config)
+        seen = []
+        sampler = runner.rejection_sampler
+
+        def recording(logits, drafts, metadata, draft_probs=None):
+            seen.append((sum(len(d) for d in drafts), draft_probs, drafts))
+            return sampler(logits, drafts, metadata, draft_probs)
+
+        runner.rejection_sampler = recording
+        prompts = {"g": [3, 1, 4, 1, 5, 9], "r": [2, 7, 1, 8]}
+        scenario = Scenario("prob", prompts, 8, sampling_params={
+            "r": SamplingParams(temperature=1.0, seed=11, max_tokens=8)})
+        return runner, run_scenario(runner, scenario), seen
+
+    runner, first, seen = run_once()
+    oracle = greedy_oracle(runner.model, {"g": [3, 1, 4, 1, 5, 9]}, 8)
+    assert first.outputs["g"] == oracle["g"]
+    _, second, _ = run_once()
+    assert second.outputs["r"] == first.outputs["r"]
+    verified = [(n, probs, drafts) for n, probs, drafts in seen if n > 0]
+    assert verified
+    for n, probs, drafts in verified:
+        assert probs.shape == (n, 260)
+        torch.testing.assert_close(probs.sum(-1), torch.ones(n))
+        flat = [t for d in drafts for t in d]
+        assert bool((probs[torch.arange(n), torch.tensor(flat)] > 0).all())
 
 
 def test_dspark_dcp_start_up_rejects_incapable_builder(tiny, monkeypatch):

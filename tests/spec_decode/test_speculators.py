@@ -232,3 +232,35 @@ def test_dflash_goes_through_patched_base_prepare(recorded_prepare):
     assert [c["values"] for c in recorded_prepare] == [[14]]
     assert recorded_prepare[0]["seq_lens"] is spec.input_buffers.seq_lens
     assert draft_builder.calls[-1].dcp_local_seq_lens == [8]
+
+
+def test_probabilistic_block_drafts_sample_q_left_to_right():
+    from types import SimpleNamespace
+
+    from vllm.v1.sample.metadata import SamplingMetadata, make_generator
+    from spec_fakes import make_vllm_config
+
+    def run(seed):
+        model = FakeBlockModel()
+        spec, _ = make_speculator(DSparkSpeculator, k=4, num_reqs=2, model=model,
+                                  group_non_causal=(False, True), draft_groups=(1,))
+        spec.draft_sample_method = "probabilistic"
+        inputs = make_inputs([8, 3], [4, 1], [1, 0], anchors=[5, 40])
+        # Row 0 samples at T=4 (flat enough to leave the argmax), row 1 is greedy.
+        inputs.sampling_metadata = SamplingMetadata.from_sampling_params(
+            [SimpleNamespace(temperature=4.0, top_k=0, top_p=1.0), None], "cpu",
+            {0: make_generator(seed, "cpu")})
+        return spec.propose(inputs), spec.draft_probs
+
+    drafts, probs = run(seed=3)
+    assert probs.shape == (2, 4, VOCAB)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, 4))
+    # Greedy row: argmax chain with one-hot q.
+    assert drafts[1].tolist() == [41, 42, 43, 44]
+    assert probs[1].max(-1).values.tolist() == [1.0] * 4
+    # Sampled row: every draft has positive q, and q_j is conditioned on draft j-1 (Markov bias).
+    for j in range(4):
+        assert probs[0, j, drafts[0, j]] > 0
+        previous = 5 if j == 0 else int(drafts[0, j - 1])
+        assert int(probs[0, j].argmax()) == (previous + 1) % VOCAB
+    assert torch.equal(run(seed=3)[0], drafts)  # the request's generator makes it reproducible

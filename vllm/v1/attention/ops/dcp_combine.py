@@ -74,37 +74,45 @@ if HAS_TRITON:
 
     @triton.jit
     def _correct_attn_out_kernel(out_ptr, lses_ptr, new_out_ptr, new_lse_ptr,
-                                 num_ranks, cp_rank, head_dim,
+                                 num_ranks, cp_rank, num_heads, head_dim,
                                  o_stride_t, o_stride_h, l_stride_n, l_stride_t, l_stride_h,
                                  no_stride_t, no_stride_h, nl_stride_t, nl_stride_h,
                                  IS_BASE_E: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 BLOCK_D: tl.constexpr):
-        # One program per (token, head): read the N LSEs, rescale this rank's O row.
+                                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        # One program per (token, block of BLOCK_H heads): a [BLOCK_N, BLOCK_H] tile of LSEs
+        # gives BLOCK_H scale factors, then one [BLOCK_H, BLOCK_D] tile of O is rescaled.
+        # Many heads per program keeps the grid small and the O loads wide (memory bound).
         t = tl.program_id(0)
-        h = tl.program_id(1)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask = h < num_heads
         n = tl.arange(0, BLOCK_N)
-        lse = tl.load(lses_ptr + n * l_stride_n + t * l_stride_t + h * l_stride_h,
-                      mask=n < num_ranks, other=float("-inf")).to(tl.float32)
+        lmask = (n[:, None] < num_ranks) & hmask[None, :]
+        lse = tl.load(lses_ptr + n[:, None] * l_stride_n + t * l_stride_t + h[None, :] * l_stride_h,
+                      mask=lmask, other=float("-inf")).to(tl.float32)
         lse = tl.where((lse != lse) | (lse == float("inf")), float("-inf"), lse)
         if not IS_BASE_E:
             lse = lse * 0.6931471805599453
         peak = tl.max(lse, axis=0)
         alive = peak > float("-inf")
         safe_peak = tl.where(alive, peak, 0.0)
-        total = tl.sum(tl.exp(lse - safe_peak), axis=0)
+        total = tl.sum(tl.exp(lse - safe_peak[None, :]), axis=0)
         lse_g = tl.where(alive, tl.log(total) + safe_peak, float("-inf"))
-        own = tl.sum(tl.where(n == cp_rank, lse, 0.0), axis=0)
+        own = tl.sum(tl.where(n[:, None] == cp_rank, lse, 0.0), axis=0)
         factor = tl.where(alive & (own > float("-inf")), tl.exp(own - lse_g), 0.0)
         d = tl.arange(0, BLOCK_D)
-        dmask = d < head_dim
-        o = tl.load(out_ptr + t * o_stride_t + h * o_stride_h + d, mask=dmask,
+        omask = hmask[:, None] & (d[None, :] < head_dim)
+        o = tl.load(out_ptr + t * o_stride_t + h[:, None] * o_stride_h + d[None, :], mask=omask,
                     other=0.0).to(tl.float32)
-        o = tl.where(factor > 0.0, o * factor, 0.0)
-        tl.store(new_out_ptr + t * no_stride_t + h * no_stride_h + d,
-                 o.to(new_out_ptr.dtype.element_ty), mask=dmask)
+        # where(), not a multiply: an empty row's O may hold NaN, and 0 * NaN must not leak.
+        o = tl.where(factor[:, None] > 0.0, o * factor[:, None], 0.0)
+        tl.store(new_out_ptr + t * no_stride_t + h[:, None] * no_stride_h + d[None, :],
+                 o.to(new_out_ptr.dtype.element_ty), mask=omask)
         if not IS_BASE_E:
             lse_g = lse_g * 1.4426950408889634
-        tl.store(new_lse_ptr + t * nl_stride_t + h * nl_stride_h, lse_g)
+        tl.store(new_lse_ptr + t * nl_stride_t + h * nl_stride_h, lse_g, mask=hmask)
+
+
+_MERGE_HEADS_PER_PROGRAM = 8
 
 
 def correct_attn_out_triton(out: torch.Tensor, lses: torch.Tensor, cp_rank: int,
@@ -115,12 +123,14 @@ def correct_attn_out_triton(out: torch.Tensor, lses: torch.Tensor, cp_rank: int,
     new_lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=out.device)
     if num_tokens == 0:
         return new_out, new_lse
-    _correct_attn_out_kernel[(num_tokens, num_heads)](
-        out, lses, new_out, new_lse, num_ranks, cp_rank, out.shape[-1],
+    block_h = min(_MERGE_HEADS_PER_PROGRAM, triton.next_power_of_2(num_heads))
+    grid = (num_tokens, triton.cdiv(num_heads, block_h))
+    _correct_attn_out_kernel[grid](
+        out, lses, new_out, new_lse, num_ranks, cp_rank, num_heads, out.shape[-1],
         out.stride(0), out.stride(1), lses.stride(0), lses.stride(1), lses.stride(2),
         new_out.stride(0), new_out.stride(1), new_lse.stride(0), new_lse.stride(1),
         IS_BASE_E=lse_base_on_e, BLOCK_N=triton.next_power_of_2(max(num_ranks, 2)),
-        BLOCK_D=triton.next_power_of_2(out.shape[-1]))
+        BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(out.shape[-1]))
     return new_out, new_lse
 
 

@@ -93,6 +93,8 @@ class GPUModelRunner:
         self.block_tables: BlockTables | None = None
         self.attn_metadata_builders: list[Any] = []
         self.kv_caches: dict[str, torch.Tensor] = {}
+        # Probabilistic drafting: q [k, V] of each request's pending drafts, for verification.
+        self.pending_draft_probs: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
@@ -183,6 +185,7 @@ class GPUModelRunner:
         for req_id in set(scheduler_output.finished_req_ids) | set(
                 scheduler_output.preempted_req_ids):
             state = self.requests.remove(req_id)
+            self.pending_draft_probs.pop(req_id, None)
             if state is not None:
                 self.block_tables.remove_request(state.slot)
             if req_id in scheduler_output.finished_req_ids:
@@ -245,7 +248,8 @@ class GPUModelRunner:
             params, self.device, self.generators.for_batch(req_ids))
         drafts = batch.drafts
         if self.rejection_sampler is not None:
-            result = self.rejection_sampler(logits, drafts, sampling_metadata)
+            result = self.rejection_sampler(logits, drafts, sampling_metadata,
+                                            self._draft_probs_for(req_ids, drafts, logits))
             sampled, num_draft, num_accepted = (result.sampled_token_ids, result.num_draft_tokens,
                                                 result.num_accepted_tokens)
         else:
@@ -278,12 +282,38 @@ class GPUModelRunner:
                 next_token_ids=torch.tensor([t[-1] for t in sampled], dtype=torch.int64,
                                             device=self.device),
                 aux_hidden_states=aux_hidden,
+                sampling_metadata=sampling_metadata,
             )
             spec_token_ids = self.speculator.propose(draft_inputs).tolist()
+            probs = self.speculator.draft_probs
+            for i, req_id in enumerate(req_ids):
+                if probs is None:
+                    self.pending_draft_probs.pop(req_id, None)
+                else:
+                    self.pending_draft_probs[req_id] = probs[i]
 
         return ModelRunnerOutput(req_ids=list(req_ids), sampled_token_ids=sampled,
                                  spec_token_ids=spec_token_ids, num_draft_tokens=list(num_draft),
                                  num_accepted_tokens=list(num_accepted))
+
+    def _draft_probs_for(self, req_ids: list[str], drafts: list[list[int]],
+                         logits: torch.Tensor) -> torch.Tensor | None:
+        """q of the drafts verified this step ([total drafts, V]), or None for greedy drafting
+        (the rejection sampler then treats q as one-hot on each draft)."""
+        if self.speculator is None or self.speculator.draft_sample_method == "greedy":
+            return None
+        rows = []
+        for req_id, req_drafts in zip(req_ids, drafts):
+            if not req_drafts:
+                continue
+            probs = self.pending_draft_probs.get(req_id)
+            if probs is None:  # drafts not sampled here: q is one-hot on them
+                probs = torch.nn.functional.one_hot(
+                    torch.tensor(req_drafts, device=self.device), logits.shape[-1]).float()
+            rows.append(probs[: len(req_drafts)])
+        if not rows:
+            return None
+        return torch.cat(rows).to(self.device)
 
     def _prepare_inputs(self, scheduler_output: Any) -> StepBatch:
         """Write this step's batch into the persistent buffers and build its metadata."""

@@ -39,6 +39,7 @@ class BlockSpeculator(Speculator):
 
     def propose(self, inputs: DraftInputs) -> torch.Tensor:
         num_reqs, q = inputs.num_reqs, self.query_len
+        self._begin_drafts(inputs)
         if num_reqs == 0:
             return torch.empty(0, self.num_speculative_tokens, dtype=torch.int64,
                                device=self.device)

@@ -42,6 +42,7 @@ class DraftInputs:
     last_accepted_index: torch.Tensor       # [num_reqs] int64
     next_token_ids: torch.Tensor            # [num_reqs] int64 anchors
     aux_hidden_states: torch.Tensor | None = None  # [T, k*D] tapped target layers (block drafters)
+    sampling_metadata: Any = None  # the step's SamplingMetadata (rows = requests); probabilistic drafts
 
 
 class Speculator:
@@ -57,12 +58,14 @@ class Speculator:
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         spec_config = vllm_config.speculative_config
         self.num_speculative_tokens = int(spec_config.num_speculative_tokens) if spec_config else 1
-        draft_sampling = getattr(spec_config, "draft_sample_method", "greedy")
-        if draft_sampling != "greedy":
-            # Verification would need the draft distributions q, which are not kept yet.
-            raise ValueError(
-                f"draft_sample_method={draft_sampling!r} is not supported by this runner; use "
-                "'greedy' (outputs stay exact under either rejection_sample_method).")
+        self.draft_sample_method = getattr(spec_config, "draft_sample_method", "greedy")
+        if self.draft_sample_method not in ("greedy", "probabilistic"):
+            raise ValueError(f"draft_sample_method={self.draft_sample_method!r} is invalid; use "
+                             "'greedy' or 'probabilistic'.")
+        # q of every draft of the last propose() ([num_reqs, k, V] float32), kept for rejection
+        # sampling; None when drafts were chosen greedily (q is then one-hot on the draft).
+        self.draft_probs: torch.Tensor | None = None
+        self._sampling_metadata: Any = None
         # The draft's own buffers: its seq_lens differ from the target's every draft step.
         self.input_buffers = InputBuffers(max_num_reqs, max_num_tokens, self.device)
         # Host upper bound of the draft seq_lens (metadata aliases it, like the other buffers).
@@ -91,6 +94,40 @@ class Speculator:
 
     def propose(self, inputs: DraftInputs) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement propose()")
+
+    # ------------------------------------------------------- draft choice
+    def _begin_drafts(self, inputs: DraftInputs) -> None:
+        self.draft_probs = None
+        self._sampling_metadata = inputs.sampling_metadata
+
+    def _choose_drafts(self, logits: torch.Tensor, index: int) -> torch.Tensor:
+        """Draft `index` of every request from logits [num_reqs, V].
+
+        "greedy": argmax. "probabilistic": a sample of q = softmax(logits / T) with the
+        request's temperature and generator (greedy requests keep argmax, q one-hot); q is kept
+        in `draft_probs` so that verification can accept with min(1, p/q).
+        """
+        greedy_tokens = logits.argmax(dim=-1)
+        metadata = self._sampling_metadata
+        if self.draft_sample_method == "greedy" or metadata is None:
+            return greedy_tokens
+        from vllm.v1.sample.metadata import SAMPLING_EPS
+        from vllm.v1.sample.sampler import compute_probs, random_sample
+        greedy_rows = metadata.temperature < SAMPLING_EPS
+        probs = compute_probs(logits, metadata.temperature, None, None)
+        probs = torch.where(greedy_rows[:, None],
+                            torch.nn.functional.one_hot(greedy_tokens, logits.shape[-1]).float(),
+                            probs)
+        tokens = greedy_tokens
+        if not metadata.all_greedy:
+            tokens = torch.where(greedy_rows, greedy_tokens,
+                                 random_sample(probs, metadata.generators))
+        if self.draft_probs is None:
+            self.draft_probs = torch.zeros(logits.shape[0], self.num_speculative_tokens,
+                                           logits.shape[-1], dtype=torch.float32,
+                                           device=logits.device)
+        self.draft_probs[:, index] = probs
+        return tokens
 
     # ------------------------------------------------------- shared metadata
     def _build_draft_attn_metadata(
@@ -183,7 +220,3 @@ class Speculator:
         with set_forward_context(attn_metadata, self.vllm_config):
             return fn(*args, **kwargs)
 
-
-def greedy_draft(logits: torch.Tensor) -> torch.Tensor:
-    """Greedy draft tokens; drafts only steer speed, verification decides the output."""
-    return logits.argmax(dim=-1)

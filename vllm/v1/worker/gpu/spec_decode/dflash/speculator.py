@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from vllm.v1.worker.gpu.spec_decode.block_speculator import BlockSpeculator
-from vllm.v1.worker.gpu.spec_decode.speculator import greedy_draft
 
 
 class DFlashSpeculator(BlockSpeculator):
@@ -16,4 +15,6 @@ class DFlashSpeculator(BlockSpeculator):
         return self.num_speculative_tokens + 1
 
     def select_drafts(self, logits: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-        return greedy_draft(logits[:, 1:, :])
+        mask_rows = range(1, logits.shape[1])
+        return torch.stack([self._choose_drafts(logits[:, row, :], row - 1) for row in mask_rows],
+                           dim=1)

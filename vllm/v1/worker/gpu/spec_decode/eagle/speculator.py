@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm.v1.worker.gpu.spec_decode.speculator import DraftInputs, Speculator, greedy_draft
+from vllm.v1.worker.gpu.spec_decode.speculator import DraftInputs, Speculator
 
 
 class EagleSpeculator(Speculator):
@@ -21,6 +21,7 @@ class EagleSpeculator(Speculator):
     def propose(self, inputs: DraftInputs) -> torch.Tensor:
         num_reqs = inputs.num_reqs
         buffers = self.input_buffers
+        self._begin_drafts(inputs)
         drafts = torch.empty(num_reqs, self.num_speculative_tokens, dtype=torch.int64,
                              device=self.device)
         if num_reqs == 0:
@@ -38,7 +39,7 @@ class EagleSpeculator(Speculator):
             attn_metadata, self.model, buffers.input_ids[:num_tokens],
             buffers.positions[:num_tokens], inputs.target_hidden_states[:num_tokens])
         rows = inputs.last_accepted_index
-        drafts[:, 0] = greedy_draft(self.model.compute_logits(hidden_for_logits[rows]))
+        drafts[:, 0] = self._choose_drafts(self.model.compute_logits(hidden_for_logits[rows]), 0)
         hidden = hidden_for_next[rows]
 
         accepted = torch.as_tensor(np.asarray(inputs.num_computed_new), dtype=torch.int64,
@@ -56,5 +57,6 @@ class EagleSpeculator(Speculator):
             hidden_for_logits, hidden = self._run_forward(
                 attn_metadata, self.model, buffers.input_ids[:num_reqs],
                 buffers.positions[:num_reqs], hidden)
-            drafts[:, step] = greedy_draft(self.model.compute_logits(hidden_for_logits))
+            drafts[:, step] = self._choose_drafts(self.model.compute_logits(hidden_for_logits),
+                                                  step)
         return drafts
