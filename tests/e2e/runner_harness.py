@@ -45,6 +45,8 @@ class ScenarioResult:
     accepted: dict[str, list[int]]             # accepted drafts per verification
     drafted: dict[str, list[int]]              # drafts verified per verification
     draft_logits: list[torch.Tensor] = field(default_factory=list)  # every drafter logits call
+    # req_id -> the request's whole token sequence (prompt + every sampled token) at each proposal
+    histories: dict[str, list[list[int]]] = field(default_factory=dict)
     num_dcp_decode_builds: int = 0     # decode metadata built under DCP (target and draft)
     local_len_mismatches: list[str] = field(default_factory=list)
     # (group_id, causal, global seq_lens, rank-local seq_lens, query lens) of every DCP decode
@@ -57,7 +59,12 @@ def make_config(model_dir: str, method: str | None = None, draft_dir: str | None
                 device: str = "cpu", dtype: str = "float32", max_model_len: int = 256):
     spec = None
     if method is not None:
-        spec = SpeculativeConfig(method=method, model=draft_dir, num_speculative_tokens=k)
+        # "<method>+prob": probabilistic drafts verified by probabilistic rejection sampling.
+        method, _, variant = method.partition("+")
+        sampling = "probabilistic" if variant == "prob" else None
+        spec = SpeculativeConfig(method=method, model=draft_dir, num_speculative_tokens=k,
+                                 draft_sample_method=sampling or "greedy",
+                                 rejection_sample_method=sampling or "strict")
     return VllmConfig(
         model_config=ModelConfig(model=model_dir, dtype=dtype, max_model_len=max_model_len,
                                  attention_backend=backend, device=device),
@@ -126,7 +133,8 @@ def run_scenario(runner: GPUModelRunner, scenario: Scenario,
                 spec_tokens[req_id] = drafts
         for req_id in [r for r in pending if scenario.arrival_step.get(r, 0) <= step]:
             prompt = pending.pop(req_id)
-            state = {"num_computed": 0, "blocks": [], "drafts": [], "num_generated": 0}
+            state = {"num_computed": 0, "blocks": [], "drafts": [], "num_generated": 0,
+                     "tokens": list(prompt)}
             ids = allocate(state, len(prompt) + k + 1)
             new_reqs.append(NewRequestData(req_id, list(prompt), ids, 0,
                                            scenario.sampling_params.get(req_id)))
@@ -149,9 +157,11 @@ def run_scenario(runner: GPUModelRunner, scenario: Scenario,
                 out.num_draft_tokens[i] - out.num_accepted_tokens[i])
             result.outputs[req_id].extend(tokens)
             state["num_generated"] += len(tokens)
+            state["tokens"].extend(tokens)
             if out.spec_token_ids is not None:
                 state["drafts"] = list(out.spec_token_ids[i])
                 result.proposals[req_id].append(list(out.spec_token_ids[i]))
+                result.histories.setdefault(req_id, []).append(list(state["tokens"]))
             if len(result.outputs[req_id]) >= scenario.max_new_tokens:
                 result.outputs[req_id] = result.outputs[req_id][: scenario.max_new_tokens]
                 del running[req_id]
@@ -261,10 +271,12 @@ def run_all_methods(paths: dict[str, str], cases: list[tuple[str | None, int]], 
                     oracle: dict[str, list[int]], *, dcp: int = 1, interleave: int = 1,
                     rank: int = 0, backend: str = "TORCH_MLA", device: str = "cpu",
                     dtype: str = "float32") -> dict[str, ScenarioResult]:
-    """One runner per (method, k) on this rank; results keyed by method name."""
+    """One runner per (method, k) on this rank; results keyed by method name (a method may carry
+    a "+prob" variant suffix)."""
     results = {}
     for method, k in cases:
-        config = make_config(paths["target"], method, paths.get(method), k=k, dcp=dcp,
+        draft_dir = paths.get(method.partition("+")[0]) if method else None
+        config = make_config(paths["target"], method, draft_dir, k=k, dcp=dcp,
                              interleave=interleave, backend=backend, device=device, dtype=dtype)
         runner = make_runner(config, device=device, rank=rank)
         results[spec_tag(method)] = run_scenario(runner, scenario, oracle)

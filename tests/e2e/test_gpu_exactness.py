@@ -19,7 +19,8 @@ from vllm.model_executor.models.tiny import write_tiny_models
 pytestmark = pytest.mark.gpu
 
 METHODS = ("eagle", "mtp", "dflash", "dspark")
-CASES = [(None, 0), ("eagle", 3), ("mtp", 3), ("dflash", 3), ("dspark", 4)]
+CASES = [(None, 0), ("eagle", 3), ("mtp", 3), ("dflash", 3), ("dspark", 4), ("dspark+prob", 4)]
+ALL_SPEC = (*METHODS, "dspark+prob")
 NUM_SPEC = dict(CASES)
 MAX_NEW = 9
 MIN_MARGIN = 0.5
@@ -69,7 +70,7 @@ def _check_exact(result, oracle, method):
             assert result.accepted[req_id][: len(script)] == [k if a < 0 else a for a in script]
 
 
-@pytest.mark.parametrize("method", ["plain", *METHODS])
+@pytest.mark.parametrize("method", ["plain", *ALL_SPEC])
 def test_flashinfer_dcp1_greedy_exact(gpu_setup, dcp1_results, method):
     _check_exact(dcp1_results[method], gpu_setup[2], method)
 
@@ -91,7 +92,7 @@ def dcp2_results(gpu_setup):
 
 
 @pytest.mark.parametrize("interleave", [1, 4])
-@pytest.mark.parametrize("method", ["plain", *METHODS])
+@pytest.mark.parametrize("method", ["plain", *ALL_SPEC])
 def test_flashinfer_dcp2_two_gpus_greedy_exact(gpu_setup, dcp2_results, method, interleave):
     result = dcp2_results(interleave)[method]
     _check_exact(result, gpu_setup[2], method)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner_harness import (Scenario, greedy_oracle, make_config, make_runner, run_all_methods,
+from runner_harness import (spec_tag, Scenario, greedy_oracle, make_config, make_runner, run_all_methods,
                             spawn_dcp_world)
 from vllm.model_executor.models.tiny import write_tiny_models
 from vllm.sampling_params import SamplingParams
@@ -27,7 +27,9 @@ pytestmark = pytest.mark.slow
 
 METHODS = ("eagle", "mtp", "dflash", "dspark")
 # DSpark drafts k = Q = 4 tokens (the worked example's block); the others draft 3.
-CASES = [(None, 0), ("eagle", 3), ("mtp", 3), ("dflash", 3), ("dspark", 4)]
+# "dspark+prob": sampled drafts whose q feeds probabilistic rejection sampling.
+CASES = [(None, 0), ("eagle", 3), ("mtp", 3), ("dflash", 3), ("dspark", 4), ("dspark+prob", 4)]
+ALL_SPEC = (*METHODS, "dspark+prob")
 NUM_SPEC = dict(CASES)
 PROMPTS = {
     "a": [72, 101, 108, 108, 111, 32, 119, 111],                              # 8 tokens
@@ -58,7 +60,7 @@ def e2e(tmp_path_factory):
         results[dcp], stale_results = spawn_dcp_world(dcp, interleave, paths, CASES, SCENARIO,
                                                       oracle, stale_cases)
         stale.update(stale_results)
-    return {"oracle": oracle, "results": results, "stale": stale}
+    return {"oracle": oracle, "results": results, "stale": stale, "paths": paths}
 
 
 def test_oracle_is_not_degenerate(e2e):
@@ -68,14 +70,14 @@ def test_oracle_is_not_degenerate(e2e):
 
 
 @pytest.mark.parametrize("dcp", [1, 2, 4])
-@pytest.mark.parametrize("method", ["plain", *METHODS])
+@pytest.mark.parametrize("method", ["plain", *ALL_SPEC])
 def test_greedy_output_equals_plain_greedy(e2e, method, dcp):
     result = e2e["results"][dcp][method]
     assert {r: result.outputs[r] for r in GREEDY_IDS} == e2e["oracle"]
 
 
 @pytest.mark.parametrize("dcp", [2, 4])
-@pytest.mark.parametrize("method", ["plain", *METHODS])
+@pytest.mark.parametrize("method", ["plain", *ALL_SPEC])
 def test_seeded_sampling_is_identical_on_every_dcp_size(e2e, method, dcp):
     """Random rows draw from per-request generators seeded alike on every rank: the sampled
     continuation (drafts verified by rejection sampling) does not depend on DCP."""
@@ -84,7 +86,7 @@ def test_seeded_sampling_is_identical_on_every_dcp_size(e2e, method, dcp):
 
 
 @pytest.mark.parametrize("dcp", [1, 2, 4])
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", ALL_SPEC)
 def test_scripted_rejections_are_verified_exactly(e2e, method, dcp):
     result = e2e["results"][dcp][method]
     k = NUM_SPEC[method]
@@ -97,7 +99,7 @@ def test_scripted_rejections_are_verified_exactly(e2e, method, dcp):
 
 
 @pytest.mark.parametrize("dcp", [2, 4])
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", ALL_SPEC)
 def test_drafts_do_not_depend_on_dcp(e2e, method, dcp):
     base, other = e2e["results"][1][method], e2e["results"][dcp][method]
     assert other.proposals == base.proposals
@@ -107,7 +109,7 @@ def test_drafts_do_not_depend_on_dcp(e2e, method, dcp):
 
 
 @pytest.mark.parametrize("dcp", [2, 4])
-@pytest.mark.parametrize("method", ["plain", *METHODS])
+@pytest.mark.parametrize("method", ["plain", *ALL_SPEC])
 def test_rank_local_lengths_match_global_in_every_build(e2e, method, dcp):
     result = e2e["results"][dcp][method]
     assert result.num_dcp_decode_builds > 0
@@ -140,3 +142,40 @@ def test_stale_target_lengths_control_is_caught(e2e, method):
     stale = e2e["stale"][method]
     assert {r: stale.outputs[r] for r in GREEDY_IDS} == e2e["oracle"]
     assert stale.local_len_mismatches
+    # The stale lengths are load-bearing: the drafter attends over the wrong local KV, so its
+    # logits differ from the correct DCP=2 run somewhere (kernels read the lengths handed in).
+    good = e2e["results"][2][spec_tag(method)]
+    assert any(a.shape != b.shape or not torch.allclose(a, b, atol=1e-4)
+               for a, b in zip(stale.draft_logits, good.draft_logits))
+
+
+@torch.inference_mode()
+def _reference_ar_drafts(target, drafter, tokens: list[int], k: int) -> list[int]:
+    """EAGLE/MTP drafts by full recomputation (no paged cache): the drafter reads (token p+1,
+    target hidden p) for every accepted position, then chains its own outputs."""
+    prefix = torch.tensor(tokens)                     # accepted prefix + anchor (last token)
+    n = len(tokens)
+    hidden = target(prefix[:-1], torch.arange(n - 1))  # target hidden of the accepted prefix
+    ids, feats, drafts = prefix[1:], hidden, []
+    for _ in range(k):
+        for_logits, for_next = drafter(ids, torch.arange(ids.shape[0]), feats)
+        drafts.append(int(drafter.compute_logits(for_logits[-1:]).argmax()))
+        ids = torch.cat([ids, torch.tensor(drafts[-1:])])
+        feats = torch.cat([feats, for_next[-1:]])
+    return drafts
+
+
+@pytest.mark.parametrize("method", ["eagle", "mtp"])
+def test_autoregressive_drafts_match_cache_free_reference(e2e, method):
+    """The paged, rolled-back AR drafting (DCP=1) proposes exactly what a cache-free recompute of
+    the drafter proposes from the same accepted prefix, at every step of every request."""
+    paths = e2e["paths"]
+    runner = make_runner(make_config(paths["target"], method, paths[method], k=NUM_SPEC[method]))
+    result = e2e["results"][1][method]
+    checked = 0
+    for req_id, histories in result.histories.items():
+        for tokens, proposal in zip(histories, result.proposals[req_id]):
+            assert proposal == _reference_ar_drafts(runner.model, runner.draft_model, tokens,
+                                                    NUM_SPEC[method]), (req_id, len(tokens))
+            checked += 1
+    assert checked >= 12  # every proposal of every request (about 5 per request here)

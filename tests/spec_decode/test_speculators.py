@@ -238,7 +238,6 @@ def test_probabilistic_block_drafts_sample_q_left_to_right():
     from types import SimpleNamespace
 
     from vllm.v1.sample.metadata import SamplingMetadata, make_generator
-    from spec_fakes import make_vllm_config
 
     def run(seed):
         model = FakeBlockModel()

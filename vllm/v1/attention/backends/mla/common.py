@@ -231,7 +231,7 @@ class MLACommonMetadataBuilder:
         else:
             seq_lens, tot, max_seq_len = global_lens, None, cm.max_seq_len
         qsl_dev = self._alias(cm.query_start_loc, num_decodes + 1)
-        row_seq_lens = self._row_seq_lens(cm, num_decodes, num_decode_tokens, causal)
+        row_seq_lens = self._row_seq_lens(cm, num_decodes, num_decode_tokens, causal, seq_lens)
         return MLACommonDecodeMetadata(
             block_table=self._alias(cm.block_table_tensor, num_decodes),
             seq_lens=seq_lens, dcp_tot_seq_lens=tot, query_start_loc=qsl_dev,
@@ -242,21 +242,32 @@ class MLACommonMetadataBuilder:
             dcp_world_size=n, dcp_rank=r, dcp_interleave=inter)
 
     def _row_seq_lens(self, cm: CommonAttentionMetadata, num_decodes: int,
-                      num_tokens: int, causal: bool) -> torch.Tensor:
-        """Visible KV count on this rank for every decode query row (device, int32)."""
+                      num_tokens: int, causal: bool, local_seq_lens: torch.Tensor
+                      ) -> torch.Tensor:
+        """Visible KV count on this rank for every decode query row (device, int32).
+
+        A row that sees the whole sequence (every non-causal row, and the last row of a causal
+        block) reads the rank-local length handed in by the caller (`local_seq_lens`, i.e.
+        CommonAttentionMetadata.dcp_local_seq_lens under DCP): those are the lengths the
+        runner/speculator is responsible for keeping current, exactly what the sm100 kernel
+        reads too. Only the earlier rows of a causal block need a bound below the sequence end,
+        and that bound is taken from GLOBAL positions (DESIGN §2), never as an offset in local
+        coordinates.
+        """
         device = cm.seq_lens.device
         qsl = cm.query_start_loc[: num_decodes + 1].to(device=device, dtype=torch.int64)
         qlen = qsl[1:] - qsl[:-1]
         req = torch.repeat_interleave(torch.arange(num_decodes, device=device), qlen,
                                       output_size=num_tokens)
-        global_len = cm.seq_lens[:num_decodes].to(torch.int64)[req]
-        if causal:
-            # row j of a Q-row block sees global positions < G - (Q-1-j)
-            j = torch.arange(num_tokens, device=device) - qsl[req]
-            global_len = global_len - (qlen[req] - 1 - j)
-        local = dcp_local_lengths(global_len, self.dcp_world_size, self.dcp_rank,
-                                  self.dcp_interleave)
-        return local.to(torch.int32)
+        whole = local_seq_lens[:num_decodes].to(device=device, dtype=torch.int64)[req]
+        if not causal:
+            return whole.to(torch.int32)
+        # row j of a Q-row block sees global positions < G - (Q-1-j)
+        offset = qlen[req] - 1 - (torch.arange(num_tokens, device=device) - qsl[req])
+        global_len = cm.seq_lens[:num_decodes].to(device=device, dtype=torch.int64)[req]
+        bounded = dcp_local_lengths(global_len - offset, self.dcp_world_size, self.dcp_rank,
+                                    self.dcp_interleave)
+        return torch.where(offset > 0, bounded.to(torch.int64), whole).to(torch.int32)
 
 
 # ---------------------------------------------------------------------- impl
