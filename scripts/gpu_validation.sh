@@ -2,7 +2,8 @@
 # Runs the GPU validation on the H200 node (see README "GPU node"). Usage, from the project root:
 #   bash scripts/gpu_validation.sh kernels   # foundation/attention/model/sampler GPU tests + NCCL test
 #   bash scripts/gpu_validation.sh bench     # benchmarks/kernels/benchmark_mla_dcp.py (DCP 1,2)
-#   bash scripts/gpu_validation.sh engine    # engine / e2e exactness / server GPU tests
+#   bash scripts/gpu_validation.sh engine    # engine / e2e exactness (FlashInfer DCP 1 and 2) GPU tests
+#   bash scripts/gpu_validation.sh surface   # `vllm generate` / `vllm serve` on CUDA (needs fastapi there)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
 set -uo pipefail
 out="${OUT:-out}"; mkdir -p "$out"
@@ -27,7 +28,8 @@ for what in "$@"; do
       timeout 300 python3 benchmarks/kernels/benchmark_mla_dcp.py --out "$out/bench" --dcp-sizes "${DCP_SIZES:-1,2}" \
         >"$out/bench.log" 2>&1
       summary+=("bench rc=$?"); tail -n 40 "$out/bench.log" ;;
-    engine) run_pytest engine tests/engine tests/e2e tests/spec_decode tests/entrypoints ;;
+    engine) run_pytest engine tests/engine tests/e2e tests/spec_decode ;;
+    surface) run_pytest surface tests/entrypoints ;;  # needs fastapi/uvicorn (README: GPU node)
     *) echo "unknown group $what" >&2; exit 2 ;;
   esac
 done
