@@ -130,9 +130,11 @@ def test_failure_outside_step_also_fails_waiters_instead_of_hanging():
     llm = AsyncLLM(BrokenAbort(), model_name="fake", max_model_len=64)
     try:
         async def main():
-            waiter = await llm.add_request("waiter", [1], params(10_000))
+            # Effectively endless requests: on a loaded machine the engine thread can run many
+            # thousands of fake steps before this coroutine gets to abort.
+            waiter = await llm.add_request("waiter", [1], params(10**9))
             await llm.abort("other")  # unknown id: never reaches the engine
-            doomed = await llm.add_request("doomed", [2], params(10_000))
+            doomed = await llm.add_request("doomed", [2], params(10**9))
             await llm.abort("doomed")
             with pytest.raises(EngineDeadError, match="abort exploded"):
                 await asyncio.wait_for(_drain(waiter), timeout=5)

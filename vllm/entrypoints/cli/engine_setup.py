@@ -100,6 +100,14 @@ def create_vllm_config(args: argparse.Namespace, use_default_speculator: bool = 
     """Validated VllmConfig from parsed flags (raises ValueError/CLIError on user mistakes)."""
     from vllm.engine.arg_utils import EngineArgs
 
+    if (args.model_tag or getattr(args, "model", None)) is None:
+        # Validate every flag before the built-in tiny model is written on first use: a user
+        # mistake must be reported as one line, not after a progress bar and a model write.
+        probe = argparse.Namespace(**vars(args))
+        probe.model = None
+        if hasattr(probe, "speculative_config"):
+            probe.speculative_config = parse_speculative_config(probe.speculative_config)
+        preflight(EngineArgs.from_cli_args(probe).create_engine_config())
     display = resolve_model(args, use_default_speculator)
     engine_args = EngineArgs.from_cli_args(args)
     config = engine_args.create_engine_config()

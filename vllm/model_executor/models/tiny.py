@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|mask|>")
 BOS_ID, EOS_ID, PAD_ID, MASK_ID = 256, 257, 258, 259
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
-_FORMAT_VERSION = 1  # bump when the written models change, so stale caches are rewritten
+_FORMAT_VERSION = 2  # bump when the written models change, so stale caches are rewritten
 
 
 @dataclass(frozen=True)
@@ -119,9 +119,13 @@ def tiny_dflash_config(target: dict, num_layers: int = 2, block_size: int = 4) -
             "target_layer_ids": sorted({0, n // 2, n - 1}), "block_size": block_size, "mask_token_id": MASK_ID}
 
 
-def tiny_dspark_config(target: dict, num_layers: int = 2, block_size: int = 4, markov_rank: int = 32) -> dict:
+def tiny_dspark_config(target: dict, num_layers: int = 2, block_size: int = 4,
+                       markov_rank: int | None = None) -> dict:
+    # The tiny head is full rank (r = V) so it can hold the tiny target's successor table
+    # exactly (see seed_markov_head); real DSpark checkpoints use r << V.
+    rank = target["vocab_size"] if markov_rank is None else markov_rank
     return {**tiny_dflash_config(target, num_layers, block_size), "architectures": ["DSparkMLAForCausalLM"],
-            "markov_rank": markov_rank}
+            "markov_rank": rank}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,6 +323,24 @@ def add_successor_structure(target_weights: dict[str, torch.Tensor], seed: int, 
     source[successor] = torch.arange(vocab)
     head = target_weights["lm_head.weight"]
     target_weights["lm_head.weight"] = ((1 - alpha) * head + alpha * embed[source] * (3.0 / math.sqrt(hidden))).contiguous()
+    return successor
+
+
+def seed_markov_head(dspark_weights: dict[str, torch.Tensor], successor: torch.Tensor,
+                     strength: float = 8.0) -> None:
+    """Give the tiny DSpark's Markov head the target's successor table: bias(prev) puts
+    `strength` logits on successor[prev]. The mask rows of an untrained tiny block drafter carry
+    no usable signal, so without this every draft after the first is a guess; with it the
+    left-to-right chaining (tok_j from logits_j + bias(tok_{j-1})) is what the acceptance
+    statistics show. Needs markov_rank == vocab_size (w1 = identity, w2 = strength * P)."""
+    w1, w2 = dspark_weights["markov_head.w1.weight"], dspark_weights["markov_head.w2.weight"]
+    vocab, rank = w1.shape
+    if rank != vocab:
+        raise ValueError(f"seed_markov_head needs markov_rank == vocab_size ({vocab}), got {rank}")
+    dspark_weights["markov_head.w1.weight"] = torch.eye(vocab, dtype=w1.dtype)
+    table = torch.zeros(vocab, vocab, dtype=w2.dtype)
+    table[successor, torch.arange(vocab)] = strength
+    dspark_weights["markov_head.w2.weight"] = table
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,8 +402,8 @@ def write_tiny_models(cache_dir: str | None = None, seed: int = 0, force: bool =
     are accepted more often than chance (once per cache, ~30-50 s CPU at the default; pass
     train_steps=0 for untrained drafters in a second); correctness never depends on it.
     Measured with the defaults (held-out top-1 agreement with the target, chance 1/260):
-    EAGLE 0.48, MTP 0.46, DFlash 0.015; DSpark 0.16 (its short run did not help, so its
-    initial weights, whose anchor row already follows the target's successor structure, stay).
+    EAGLE 0.48, MTP 0.46, DFlash 0.015. DSpark's Markov head is seeded with the target's
+    successor table (seed_markov_head) before distillation.
     """
     from tqdm import tqdm
 
@@ -405,7 +427,8 @@ def write_tiny_models(cache_dir: str | None = None, seed: int = 0, force: bool =
         "dspark": (tiny_dspark_config(target_cfg), dspark_tensor_shapes),
     }
     weights = {name: random_weights(shapes(cfg), seed + k) for k, (name, (cfg, shapes)) in enumerate(configs.items())}
-    add_successor_structure(weights["target"], seed)
+    successor = add_successor_structure(weights["target"], seed)
+    seed_markov_head(weights["dspark"], successor)
     if train_steps > 0:
         weights = _distilled_weights(configs, weights, train_steps=train_steps, seed=seed)
     for name in tqdm(names, desc="writing tiny models", unit="model"):
