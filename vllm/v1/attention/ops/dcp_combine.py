@@ -112,25 +112,28 @@ if HAS_TRITON:
         tl.store(new_lse_ptr + t * nl_stride_t + h * nl_stride_h, lse_g, mask=hmask)
 
 
-_MERGE_HEADS_PER_PROGRAM = 8
+# Swept on an H200 (B=64, 128 heads, N in {2,4,8}; heads/program 1-16 x warps 1-8): 4 heads and
+# 4 warps were within noise of the best everywhere, ~4.2 us per merge amortised in a graph.
+_MERGE_HEADS_PER_PROGRAM = 4
 
 
 def correct_attn_out_triton(out: torch.Tensor, lses: torch.Tensor, cp_rank: int,
-                            lse_base_on_e: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                            lse_base_on_e: bool = True, heads_per_program: int | None = None,
+                            num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     out = out.contiguous()
     num_ranks, num_tokens, num_heads = lses.shape
     new_out = torch.empty_like(out)
     new_lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=out.device)
     if num_tokens == 0:
         return new_out, new_lse
-    block_h = min(_MERGE_HEADS_PER_PROGRAM, triton.next_power_of_2(num_heads))
+    block_h = min(heads_per_program or _MERGE_HEADS_PER_PROGRAM, triton.next_power_of_2(num_heads))
     grid = (num_tokens, triton.cdiv(num_heads, block_h))
     _correct_attn_out_kernel[grid](
         out, lses, new_out, new_lse, num_ranks, cp_rank, num_heads, out.shape[-1],
         out.stride(0), out.stride(1), lses.stride(0), lses.stride(1), lses.stride(2),
         new_out.stride(0), new_out.stride(1), new_lse.stride(0), new_lse.stride(1),
         IS_BASE_E=lse_base_on_e, BLOCK_N=triton.next_power_of_2(max(num_ranks, 2)),
-        BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(out.shape[-1]))
+        BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(out.shape[-1]), num_warps=num_warps)
     return new_out, new_lse
 
 
