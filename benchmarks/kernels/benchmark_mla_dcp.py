@@ -107,13 +107,19 @@ def section_a(batch=64, ctx=32768, heads=16) -> dict:
     q = torch.randn(batch, heads, KV_WIDTH, device="cuda", dtype=torch.bfloat16)
     wrapper = make_wrapper()
     plan_csr(wrapper, [1] * batch, [ctx] * batch, lambda i: table[i], heads, 1 / math.sqrt(192))
-    ms = time_cuda(lambda: run_wrapper(wrapper, q, cache), repeats=50)
+    single_ms = time_cuda(lambda: run_wrapper(wrapper, q, cache), repeats=50)
+    # Steady state: 10 decode calls back to back per timed interval, as consecutive layers run;
+    # this drops the per-call launch gap (~1-2 % of a 0.6 ms call) that the single-call time holds.
+    chain = 10
+    ms = time_cuda(lambda: [run_wrapper(wrapper, q, cache) for _ in range(chain)],
+                   repeats=20) / chain
     kv_bytes = batch * ctx * KV_WIDTH * 2
     copy_bw = measured_copy_bandwidth()
     attn_bw = kv_bytes / (ms * 1e-3)
-    return dict(batch=batch, ctx=ctx, heads=heads, ms=ms, kv_gb=kv_bytes / 1e9,
-                attn_tb_s=attn_bw / 1e12, copy_tb_s=copy_bw / 1e12,
-                fraction_of_copy=attn_bw / copy_bw, target=0.90)
+    return dict(batch=batch, ctx=ctx, heads=heads, ms=ms, single_call_ms=single_ms,
+                kv_gb=kv_bytes / 1e9, attn_tb_s=attn_bw / 1e12, copy_tb_s=copy_bw / 1e12,
+                fraction_of_copy=attn_bw / copy_bw,
+                single_call_fraction_of_copy=kv_bytes / (single_ms * 1e-3) / copy_bw, target=0.90)
 
 
 def section_b(batch=64, ctx=8192, heads=16, block_sizes=(4, 7, 8, 16)) -> list[dict]:
@@ -312,7 +318,8 @@ def print_table(results: dict) -> None:
     a = results["a"]
     print(f"\n(a) decode B={a['batch']} ctx={a['ctx']} H={a['heads']}: {a['ms']:.3f} ms, "
           f"{a['attn_tb_s']:.2f} TB/s vs copy {a['copy_tb_s']:.2f} TB/s = "
-          f"{a['fraction_of_copy']:.1%} (target >= 90%)")
+          f"{a['fraction_of_copy']:.1%} (target >= 90%); 10 calls back to back. One call alone: "
+          f"{a['single_call_ms']:.3f} ms = {a['single_call_fraction_of_copy']:.1%}")
     print("\n(b)  Q | fused ms | flattened ms | speedup | fused / Q=1 | max|diff|")
     for r in results["b"]:
         print(f"   {r['Q']:3d} | {r['fused_ms']:8.3f} | {r['flattened_ms']:12.3f} | "
