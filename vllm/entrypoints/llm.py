@@ -59,17 +59,19 @@ class LLM:
                 order[request_id] = index
                 added.append(request_id)
             results: list = [None] * len(prompt_list)
+            num_pending = len(prompt_list)
             progress = tqdm(total=len(prompt_list), desc="Processed prompts", disable=not use_tqdm)
             with progress:
-                while engine.has_unfinished_requests() and any(r is None for r in results):
+                while num_pending and engine.has_unfinished_requests():
                     for output in engine.step():
                         if output.finished and output.request_id in order:
                             results[order[output.request_id]] = output
+                            num_pending -= 1
                             progress.update(1)
         except BaseException:
             # Leave no half-finished request of this call behind in a live engine.
             if not getattr(engine.executor, "is_shutdown", True):
-                engine.abort_request([r for r in added])
+                engine.abort_request(list(added))
             raise
         missing = [i for i, r in enumerate(results) if r is None]
         if missing:

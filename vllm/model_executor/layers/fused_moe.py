@@ -94,10 +94,20 @@ class DeepseekMoE(nn.Module):
             topk_groups=self.topk_groups, renormalize=self.renormalize,
             routed_scaling_factor=self.routed_scaling_factor)
         out = torch.zeros_like(x)
-        for expert_id in ids.unique().tolist():
-            token_idx, slot = torch.where(ids == expert_id)
+        # Group the (token, slot) pairs by expert with one stable sort: each expert's rows come out in
+        # token order, and the per-expert counts cost one host sync per layer (not one per expert).
+        flat_ids = ids.flatten()
+        order = flat_ids.argsort(stable=True)
+        token_of = order // ids.shape[-1]
+        weight_of = weights.flatten()[order].to(x.dtype)
+        start = 0
+        for expert_id, count in enumerate(torch.bincount(flat_ids, minlength=self.num_experts).tolist()):
+            if count == 0:
+                continue
+            token_idx = token_of[start:start + count]
             expert_out = self.experts[expert_id](x[token_idx])
-            out.index_add_(0, token_idx, expert_out * weights[token_idx, slot, None].to(x.dtype))
+            out.index_add_(0, token_idx, expert_out * weight_of[start:start + count, None])
+            start += count
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         group = tp_group()

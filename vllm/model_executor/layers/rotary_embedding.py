@@ -7,6 +7,7 @@ multiplied by mscale(factor, mscale_all_dim)^2 (see `yarn_softmax_scale_factor`)
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -92,6 +93,26 @@ def _yarn_inv_freq_and_attention_factor(dim: int, base: float, scaling: dict[str
     return inv_freq, float(attention_factor)
 
 
+# (max_position, inv_freq, attention_factor, device) -> cos / sin table. Every MLA layer of a model
+# builds the same rope, so the [max_position, d/2] tables are built once and shared (each layer its own
+# copy would be ~40 MB per layer at DeepSeek-V3's 163840 positions). Weak values: a table lives as long
+# as some module holds it; `.to()` / `.half()` give a module new tensors and leave these untouched.
+_COS_SIN_TABLES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _cos_sin_tables(max_position: int, inv_freq: torch.Tensor,
+                    attention_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    device = torch.empty(0).device  # the device this module is being built on
+    key = (max_position, tuple(inv_freq.tolist()), attention_factor, str(device))
+    cos, sin = _COS_SIN_TABLES.get(key + ("cos",)), _COS_SIN_TABLES.get(key + ("sin",))
+    if cos is None or sin is None:
+        # float32 angles, as Hugging Face computes them, so logits agree at 1e-4 even at long positions
+        angles = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        cos, sin = angles.cos() * attention_factor, angles.sin() * attention_factor
+        _COS_SIN_TABLES[key + ("cos",)], _COS_SIN_TABLES[key + ("sin",)] = cos, sin
+    return cos, sin
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates q_pe / k_pe in place of their layout.
 
@@ -113,10 +134,9 @@ class RotaryEmbedding(nn.Module):
             inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.float32) / head_size))
             attention_factor = 1.0
         self.attention_factor = attention_factor
-        # float32 angles, as Hugging Face computes them, so logits agree at 1e-4 even at long positions
-        angles = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.register_buffer("cos_cache", angles.cos() * attention_factor, persistent=False)
-        self.register_buffer("sin_cache", angles.sin() * attention_factor, persistent=False)
+        cos, sin = _cos_sin_tables(max_position, inv_freq, attention_factor)
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

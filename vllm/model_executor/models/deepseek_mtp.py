@@ -74,12 +74,10 @@ class DeepSeekMTP(TargetSharingDrafter):
         n = self.config.num_hidden_layers
 
         def rename(name: str):
-            # A full DeepSeek checkpoint also holds the target's layers 0..n-1: skip them.
-            parts = name.split(".")
-            if name.startswith("model.layers.") and int(parts[2]) < n:
+            # Reading a full DeepSeek checkpoint: skip the target's tensors (embed, norm, lm_head)
+            # and its decoder layers 0..n-1.
+            if not name.startswith("model.layers.") or int(name.split(".")[2]) < n:
                 return None
-            if not name.startswith("model.layers."):
-                return None  # target tensors (embed, norm, lm_head) when reading a target checkpoint
             return name
 
         return load_named_weights(self, weights, ignore=SHARED_WITH_TARGET, rename=rename)

@@ -6,9 +6,7 @@ of a request share one list of block ids, so one pool serves every group.
 """
 from __future__ import annotations
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from vllm.v1.core.kv_cache_utils import cdiv
 
 
 class KVCacheManager:

@@ -202,8 +202,10 @@ class LLMEngine:
         text = state.detokenizer.output_text if state.detokenizer is not None else ""
         completion = CompletionOutput(index=0, text=text, token_ids=list(state.output_token_ids),
                                       finish_reason=finish_reason, stop_reason=stop_reason)
+        # The prompt ids never change after add_request, so every output shares one list (as
+        # upstream does) instead of copying the whole prompt for every request at every step.
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,
-                             prompt_token_ids=list(state.prompt_token_ids), outputs=[completion],
+                             prompt_token_ids=state.prompt_token_ids, outputs=[completion],
                              finished=finished)
 
     def _record_finished(self, state: _RequestState) -> None:

@@ -118,8 +118,9 @@ class PrometheusMetrics:
             self._ttft.labels(self.model_name).observe(timer.ttft)
         else:
             gap, count = timer.bursts[-1]
+            itl = self._itl.labels(self.model_name)
             for _ in range(count):
-                self._itl.labels(self.model_name).observe(gap / count)
+                itl.observe(gap / count)
 
     def record_finished(self, timer: RequestTimer, finish_reason: str | None) -> None:
         self._request_success.labels(self.model_name, finish_reason or "unknown").inc()

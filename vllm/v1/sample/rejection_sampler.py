@@ -70,9 +70,6 @@ class RejectionSampler:
                              f"{target_logits.shape[1]}]; got {tuple(draft_probs.shape)}")
 
         device = target_logits.device
-        row_req = torch.repeat_interleave(
-            torch.arange(num_reqs, device=device),
-            torch.tensor([n + 1 for n in num_drafts], device=device))
         # Row index of every draft within target_logits (all rows except each request's last).
         draft_rows = torch.tensor([row_starts[i] + j for i, n in enumerate(num_drafts) for j in range(n)],
                                   dtype=torch.int64, device=device)
@@ -83,6 +80,10 @@ class RejectionSampler:
             accepted = draft_tokens == greedy_tokens[draft_rows]
             emitted = greedy_tokens
         else:
+            # Request of every row (only random verification needs it).
+            row_req = torch.repeat_interleave(
+                torch.arange(num_reqs, device=device),
+                torch.tensor([n + 1 for n in num_drafts], device=device), output_size=num_rows)
             accepted, emitted = self._random_verify(target_logits, md, row_req, row_starts, draft_rows,
                                                     draft_tokens, draft_probs)
             if not md.all_random:

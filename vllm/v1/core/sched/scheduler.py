@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.core.sched.request import Request, RequestStatus
+from vllm.v1.metrics.stats import mean_acceptance_length, per_position_acceptance
 from vllm.v1.outputs import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class SpecDecodingStats:
 
     @property
     def mean_acceptance_length(self) -> float:
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+        return mean_acceptance_length(self.num_drafts, self.num_accepted_tokens)
 
     def as_dict(self) -> dict:
         return {
@@ -67,9 +68,8 @@ class SpecDecodingStats:
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "accepted_per_position": list(self.accepted_per_position),
-            "acceptance_rate_per_position": [
-                count / self.num_drafts if self.num_drafts else 0.0
-                for count in self.accepted_per_position],
+            "acceptance_rate_per_position": per_position_acceptance(self.num_drafts,
+                                                                    self.accepted_per_position),
             "mean_acceptance_length": self.mean_acceptance_length,
         }
 
@@ -189,7 +189,7 @@ class Scheduler:
             cached.num_computed_tokens.append(request.num_computed_tokens)
             num_scheduled[request.request_id] = num_new
             if drafts:
-                spec_tokens[request.request_id] = list(drafts)
+                spec_tokens[request.request_id] = drafts  # the slice above is already a copy
             token_budget -= num_new
             index += 1
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm.v1.worker.gpu.cp_utils import HAS_TRITON, _check_geometry
+from vllm.v1.worker.gpu.cp_utils import HAS_TRITON, _check_geometry, _slot_geometry
 
 if HAS_TRITON:
     import triton
@@ -199,19 +199,14 @@ class BlockTables:
         in_batch = row < num_reqs
         row = row.clamp(max=max(num_reqs - 1, 0))
         for group, block_size in enumerate(self.block_sizes):
-            virtual_block = block_size * self.cp_size
-            block_index = torch.div(positions, virtual_block, rounding_mode="floor")
+            block_index, owned, local_offset = _slot_geometry(
+                positions, block_size, self.cp_size, self.cp_rank, self.cp_interleave)
             bad = in_batch & ((block_index >= self.max_num_blocks_per_req) | (positions < 0))
             if bool(bad.any()):
                 raise ValueError(
                     f"position {int(positions[bad][0])} falls outside the block table "
-                    f"({self.max_num_blocks_per_req} virtual blocks of {virtual_block} tokens).")
-            offset = positions - block_index * virtual_block
-            owned = torch.div(offset, self.cp_interleave, rounding_mode="floor") % self.cp_size \
-                == self.cp_rank
-            local_offset = (torch.div(offset, self.cp_interleave * self.cp_size,
-                                      rounding_mode="floor") * self.cp_interleave
-                            + offset % self.cp_interleave)
+                    f"({self.max_num_blocks_per_req} virtual blocks of "
+                    f"{block_size * self.cp_size} tokens).")
             table = self.input_block_tables[group]
             block_id = table[row, block_index.clamp(0, self.max_num_blocks_per_req - 1)]
             slots = block_id.to(torch.int64) * block_size + local_offset

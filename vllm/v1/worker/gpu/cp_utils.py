@@ -126,6 +126,19 @@ def prepare_dcp_local_seq_lens(out: torch.Tensor, seq_lens: torch.Tensor, num_re
         _prepare_torch(out, seq_lens, num_reqs, cp_size, cp_rank, cp_interleave)
 
 
+def _slot_geometry(positions: torch.Tensor, block_size: int, cp_size: int, cp_rank: int,
+                   cp_interleave: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(virtual block index, owned by cp_rank, local offset in the physical block) of int64
+    global `positions` -- the torch form of the slot formula (the Triton kernel mirrors it)."""
+    virtual_block = block_size * cp_size
+    block_index = torch.div(positions, virtual_block, rounding_mode="floor")
+    offset = positions - block_index * virtual_block
+    owned = torch.div(offset, cp_interleave, rounding_mode="floor") % cp_size == cp_rank
+    local_offset = (torch.div(offset, cp_interleave * cp_size, rounding_mode="floor") * cp_interleave
+                    + offset % cp_interleave)
+    return block_index, owned, local_offset
+
+
 def cp_local_slot(positions: torch.Tensor, block_table_row: torch.Tensor, block_size: int,
                   cp_size: int, cp_rank: int, cp_interleave: int) -> torch.Tensor:
     """Cache slot on `cp_rank` of each global position of one request, -1 (PAD) where another
@@ -142,16 +155,13 @@ def cp_local_slot(positions: torch.Tensor, block_table_row: torch.Tensor, block_
             f"cp_interleave={cp_interleave}.")
     positions = torch.as_tensor(positions).to(torch.int64)
     block_table_row = torch.as_tensor(block_table_row, device=positions.device)
-    virtual_block = block_size * cp_size
-    block_index = torch.div(positions, virtual_block, rounding_mode="floor")
+    block_index, owned, local_offset = _slot_geometry(positions, block_size, cp_size, cp_rank,
+                                                      cp_interleave)
     if positions.numel() > 0 and (positions.min() < 0 or block_index.max() >= block_table_row.numel()):
         raise ValueError(
             f"positions span [{int(positions.min())}, {int(positions.max())}] but the block table "
-            f"row covers only {block_table_row.numel()} virtual blocks of {virtual_block} tokens.")
-    offset = positions - block_index * virtual_block
-    owner = torch.div(offset, cp_interleave, rounding_mode="floor") % cp_size
-    local_offset = (torch.div(offset, cp_interleave * cp_size, rounding_mode="floor") * cp_interleave
-                    + offset % cp_interleave)
+            f"row covers only {block_table_row.numel()} virtual blocks of "
+            f"{block_size * cp_size} tokens.")
     block_ids = block_table_row.to(torch.int64)[block_index]
     slots = block_ids * block_size + local_offset
-    return torch.where(owner == cp_rank, slots, torch.full_like(slots, -1))
+    return torch.where(owned, slots, torch.full_like(slots, -1))

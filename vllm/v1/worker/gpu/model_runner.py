@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from vllm.forward_context import set_forward_context
+from vllm.v1.core.kv_cache_utils import num_virtual_blocks
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.sample.metadata import RequestGenerators, SamplingMetadata
 from vllm.v1.sample.rejection_sampler import RejectionSampler
@@ -30,8 +31,10 @@ from vllm.v1.worker.gpu.spec_decode import get_speculator_cls
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftInputs
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+def _attention_modules(model: Any) -> list[Any]:
+    """The attention layers of a model (modules with a KV cache spec and a layer name)."""
+    return [m for m in model.modules()
+            if hasattr(m, "get_kv_cache_spec") and hasattr(m, "layer_name")]
 
 
 @dataclass
@@ -109,19 +112,17 @@ class GPUModelRunner:
         for model in (self.model, self.draft_model):
             if model is None:
                 continue
-            for module in model.modules():
-                if hasattr(module, "get_kv_cache_spec") and hasattr(module, "layer_name"):
-                    if module.layer_name in layers:
-                        raise ValueError(f"two attention layers are named {module.layer_name!r}; "
-                                         "the drafter's layers need their own prefix")
-                    layers[module.layer_name] = module
+            for module in _attention_modules(model):
+                if module.layer_name in layers:
+                    raise ValueError(f"two attention layers are named {module.layer_name!r}; "
+                                     "the drafter's layers need their own prefix")
+                layers[module.layer_name] = module
         return layers
 
     def _draft_layer_names(self) -> set[str]:
         if self.draft_model is None:
             return set()
-        return {m.layer_name for m in self.draft_model.modules()
-                if hasattr(m, "get_kv_cache_spec") and hasattr(m, "layer_name")}
+        return {m.layer_name for m in _attention_modules(self.draft_model)}
 
     def get_kv_cache_spec(self) -> dict[str, Any]:
         """Spec of every attention layer (target + drafter), keyed by layer name."""
@@ -153,8 +154,8 @@ class GPUModelRunner:
                 self.kv_caches[name] = cache
 
         # The scheduler may allocate k+1 tokens of headroom past the last verified position.
-        virtual_block = self.block_size * self.dcp_size
-        max_blocks = _cdiv(self.max_model_len + 2 * (self.num_spec_tokens + 1), virtual_block)
+        max_blocks = num_virtual_blocks(self.max_model_len + 2 * (self.num_spec_tokens + 1),
+                                        self.block_size, self.dcp_size)
         self.block_tables = BlockTables(
             [g.kv_cache_spec.block_size for g in groups], self.max_num_reqs, max_blocks,
             self.max_num_tokens, self.device, cp_size=self.dcp_size, cp_rank=self.dcp_rank,
@@ -196,7 +197,6 @@ class GPUModelRunner:
                 self.block_tables.remove_request(self.requests.remove(new.req_id).slot)
             state = self.requests.add(new.req_id, new.prompt_token_ids, new.num_computed_tokens,
                                       new.sampling_params)
-            state.block_ids = list(new.block_ids)
             self.block_tables.append_block_ids(state.slot, (list(new.block_ids),) * num_groups,
                                                overwrite=True)
             # Idempotent per request id: a preempted request keeps its generator and its draws.
@@ -208,7 +208,6 @@ class GPUModelRunner:
             state = self.requests[req_id]
             state.num_computed_tokens = int(num_computed)
             if new_block_ids:
-                state.block_ids.extend(new_block_ids)
                 self.block_tables.append_block_ids(state.slot, (list(new_block_ids),) * num_groups,
                                                    overwrite=False)
 
@@ -317,12 +316,12 @@ class GPUModelRunner:
 
     def _prepare_inputs(self, scheduler_output: Any) -> StepBatch:
         """Write this step's batch into the persistent buffers and build its metadata."""
-        new_ids = [n.req_id for n in scheduler_output.scheduled_new_reqs]
-        new_set = set(new_ids)
+        new_set = {n.req_id for n in scheduler_output.scheduled_new_reqs}
         # Decode rows (prior context) first, prefills after: the MLA builder requires it.
-        decode_ids = [r for r in scheduler_output.num_scheduled_tokens
-                      if r not in new_set and self.requests[r].num_computed_tokens > 0]
-        prefill_ids = [r for r in scheduler_output.num_scheduled_tokens if r not in decode_ids]
+        decode_ids, prefill_ids = [], []
+        for r in scheduler_output.num_scheduled_tokens:
+            is_decode = r not in new_set and self.requests[r].num_computed_tokens > 0
+            (decode_ids if is_decode else prefill_ids).append(r)
         req_ids = decode_ids + prefill_ids
         num_reqs = len(req_ids)
 
@@ -390,7 +389,6 @@ class GPUModelRunner:
             prepare_dcp_local_seq_lens(buffers.dcp_local_seq_lens, buffers.seq_lens, num_reqs,
                                        self.dcp_size, self.dcp_rank, self.dcp_interleave)
             dcp_local_seq_lens = buffers.dcp_local_seq_lens[:num_reqs]
-        query_lens = np.diff(qsl_np[: num_reqs + 1])
         attn_metadata = build_attn_metadata(
             attn_metadata_builders=self.attn_metadata_builders,
             kv_cache_config=self.kv_cache_config,
@@ -399,7 +397,7 @@ class GPUModelRunner:
             query_start_loc=buffers.query_start_loc,
             query_start_loc_cpu=buffers.query_start_loc_cpu,
             seq_lens=buffers.seq_lens,
-            max_query_len=int(query_lens.max()),
+            max_query_len=int(num_scheduled.max()),
             max_seq_len=int(seq_lens_cpu.max()),
             block_tables=block_tables,
             slot_mappings=slot_mappings,

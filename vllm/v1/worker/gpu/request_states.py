@@ -5,7 +5,7 @@ sampled token (the anchor) of each decode step without the scheduler resending i
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -16,7 +16,6 @@ class RequestState:
     token_ids: list[int]            # prompt (+ outputs after a preemption) + tokens sampled here
     num_computed_tokens: int        # tokens whose KV is valid in the cache (set by the scheduler)
     sampling_params: Any = None
-    block_ids: list[int] = field(default_factory=list)
 
 
 class RequestStates:

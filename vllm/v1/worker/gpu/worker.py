@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from vllm.v1.core.kv_cache_manager import cdiv
+from vllm.v1.core.kv_cache_utils import num_virtual_blocks
 
 # KV cache budget per CPU worker when the config names none (CPU runs are tests and demos).
 _DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
@@ -105,7 +105,8 @@ class Worker:
         spec = cfg.speculative_config
         lookahead = (int(spec.num_speculative_tokens) if spec else 0) + 1
         dcp = int(getattr(cfg.parallel_config, "decode_context_parallel_size", 1) or 1)
-        per_req = cdiv(int(cfg.model_config.max_model_len) + lookahead, cfg.cache_config.block_size * dcp)
+        per_req = num_virtual_blocks(int(cfg.model_config.max_model_len) + lookahead,
+                                     cfg.cache_config.block_size, dcp)
         return int(cfg.max_num_seqs) * per_req
 
     def initialize_kv_cache(self, num_blocks: int) -> None:

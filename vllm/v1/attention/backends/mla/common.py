@@ -35,6 +35,19 @@ def dcp_local_lengths(global_lens: torch.Tensor, dcp_size: int, dcp_rank: int,
     return get_dcp_local_seq_lens(global_lens, dcp_size, dcp_rank, interleave)
 
 
+def uniform_query_block(query_lens: list[int]) -> tuple[int, int, bool]:
+    """(Q, num_active, uniform) of decode query lengths: Q is the first active row's length,
+    num_active the number of rows with queries; uniform when the active rows come first, all of
+    length Q, followed only by zero-length padding rows. (0, 0, True) when no row is active."""
+    active = [n for n in query_lens if n > 0]
+    if not active:
+        return 0, 0, True
+    q, num_active = active[0], len(active)
+    uniform = (all(n == q for n in query_lens[:num_active])
+               and all(n == 0 for n in query_lens[num_active:]))
+    return q, num_active, uniform
+
+
 class MLADecodeKind(str, Enum):
     """The three decode shapes every MLA backend must serve (module docstring)."""
 
@@ -144,13 +157,9 @@ class MLACommonMetadataBuilder:
                 f"supported by this builder; use another backend or "
                 f"decode_context_parallel_size=1.")
         lens = query_lens.tolist()
-        active = [n for n in lens if n > 0]
-        if not active:
-            return 0
-        q = active[0]
-        num_active = len(active)
+        q, _, uniform = uniform_query_block(lens)
         # Active rows first, all of length Q; only trailing zero-length padding rows.
-        if any(n != q for n in lens[:num_active]) or any(n != 0 for n in lens[num_active:]):
+        if not uniform:
             raise ValueError(
                 f"{name}: non-causal multi-token decode requires a uniform query block (every "
                 f"active row of the same length, zero-length padding rows only at the end); "
@@ -231,11 +240,13 @@ class MLACommonMetadataBuilder:
         else:
             seq_lens, tot, max_seq_len = global_lens, None, cm.max_seq_len
         qsl_dev = self._alias(cm.query_start_loc, num_decodes + 1)
-        row_seq_lens = self._row_seq_lens(cm, num_decodes, num_decode_tokens, causal, seq_lens)
+        max_query_len = int(query_lens[:num_decodes].max()) if num_decodes else 0
+        row_seq_lens = self._row_seq_lens(cm, num_decodes, num_decode_tokens,
+                                          causal and max_query_len > 1, seq_lens)
         return MLACommonDecodeMetadata(
             block_table=self._alias(cm.block_table_tensor, num_decodes),
             seq_lens=seq_lens, dcp_tot_seq_lens=tot, query_start_loc=qsl_dev,
-            max_query_len=int(query_lens[:num_decodes].max()) if num_decodes else 0,
+            max_query_len=max_query_len,
             max_seq_len=max_seq_len, causal=causal,
             query_start_loc_cpu=qsl_cpu[: num_decodes + 1].to(torch.int32),
             num_decode_tokens=num_decode_tokens, row_seq_lens=row_seq_lens,
@@ -252,7 +263,8 @@ class MLACommonMetadataBuilder:
         runner/speculator is responsible for keeping current, exactly what the sm100 kernel
         reads too. Only the earlier rows of a causal block need a bound below the sequence end,
         and that bound is taken from GLOBAL positions (DESIGN §2), never as an offset in local
-        coordinates.
+        coordinates. `causal` is False for single-token batches too: every row is then the
+        last row of its block, so the causal bound equals the whole length.
         """
         device = cm.seq_lens.device
         qsl = cm.query_start_loc[: num_decodes + 1].to(device=device, dtype=torch.int64)

@@ -20,7 +20,6 @@ machines without it; CPU tests replace that function with recording fakes.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -29,12 +28,13 @@ import torch
 from vllm.v1.attention.backend import AttentionBackend, CommonAttentionMetadata
 from vllm.v1.attention.backends.mla.common import (MLACommonDecodeMetadata, MLACommonImpl,
                                                     MLACommonMetadata,
-                                                    MLACommonMetadataBuilder, MLADecodeKind)
+                                                    MLACommonMetadataBuilder, MLADecodeKind,
+                                                    uniform_query_block)
 from vllm.v1.attention.backends.mla.torch_mla import TorchMLAImpl
+from vllm.v1.attention.ops.dcp_combine import LN2
 
 logger = logging.getLogger(__name__)
 
-LN2 = math.log(2.0)
 DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024
 BLACKWELL_BLOCK_SIZES = (32, 64)
 _FA3_DTYPES = (torch.bfloat16, torch.float16)  # what the kernels accept (float fakes widen it)
@@ -150,12 +150,58 @@ class _WrapperSlot:
 
 
 @dataclass
+class BlackwellDecodeArgs:
+    """Per-step trtllm call arguments that do not depend on the layer (built once per step)."""
+
+    num_active: int                      # rows with queries (0: only padding rows)
+    q_len: int                           # Q of the (first) active block
+    query_layout: Literal["rows", "blocks", "varlen"] = "blocks"
+    block_tables: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    bounds: torch.Tensor | None = None   # int32 global lengths (DCP only)
+    extra: dict = field(default_factory=dict)
+
+
+def plan_blackwell_decode(decode: MLACommonDecodeMetadata) -> BlackwellDecodeArgs:
+    """Shape the decode rows for trtllm_batch_decode_with_kv_cache_mla, once per step."""
+    qsl = decode.query_start_loc_cpu
+    qlens = (qsl[1:] - qsl[:-1]).tolist()
+    q_len, num_active, uniform = uniform_query_block(qlens)
+    if num_active == 0:
+        return BlackwellDecodeArgs(num_active=0, q_len=0)
+    dcp = decode.dcp_world_size > 1
+    seq_lens = decode.seq_lens[:num_active]
+    bounds = decode.dcp_tot_seq_lens[:num_active] if dcp else None
+    block_tables = decode.block_table[:num_active]
+    extra: dict[str, Any] = {}
+    if not decode.causal:
+        # each block row becomes its own single-token request: table, local lengths
+        # AND global bounds are all repeated per row
+        layout = "rows"
+        block_tables = block_tables.repeat_interleave(q_len, dim=0)
+        seq_lens = seq_lens.repeat_interleave(q_len)
+        bounds = bounds.repeat_interleave(q_len) if bounds is not None else None
+    elif uniform:
+        layout = "blocks"
+    else:  # causal varlen: compact query described by cum_seq_lens_q
+        layout = "varlen"
+        extra = dict(cum_seq_lens_q=decode.query_start_loc.to(torch.int32),
+                     max_q_len=max(qlens))
+    return BlackwellDecodeArgs(
+        num_active=num_active, q_len=q_len, query_layout=layout, block_tables=block_tables,
+        seq_lens=seq_lens, bounds=bounds.to(torch.int32).contiguous() if dcp else None,
+        extra=extra)
+
+
+@dataclass
 class FlashInferDecodeState:
     """Per-step backend state hung on MLACommonDecodeMetadata.backend_state."""
 
     kernel_family: KernelFamily
     natural_lse: bool = True
     hopper_inputs: HopperPlanInputs | None = None
+    hopper_empty_rows: torch.Tensor | None = None  # [T] bool, rows seeing nothing (if any)
+    blackwell_args: BlackwellDecodeArgs | None = None
     wrapper_slot: _WrapperSlot | None = None
     workspace: torch.Tensor | None = None
     step_id: int = 0
@@ -221,8 +267,11 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
         if self.kernel_family == "hopper":
             state.hopper_inputs = plan_hopper_decode(decode, self.page_size, self.causal_mode)
             state.wrapper_slot = self._get_wrapper_slot()
+            if state.hopper_inputs is not None and state.hopper_inputs.has_empty_rows:
+                state.hopper_empty_rows = decode.row_seq_lens == 0
         else:
             state.workspace = self._get_workspace()
+            state.blackwell_args = plan_blackwell_decode(decode)
         decode.backend_state = state
         return metadata
 
@@ -282,7 +331,7 @@ class FlashInferMLAImpl(MLACommonImpl):
         if inputs.has_empty_rows:
             # Pin the contract (O=0, LSE=-inf) for rows this rank holds nothing of,
             # whatever the kernel leaves there, so the DCP merge ignores them.
-            empty = decode_meta.row_seq_lens == 0
+            empty = state.hopper_empty_rows
             out = out.masked_fill(empty[:, None, None], 0.0)
             lse = lse.masked_fill(empty[:, None], float("-inf"))
         return out, lse
@@ -292,47 +341,29 @@ class FlashInferMLAImpl(MLACommonImpl):
                            state: FlashInferDecodeState):
         fi = _import_flashinfer()
         num_tokens, num_heads, width = q.shape
-        qsl = decode_meta.query_start_loc_cpu
-        qlens = (qsl[1:] - qsl[:-1]).tolist()
-        active = [n for n in qlens if n > 0]
-        if not active:
+        args = state.blackwell_args
+        if args.num_active == 0:
             return (q.new_zeros(num_tokens, num_heads, self.kv_lora_rank),
                     torch.full((num_tokens, num_heads), float("-inf"), dtype=torch.float32,
                                device=q.device))
-        q_len = active[0]
-        num_active = len(active)
-        uniform = (all(n == q_len for n in qlens[:num_active])
-                   and all(n == 0 for n in qlens[num_active:]))
         dcp = decode_meta.dcp_world_size > 1
-        seq_lens = decode_meta.seq_lens[:num_active]
-        bounds = decode_meta.dcp_tot_seq_lens[:num_active] if dcp else None
-        block_tables = decode_meta.block_table[:num_active]
-        extra: dict[str, Any] = {}
-        if not decode_meta.causal:
-            # each block row becomes its own single-token request: table, local lengths
-            # AND global bounds are all repeated per row
-            query = q.view(num_active * q_len, 1, num_heads, width)
-            block_tables = block_tables.repeat_interleave(q_len, dim=0)
-            seq_lens = seq_lens.repeat_interleave(q_len)
-            bounds = bounds.repeat_interleave(q_len) if bounds is not None else None
-        elif uniform:
-            query = q.view(num_active, q_len, num_heads, width)
-        else:  # causal varlen: compact query described by cum_seq_lens_q
+        if args.query_layout == "rows":
+            query = q.view(args.num_active * args.q_len, 1, num_heads, width)
+        elif args.query_layout == "blocks":
+            query = q.view(args.num_active, args.q_len, num_heads, width)
+        else:
             query = q
-            extra = dict(cum_seq_lens_q=decode_meta.query_start_loc.to(torch.int32),
-                         max_q_len=max(active))
         out, lse = fi.decode.trtllm_batch_decode_with_kv_cache_mla(
             query=query, kv_cache=kv_cache.unsqueeze(1), workspace_buffer=state.workspace,
             qk_nope_head_dim=self.qk_nope_head_dim, kv_lora_rank=self.kv_lora_rank,
-            qk_rope_head_dim=self.qk_rope_head_dim, block_tables=block_tables,
-            seq_lens=seq_lens, max_seq_len=decode_meta.max_seq_len,
+            qk_rope_head_dim=self.qk_rope_head_dim, block_tables=args.block_tables,
+            seq_lens=args.seq_lens, max_seq_len=decode_meta.max_seq_len,
             bmm1_scale=self.scale, bmm2_scale=1.0,
             backend="cute-dsl" if dcp else "auto", return_lse=True,
             return_lse_base="basee" if state.natural_lse else "base2",
             enable_dcp=dcp, cp_world=decode_meta.dcp_world_size if dcp else 1,
             cp_rank=decode_meta.dcp_rank if dcp else 0,
-            causal_seqlens_kv_global=bounds.to(torch.int32).contiguous() if dcp else None,
-            **extra)
+            causal_seqlens_kv_global=args.bounds, **args.extra)
         out = out.reshape(num_tokens, num_heads, self.kv_lora_rank)
         lse = lse.reshape(num_tokens, num_heads).float()
         if not state.natural_lse:

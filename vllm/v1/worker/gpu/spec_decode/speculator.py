@@ -115,9 +115,10 @@ class Speculator:
         from vllm.v1.sample.sampler import compute_probs, random_sample
         greedy_rows = metadata.temperature < SAMPLING_EPS
         probs = compute_probs(logits, metadata.temperature, None, None)
-        probs = torch.where(greedy_rows[:, None],
-                            torch.nn.functional.one_hot(greedy_tokens, logits.shape[-1]).float(),
-                            probs)
+        if not metadata.all_random:  # greedy rows: q is one-hot on the argmax
+            probs = torch.where(greedy_rows[:, None],
+                                torch.nn.functional.one_hot(greedy_tokens, logits.shape[-1]).float(),
+                                probs)
         tokens = greedy_tokens
         if not metadata.all_greedy:
             tokens = torch.where(greedy_rows, greedy_tokens,
@@ -195,8 +196,7 @@ class Speculator:
         slot_mappings = self.block_tables.compute_slot_mappings(
             buffers.query_start_loc[: num_reqs_padded + 1], buffers.positions[:num_tokens_padded])
 
-        if isinstance(causal, bool):
-            causal = {group_id: causal for group_id in self.group_ids}
+        # A bool applies to every built group, and only the drafter's own groups are built.
         return build_attn_metadata(
             attn_metadata_builders=self.attn_metadata_builders,
             kv_cache_config=self.kv_cache_config,
