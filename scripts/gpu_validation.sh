@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the GPU validation on the H200 node (see README "GPU node"). Usage, from the project root:
-#   bash scripts/gpu_validation.sh kernels   # foundation/attention/model/sampler GPU tests + NCCL test
+#   bash scripts/gpu_validation.sh kernels   # worker/attention/model/sampler GPU tests + NCCL test
 #   bash scripts/gpu_validation.sh bench     # benchmarks/kernels/benchmark_mla_dcp.py (DCP 1,2)
 #   bash scripts/gpu_validation.sh engine    # engine / e2e exactness (FlashInfer DCP 1 and 2) GPU tests
 #   bash scripts/gpu_validation.sh surface   # `vllm generate` / `vllm serve` on CUDA (needs fastapi there)
@@ -23,13 +23,13 @@ run_pytest() {  # name, then pytest arguments
 }
 for what in "$@"; do
   case "$what" in
-    kernels) run_pytest kernels tests/foundation tests/attention tests/models tests/sample tests/distributed ;;
+    kernels) run_pytest kernels tests/v1/worker/test_block_table.py tests/v1/worker/test_cp_utils.py tests/v1/attention tests/model_executor tests/v1/sample tests/distributed ;;
     bench)
       timeout 300 python3 benchmarks/kernels/benchmark_mla_dcp.py --out "$out/bench" --dcp-sizes "${DCP_SIZES:-1,2}" \
         >"$out/bench.log" 2>&1
       summary+=("bench rc=$?"); tail -n 40 "$out/bench.log" ;;
-    engine) run_pytest engine tests/engine tests/e2e tests/spec_decode ;;
-    surface) run_pytest surface tests/entrypoints ;;  # needs fastapi/uvicorn (README: GPU node)
+    engine) run_pytest engine tests/v1/engine tests/v1/e2e tests/v1/spec_decode tests/v1/worker/test_gpu_model_runner.py tests/entrypoints/llm ;;
+    surface) run_pytest surface tests/entrypoints --ignore=tests/entrypoints/llm ;;  # needs fastapi/uvicorn (README: GPU node)
     *) echo "unknown group $what" >&2; exit 2 ;;
   esac
 done

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from attention.mla_dcp_helpers import build_rank, make_case, reference_decode
+from tests.utils.mla_dcp_helpers import build_rank, make_case, reference_decode
 from vllm.distributed import parallel_state as ps
 from vllm.v1.attention.backends.mla.torch_mla import TorchMLAImpl, TorchMLAMetadataBuilder
 from vllm.v1.attention.ops.dcp_combine import cp_lse_ag_out_rs, dcp_all_gather_q

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from attention.mla_dcp_helpers import build_rank, make_case, reference_decode
+from tests.utils.mla_dcp_helpers import build_rank, make_case, reference_decode
 
 pytestmark = pytest.mark.gpu
 HEADS_PER_RANK, BLOCK = 16, 64

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from entrypoints.fake_engine import FakeEngine, FakeTokenizer, expected_text
+from tests.utils.fake_engine import FakeEngine, FakeTokenizer, expected_text
 from vllm.entrypoints.openai.api_server import build_app
 from vllm.entrypoints.openai.chat_template import render_role_prefixed
 from vllm.v1.engine.async_llm import AsyncLLM

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from entrypoints.server_process import ServerProcess
+from tests.utils.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from entrypoints.server_process import ServerProcess
+from tests.utils.server_process import ServerProcess
 
 pytestmark = pytest.mark.gpu
 

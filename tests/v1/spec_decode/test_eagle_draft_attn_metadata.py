@@ -1,0 +1,186 @@
+"""The shared draft-metadata builder (DESIGN §6), mirroring upstream's tests, plus per-group causality."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.utils.spec_fakes import brute_local_len, make_speculator
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
+from vllm.v1.worker.gpu import attn_utils
+from vllm.v1.worker.gpu.cp_utils import prepare_dcp_local_seq_lens
+from vllm.v1.worker.gpu.spec_decode import speculator as speculator_module
+from vllm.v1.worker.gpu.spec_decode.speculator import Speculator
+
+
+def test_cpu_upper_bound_adds_step_and_zeroes_padding():
+    spec, (builder,) = make_speculator(Speculator)
+    spec._build_draft_attn_metadata(num_reqs=3, num_reqs_padded=4, num_tokens_padded=4,
+                                    seq_lens_cpu_upper_bound=np.array([100, 200, 300, 0]), step=2)
+    bound = builder.calls[-1].upper_bound
+    assert bound.device.type == "cpu" and bound.dtype == torch.int32 and bound.shape == (4,)
+    assert bound.tolist() == [102, 202, 302, 0]
+    assert builder.calls[-1].common.max_seq_len == 302
+
+
+def test_zero_real_requests_gives_zeros():
+    spec, (builder,) = make_speculator(Speculator)
+    spec._build_draft_attn_metadata(num_reqs=0, num_reqs_padded=4, num_tokens_padded=4,
+                                    seq_lens_cpu_upper_bound=np.array([100, 200, 300, 400]),
+                                    step=3, num_query_per_req=1)
+    snap = builder.calls[-1]
+    assert snap.upper_bound.tolist() == [0, 0, 0, 0]
+    assert snap.upper_bound.dtype == torch.int32
+    assert snap.query_start_loc == [0, 0, 0, 0, 0]
+    assert snap.seq_lens == [0, 0, 0, 0]
+
+
+def test_upper_bound_clamped_to_max_model_len():
+    spec, (builder,) = make_speculator(Speculator, max_model_len=1024)
+    spec._build_draft_attn_metadata(num_reqs=2, num_reqs_padded=2, num_tokens_padded=2,
+                                    seq_lens_cpu_upper_bound=torch.tensor([1023, 500]), step=3)
+    assert builder.calls[-1].upper_bound.tolist() == [1024, 503]
+
+
+def test_query_start_loc_rows_are_min_i_num_reqs_times_q():
+    spec, (builder,) = make_speculator(Speculator)
+    spec._build_draft_attn_metadata(num_reqs=3, num_reqs_padded=5, num_tokens_padded=12,
+                                    seq_lens_cpu_upper_bound=np.array([10, 20, 30]), step=4,
+                                    num_query_per_req=4)
+    snap = builder.calls[-1]
+    assert snap.query_start_loc == [0, 4, 8, 12, 12, 12]
+    assert snap.common.max_query_len == 4 and snap.common.num_actual_tokens == 12
+    assert spec.input_buffers.query_start_loc[:6].tolist() == [0, 4, 8, 12, 12, 12]
+
+
+def test_build_draft_attn_metadata_recomputes_dcp_local_seq_lens(monkeypatch):
+    """The shared draft builder recomputes rank-local lengths from the draft's OWN seq_lens, through
+    the patched module-level prepare_dcp_local_seq_lens, into its persistent buffer."""
+    spec, (builder,) = make_speculator(Speculator, cp_size=2, cp_rank=1, interleave=4)
+    buffers = spec.input_buffers
+    calls = []
+
+    def recording_prepare(out, seq_lens, num_reqs, cp_size, cp_rank, cp_interleave):
+        calls.append((out, seq_lens, num_reqs, cp_size, cp_rank, cp_interleave))
+        prepare_dcp_local_seq_lens(out, seq_lens, num_reqs, cp_size, cp_rank, cp_interleave)
+
+    monkeypatch.setattr(speculator_module, "prepare_dcp_local_seq_lens", recording_prepare)
+    buffers.seq_lens[:3] = torch.tensor([5, 9, 16], dtype=torch.int32)
+    buffers.dcp_local_seq_lens.fill_(99)  # stale values must not survive
+    spec._build_draft_attn_metadata(num_reqs=3, num_reqs_padded=4, num_tokens_padded=4,
+                                    seq_lens_cpu_upper_bound=np.array([5, 9, 16]), step=1)
+    assert len(calls) == 1
+    out, seq_lens, *args = calls[0]
+    assert out is buffers.dcp_local_seq_lens
+    assert seq_lens is buffers.seq_lens
+    assert tuple(args) == (3, 2, 1, 4)
+    snap = builder.calls[-1]
+    assert snap.dcp_local_data_ptr == buffers.dcp_local_seq_lens.data_ptr()
+    assert snap.dcp_local_seq_lens == [1, 4, 8, 0]
+    assert snap.common.dcp_local_seq_lens.shape == (4,)
+
+
+def test_explicit_dcp_local_seq_lens_is_used_as_given(monkeypatch):
+    spec, (builder,) = make_speculator(Speculator, cp_size=2, cp_rank=0, interleave=1)
+    monkeypatch.setattr(speculator_module, "prepare_dcp_local_seq_lens",
+                        lambda *a: pytest.fail("must not recompute when lengths are passed"))
+    given = torch.tensor([3, 4], dtype=torch.int32)
+    spec._build_draft_attn_metadata(num_reqs=2, num_reqs_padded=2, num_tokens_padded=2,
+                                    seq_lens_cpu_upper_bound=np.array([6, 8]), step=1,
+                                    dcp_local_seq_lens=given)
+    assert builder.calls[-1].dcp_local_data_ptr == given.data_ptr()
+
+
+def test_cp_size_one_keeps_none(monkeypatch):
+    spec, (builder,) = make_speculator(Speculator, cp_size=1)
+    monkeypatch.setattr(speculator_module, "prepare_dcp_local_seq_lens",
+                        lambda *a: pytest.fail("cp_size 1 needs no local lengths"))
+    spec._build_draft_attn_metadata(num_reqs=2, num_reqs_padded=2, num_tokens_padded=2,
+                                    seq_lens_cpu_upper_bound=np.array([6, 8]), step=1)
+    assert builder.calls[-1].dcp_local_seq_lens is None
+
+
+@pytest.mark.parametrize("cp_size,cp_rank,interleave", [(2, 0, 1), (4, 3, 1), (2, 1, 4), (3, 2, 2)])
+def test_recomputed_values_match_brute_force(cp_size, cp_rank, interleave):
+    spec, (builder,) = make_speculator(Speculator, cp_size=cp_size, cp_rank=cp_rank,
+                                       interleave=interleave)
+    lens = [1, 7, 13, 30]
+    spec.input_buffers.seq_lens[:4] = torch.tensor(lens, dtype=torch.int32)
+    spec._build_draft_attn_metadata(num_reqs=4, num_reqs_padded=6, num_tokens_padded=6,
+                                    seq_lens_cpu_upper_bound=np.array(lens), step=0)
+    expected = [brute_local_len(n, cp_size, cp_rank, interleave) for n in lens] + [0, 0]
+    assert builder.calls[-1].dcp_local_seq_lens == expected
+
+
+def test_causal_is_per_group_and_only_draft_groups_are_built():
+    spec, (target_builder, draft_builder) = make_speculator(
+        Speculator, group_non_causal=(False, True), draft_groups=(1,))
+    metadata = spec._build_draft_attn_metadata(
+        num_reqs=2, num_reqs_padded=2, num_tokens_padded=8,
+        seq_lens_cpu_upper_bound=np.array([6, 8]), step=4, num_query_per_req=4, causal=False)
+    assert target_builder.calls == []
+    assert draft_builder.calls[-1].causal is False
+    assert set(metadata) == {"group1.attn"}
+
+
+def test_real_builder_aliases_recomputed_buffer():
+    from vllm.v1.attention.selector import get_attn_backend
+    spec, _ = make_speculator(Speculator, cp_size=2, cp_rank=1, interleave=4,
+                              group_non_causal=(False, True), draft_groups=(1,))
+    from types import SimpleNamespace
+    cfg = SimpleNamespace(parallel_config=SimpleNamespace(decode_context_parallel_size=2,
+                                                          cp_kv_cache_interleave_size=4))
+    builder_cls = get_attn_backend("TORCH_MLA").get_builder_cls()
+    spec.attn_metadata_builders = [
+        builder_cls(g.kv_cache_spec, g.layer_names, cfg, "cpu", dcp_rank=1)
+        for g in spec.kv_cache_config.kv_cache_groups]
+    spec.input_buffers.seq_lens[:3] = torch.tensor([5, 9, 16], dtype=torch.int32)
+    metadata = spec._build_draft_attn_metadata(
+        num_reqs=3, num_reqs_padded=3, num_tokens_padded=6,
+        seq_lens_cpu_upper_bound=np.array([5, 9, 16]), step=2, num_query_per_req=2, causal=False)
+    decode = metadata["group1.attn"].decode
+    assert decode.causal is False
+    assert decode.seq_lens.data_ptr() == spec.input_buffers.dcp_local_seq_lens.data_ptr()
+    assert decode.seq_lens.tolist() == [1, 4, 8]
+    assert decode.dcp_tot_seq_lens.tolist() == [5, 9, 16]
+
+
+# ------------------------------------------------------------------ attn_utils
+def _config(flags):
+    return KVCacheConfig(num_blocks=8, kv_cache_groups=[
+        KVCacheGroupSpec([f"g{g}.a", f"g{g}.b"], MLAAttentionSpec(
+            block_size=16, dtype=torch.float32, non_causal_multi_token_decode=flag))
+        for g, flag in enumerate(flags)])
+
+
+def _build(flags, causal, builders):
+    qsl = torch.tensor([0, 2, 4], dtype=torch.int32)
+    return attn_utils.build_attn_metadata(
+        attn_metadata_builders=builders, kv_cache_config=_config(flags), num_reqs=2, num_tokens=4,
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor([5, 7]),
+        max_query_len=2, max_seq_len=7,
+        block_tables=[torch.zeros(2, 4, dtype=torch.int32)] * len(flags),
+        slot_mappings=torch.arange(4 * len(flags)).view(len(flags), 4), causal=causal)
+
+
+def test_build_attn_metadata_causal_map_missing_groups_default_true():
+    from tests.utils.spec_fakes import RecordingBuilder
+    builders = [RecordingBuilder(), RecordingBuilder(), RecordingBuilder()]
+    metadata = _build((False, True, True), {1: False}, builders)
+    assert [b.calls[-1].causal for b in builders] == [True, False, True]
+    assert metadata["g1.a"] is metadata["g1.b"]
+    assert metadata["g2.a"].slot_mapping.tolist() == [8, 9, 10, 11]
+
+
+def test_build_attn_metadata_bool_applies_to_every_group():
+    from tests.utils.spec_fakes import RecordingBuilder
+    builders = [RecordingBuilder(), RecordingBuilder()]
+    _build((True, True), False, builders)
+    assert [b.calls[-1].causal for b in builders] == [False, False]
+
+
+@pytest.mark.parametrize("causal", [{2: False}, {-1: True}, "yes"])
+def test_build_attn_metadata_rejects_bad_causal(causal):
+    from tests.utils.spec_fakes import RecordingBuilder
+    with pytest.raises(ValueError, match="causal"):
+        _build((False, True), causal, [RecordingBuilder(), RecordingBuilder()])
