@@ -50,6 +50,7 @@ class ModelConfig:
     attention_backend: str = "auto"
     device: str = "auto"  # auto = cuda when available, else cpu
     tokenizer: str | None = None  # tokenizer directory; None = the model directory
+    enforce_eager: bool = False  # True: never capture/replay CUDA graphs
 
     def __post_init__(self):
         # Cache of the loaded config.json; plain attributes, not fields (kept out of asdict/replace).
@@ -65,6 +66,8 @@ class ModelConfig:
         elif self.dtype not in _DTYPES.values():
             raise ValueError(f"dtype={self.dtype!r} is invalid: allowed are torch.bfloat16, "
                              "torch.float16 and torch.float32.")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager={self.enforce_eager!r} is invalid: it must be a bool.")
         if not is_int(self.seed):
             raise ValueError(f"seed={self.seed!r} is invalid: it must be an int.")
         backend = self.attention_backend

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from vllm.config._checks import check_positive_int
 from vllm.config.cache import CacheConfig
+from vllm.config.compilation import CompilationConfig
 from vllm.config.model import ModelConfig
 from vllm.config.parallel import ParallelConfig
 from vllm.config.speculative import SpeculativeConfig
@@ -18,6 +19,7 @@ class VllmConfig:
     speculative_config: SpeculativeConfig | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
 
     def __post_init__(self):
         check_positive_int("max_num_seqs", self.max_num_seqs)
@@ -29,6 +31,8 @@ class VllmConfig:
                 f"block_size={block_size} is invalid with cp_kv_cache_interleave_size={interleave}: "
                 "block_size must be a multiple of the interleave size (DCP hands out runs of "
                 "interleave tokens inside each block).")
+        if not isinstance(self.compilation_config, CompilationConfig):
+            self.compilation_config = CompilationConfig.from_any(self.compilation_config)
         if self.speculative_config is not None and not isinstance(self.speculative_config,
                                                                   SpeculativeConfig):
             self.speculative_config = SpeculativeConfig.from_json(self.speculative_config)

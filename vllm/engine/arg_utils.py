@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Any
 
-from vllm.config import CacheConfig, ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
+from vllm.config import CacheConfig, CompilationConfig, ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
 
 
 @dataclass
@@ -28,6 +28,11 @@ class EngineArgs:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     distributed_backend: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    compilation_config: dict[str, Any] | str | None = None
+    max_cudagraph_capture_size: int | None = None
+    cudagraph_capture_sizes: list[int] | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -68,6 +73,18 @@ class EngineArgs:
         group.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
         group.add_argument("--distributed-backend", type=str, default=d.distributed_backend,
                            help="torch.distributed backend: auto, gloo or nccl")
+        group.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                           help="fraction of GPU memory for weights, activations and KV cache")
+        group.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
+                           help="never use CUDA graphs (every step runs eagerly)")
+        group.add_argument("-O", "--compilation-config", type=str, default=d.compilation_config,
+                           help='JSON, e.g. \'{"cudagraph_capture_sizes": [1, 2, 4, 8]}\'')
+        group.add_argument("--max-cudagraph-capture-size", type=int,
+                           default=d.max_cudagraph_capture_size,
+                           help="largest batch captured in a CUDA graph (default: max_num_seqs)")
+        group.add_argument("--cudagraph-capture-sizes", type=int, nargs="+",
+                           default=d.cudagraph_capture_sizes,
+                           help="batch sizes captured in CUDA graphs (default 1 2 4 8 16 ...)")
         return parser
 
     @classmethod
@@ -91,8 +108,10 @@ class EngineArgs:
             model_config=ModelConfig(model=self.model, dtype=self.dtype,
                                      max_model_len=self.max_model_len, seed=self.seed,
                                      attention_backend=self.attention_backend,
-                                     device=self.device, tokenizer=self.tokenizer),
+                                     device=self.device, tokenizer=self.tokenizer,
+                                     enforce_eager=self.enforce_eager),
             cache_config=CacheConfig(block_size=self.block_size,
+                                     gpu_memory_utilization=self.gpu_memory_utilization,
                                      kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                                      num_gpu_blocks_override=self.num_gpu_blocks_override),
             parallel_config=ParallelConfig(
@@ -103,4 +122,15 @@ class EngineArgs:
             speculative_config=self.create_speculative_config(),
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            compilation_config=self.create_compilation_config(),
         )
+
+    def create_compilation_config(self) -> CompilationConfig:
+        config = CompilationConfig.from_any(self.compilation_config)
+        if self.cudagraph_capture_sizes is not None:
+            config.cudagraph_capture_sizes = sorted(set(self.cudagraph_capture_sizes))
+            config.__post_init__()
+        if self.max_cudagraph_capture_size is not None:
+            config.max_cudagraph_capture_size = self.max_cudagraph_capture_size
+            config.__post_init__()
+        return config

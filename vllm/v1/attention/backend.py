@@ -27,6 +27,11 @@ class CommonAttentionMetadata:
     causal: bool = True
     dcp_local_seq_lens: torch.Tensor | None = None       # [num_reqs] int32, rank-local (DCP)
     seq_lens_cpu_upper_bound: torch.Tensor | None = None  # [num_reqs] host upper bound
+    # Exact host twins (pinned, filled by the runner before the step): builders and planners read
+    # these instead of syncing on the device tensors.
+    seq_lens_cpu: torch.Tensor | None = None              # [num_reqs] int32 global, exact
+    num_computed_tokens_cpu: torch.Tensor | None = None   # [num_reqs] int32 context (seq - query)
+    dcp_local_seq_lens_cpu: torch.Tensor | None = None    # [num_reqs] int32 rank-local, exact
 
     def query_lens_cpu(self) -> torch.Tensor:
         qsl = self.query_start_loc_cpu[: self.num_reqs + 1].to(torch.int64)
