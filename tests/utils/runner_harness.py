@@ -147,6 +147,9 @@ def run_scenario(runner: GPUModelRunner, scenario: Scenario,
             scheduled_spec_decode_tokens=spec_tokens, finished_req_ids=finished)
         finished = set()
         out = runner.execute_model(output)
+        # The drafts stay on the device in the engine (the output carries placeholders); the
+        # harness reads them back explicitly to compare proposals.
+        proposed = runner.take_draft_token_ids() if out.spec_token_ids is not None else {}
         for i, req_id in enumerate(out.req_ids):
             state = running[req_id]
             tokens = out.sampled_token_ids[i]
@@ -159,8 +162,9 @@ def run_scenario(runner: GPUModelRunner, scenario: Scenario,
             state["num_generated"] += len(tokens)
             state["tokens"].extend(tokens)
             if out.spec_token_ids is not None:
-                state["drafts"] = list(out.spec_token_ids[i])
-                result.proposals[req_id].append(list(out.spec_token_ids[i]))
+                assert len(out.spec_token_ids[i]) == k
+                state["drafts"] = list(out.spec_token_ids[i])  # placeholders: device drafts
+                result.proposals[req_id].append(list(proposed[req_id]))
                 result.histories.setdefault(req_id, []).append(list(state["tokens"]))
             if len(result.outputs[req_id]) >= scenario.max_new_tokens:
                 result.outputs[req_id] = result.outputs[req_id][: scenario.max_new_tokens]

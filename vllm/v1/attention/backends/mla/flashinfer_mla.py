@@ -103,14 +103,24 @@ def _segments_of_block(row_lens: list[int], mode: str) -> list[tuple[int, int]]:
     return segments
 
 
+def _host(twin: torch.Tensor | None, device_tensor: torch.Tensor, name: str) -> torch.Tensor:
+    if twin is not None:
+        return twin
+    if device_tensor.device.type == "cpu":
+        return device_tensor
+    raise ValueError(f"FlashInfer planning needs the host twin of {name} (the runner passes it); "
+                     "reading the device tensor back would sync every step.")
+
+
 def plan_hopper_decode(decode: MLACommonDecodeMetadata, page_size: int,
                        causal_mode: CausalPlanMode = "auto") -> HopperPlanInputs | None:
     """Turn the decode rows into FlashInfer CSR requests (None when there is no row)."""
     if causal_mode not in ("auto", "runs", "flattened"):
         raise ValueError(f"causal_mode={causal_mode!r}; choose 'auto', 'runs' or 'flattened'.")
     bounds = decode.query_start_loc_cpu.tolist()
-    row_lens = decode.row_seq_lens.cpu().tolist()
-    block_table = decode.block_table.cpu()
+    # Host twins only: plan() runs on the host every step and must not sync on device data.
+    row_lens = _host(decode.row_seq_lens_cpu, decode.row_seq_lens, "row_seq_lens").tolist()
+    block_table = _host(decode.block_table_cpu, decode.block_table, "block_table")
     multi_token = decode.kind == MLADecodeKind.CAUSAL_MULTI
     plan_causal = multi_token and causal_mode == "auto" and decode.dcp_world_size == 1
     qo, kv_lens, kv_pages = [0], [], []

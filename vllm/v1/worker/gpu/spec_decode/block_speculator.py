@@ -45,8 +45,8 @@ class BlockSpeculator(Speculator):
                                device=self.device)
         num_tokens = num_reqs * q
         buffers = self.input_buffers
-        accepted = torch.as_tensor(np.asarray(inputs.num_computed_new), dtype=torch.int64,
-                                   device=self.device)
+        accepted = inputs.accepted_on_device(self.device)
+        accepted_np = np.asarray(inputs.num_computed_new, dtype=np.int64)
         block_ids = buffers.input_ids[:num_tokens].view(num_reqs, q)
         block_ids.fill_(int(self.model.config.mask_token_id))
         block_ids[:, 0] = inputs.next_token_ids
@@ -57,7 +57,8 @@ class BlockSpeculator(Speculator):
         buffers.seq_lens[:num_reqs].copy_((accepted + q).clamp(max=self.max_model_len))
         attn_metadata = self._build_draft_attn_metadata(
             num_reqs, num_reqs, num_tokens, inputs.target_seq_lens_cpu, step=q,
-            num_query_per_req=q, causal=False)
+            num_query_per_req=q, causal=False,
+            seq_lens_np=np.minimum(accepted_np + q, self.max_model_len))
         hidden = self._run_forward(attn_metadata, self.model, buffers.input_ids[:num_tokens],
                                    buffers.positions[:num_tokens])
         logits = self.model.compute_logits(hidden).view(num_reqs, q, -1)

@@ -43,6 +43,21 @@ class DraftInputs:
     next_token_ids: torch.Tensor            # [num_reqs] int64 anchors
     aux_hidden_states: torch.Tensor | None = None  # [T, k*D] tapped target layers (block drafters)
     sampling_metadata: Any = None  # the step's SamplingMetadata (rows = requests); probabilistic drafts
+    # Device twins filled by the runner (no host->device copy of host arrays inside propose);
+    # unit tests on CPU may leave them None and the host arrays are used.
+    num_computed_new_dev: torch.Tensor | None = None   # [num_reqs] int64
+    target_seq_lens: torch.Tensor | None = None        # [num_reqs] int32 device
+
+    def accepted_on_device(self, device: torch.device) -> torch.Tensor:
+        if self.num_computed_new_dev is not None:
+            return self.num_computed_new_dev[: self.num_reqs]
+        return torch.as_tensor(np.asarray(self.num_computed_new), dtype=torch.int64,
+                               device=device)
+
+    def target_seq_lens_on_device(self, device: torch.device) -> torch.Tensor:
+        if self.target_seq_lens is not None:
+            return self.target_seq_lens[: self.num_reqs]
+        return self.target_seq_lens_cpu[: self.num_reqs].to(device)
 
 
 class Speculator:
@@ -142,6 +157,7 @@ class Speculator:
         causal: bool | Mapping[int, bool] = True,
         query_start_loc_np: np.ndarray | None = None,
         dcp_local_seq_lens: torch.Tensor | None = None,
+        seq_lens_np: np.ndarray | None = None,
     ) -> dict[str, Any]:
         """Attention metadata of one draft forward, described by the draft's own buffers.
 
@@ -150,6 +166,8 @@ class Speculator:
         `num_query_per_req` tokens (row i starts at min(i, num_reqs) * Q, so padding rows are
         empty) unless `query_start_loc_np` gives explicit starts. `step` is what the draft has
         advanced past the target's upper bound: the AR step index, or Q for a block drafter.
+        `seq_lens_np` are the exact draft lengths on the host (the runner knows them after its
+        one transfer per step); planners read them instead of syncing on the device buffer.
         """
         if not 0 <= num_reqs <= num_reqs_padded <= self.max_num_reqs:
             raise ValueError(
@@ -184,7 +202,20 @@ class Speculator:
             upper_bound[:num_reqs] = (bound + step).clamp(max=self.max_model_len).to(torch.int32)
         max_seq_len = int(upper_bound.max()) if num_reqs > 0 else 0
 
+        seq_lens_cpu = None
+        if seq_lens_np is not None:
+            seq_lens_cpu = torch.zeros(num_reqs_padded, dtype=torch.int32)
+            seq_lens_cpu[:num_reqs] = torch.from_numpy(np.asarray(seq_lens_np)[:num_reqs]
+                                                       .astype(np.int32))
+        elif buffers.seq_lens.device.type == "cpu":
+            seq_lens_cpu = buffers.seq_lens[:num_reqs_padded]
         cp_size = self.block_tables.cp_size
+        dcp_local_cpu = None
+        if cp_size > 1 and seq_lens_cpu is not None:
+            from vllm.v1.worker.gpu.cp_utils import get_dcp_local_seq_lens
+            dcp_local_cpu = get_dcp_local_seq_lens(seq_lens_cpu, cp_size,
+                                                   self.block_tables.cp_rank,
+                                                   self.block_tables.cp_interleave)
         if dcp_local_seq_lens is None and cp_size > 1:
             # Recompute from the draft's OWN seq_lens into the persistent buffer (DESIGN §6);
             # the target's local lengths would be stale after the draft advanced or rolled back.
@@ -214,6 +245,9 @@ class Speculator:
             dcp_local_seq_lens=dcp_local_seq_lens,
             seq_lens_cpu_upper_bound=upper_bound,
             group_ids=self.group_ids,
+            seq_lens_cpu=seq_lens_cpu,
+            dcp_local_seq_lens_cpu=dcp_local_cpu,
+            block_tables_cpu=getattr(self.block_tables, "input_block_tables_cpu", None),
         )
 
     def _run_forward(self, attn_metadata: dict[str, Any], fn, *args, **kwargs):
