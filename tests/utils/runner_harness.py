@@ -21,6 +21,7 @@ from vllm.config import CacheConfig, ModelConfig, ParallelConfig, SpeculativeCon
 from vllm.v1.core.kv_cache_utils import get_kv_cache_config
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+from vllm.forward_context import dense_attention_context
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 96
@@ -240,7 +241,8 @@ def greedy_oracle(model, prompts: dict[str, list[int]], max_new_tokens: int,
         tokens = list(prompt)
         for _ in range(max_new_tokens):
             ids = torch.tensor(tokens, dtype=torch.int64, device=device)
-            hidden = model(ids, torch.arange(len(tokens), device=device))
+            with dense_attention_context():
+                hidden = model(ids, torch.arange(len(tokens), device=device))
             logits = model.compute_logits(hidden[-1:]).float()[0]
             if margins is not None:
                 top2 = logits.topk(2).values
@@ -288,10 +290,13 @@ def run_all_methods(paths: dict[str, str], cases: list[tuple[str | None, int]], 
 
 
 def run_stale_control(paths, method: str, k: int, scenario: Scenario, oracle, *, dcp: int,
-                      interleave: int, rank: int, **options) -> ScenarioResult:
-    """Negative control: the draft metadata gets the TARGET's (stale) rank-local lengths, the
-    bug the shared builder exists to prevent. Output must stay exact (verification), but the
-    drafts must change, which shows the cross-DCP draft comparison can fail."""
+                      interleave: int, rank: int, mode: str = "target",
+                      **options) -> ScenarioResult:
+    """Negative controls of the shared draft builder's recompute (the patch set's first
+    behaviour). mode "target": the draft metadata gets the TARGET's (stale) rank-local lengths.
+    mode "removed": the recompute is removed (the call does nothing, the draft's persistent
+    buffer keeps whatever an earlier forward left). Output must stay exact (verification), but
+    the drafts must change, which shows the recompute is load-bearing."""
     from vllm.v1.worker.gpu.spec_decode import speculator as speculator_module
     config = make_config(paths["target"], method, paths[method], k=k, dcp=dcp,
                          interleave=interleave, **options)
@@ -299,7 +304,10 @@ def run_stale_control(paths, method: str, k: int, scenario: Scenario, oracle, *,
     real = speculator_module.prepare_dcp_local_seq_lens
 
     def stale(out, seq_lens, num_reqs, cp_size, cp_rank, cp_interleave):
-        real(out, runner.input_buffers.seq_lens, num_reqs, cp_size, cp_rank, cp_interleave)
+        if mode == "target":
+            real(out, runner.input_buffers.seq_lens, num_reqs, cp_size, cp_rank, cp_interleave)
+        elif mode != "removed":
+            raise ValueError(f"unknown control mode {mode!r}")
 
     speculator_module.prepare_dcp_local_seq_lens = stale
     try:
@@ -320,9 +328,13 @@ def dcp_world_main(rank: int, world_size: int, port: int, interleave: int, paths
         init_dist(rank, world_size, port, dcp=world_size, backend="nccl" if gpu else "gloo")
         results = run_all_methods(paths, cases, scenario, oracle, dcp=world_size,
                                   interleave=interleave, rank=rank, **options)
-        stale = {m: run_stale_control(paths, m, k, scenario, oracle, dcp=world_size,
-                                      interleave=interleave, rank=rank, **options)
-                 for m, k in stale_cases}
+        stale = {}
+        for case in stale_cases:
+            m, k, mode = (*case, "target")[:3]
+            key = m if mode == "target" else f"{m}:{mode}"
+            stale[key] = run_stale_control(paths, m, k, scenario, oracle, dcp=world_size,
+                                           interleave=interleave, rank=rank, mode=mode,
+                                           **options)
         if rank == 0:
             # Plain pickle bytes: tensors sent through a Queue would live in shared memory that
             # vanishes when this process exits.

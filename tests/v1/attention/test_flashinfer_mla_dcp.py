@@ -233,13 +233,22 @@ def test_run_grouping_bound_and_cover(n, q_len, g_extra, rank_seed):
     assert _segments_of_block(counts, "flattened") == [(1, c) for c in counts]
 
 
-def test_unsupported_dtype_falls_back_to_the_exact_path(monkeypatch):
+def test_unsupported_dtype_is_an_error_not_a_fallback(monkeypatch):
+    """float32 q/cache cannot run the kernels: a clear error naming the dtypes and the fix (no
+    silent per-layer fallback to the reference backend)."""
     fake_flashinfer.install(monkeypatch, float_inputs=False)
     case = make_case([9, 30], [3, 3], num_heads=2, causal=True, dtype=torch.float32)
     md, cache, _ = hopper_rank(case, 2, 1, 1)
-    out, lse = FlashInferMLAImpl(num_heads=2, scale=case.scale).forward_decode(
-        case.q, cache, md.decode)
+    with pytest.raises(ValueError, match="bf16/fp16.*TORCH_MLA"):
+        FlashInferMLAImpl(num_heads=2, scale=case.scale).forward_decode(case.q, cache, md.decode)
     assert fake_flashinfer.FakeBatchMLAPagedAttentionWrapper.instances[0].runs == []
-    ref_out, ref_lse = TorchMLAImpl(num_heads=2, scale=case.scale).forward_decode(
-        case.q, cache, md.decode)
-    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+def test_metadata_from_another_builder_is_an_error(monkeypatch):
+    """A layer whose group metadata came from another backend's builder is refused."""
+    fake_flashinfer.install(monkeypatch)
+    case = make_case([9, 30], [3, 3], num_heads=2, causal=True, dtype=torch.bfloat16)
+    md, cache, _ = hopper_rank(case, 2, 1, 1)
+    md.decode.backend_state = None
+    with pytest.raises(ValueError, match="one\s+backend per group"):
+        FlashInferMLAImpl(num_heads=2, scale=case.scale).forward_decode(case.q, cache, md.decode)

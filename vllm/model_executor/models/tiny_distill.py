@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from vllm.model_executor.models.weight_loading import checkpoint_names_of
 from vllm.transformers_utils.config import HFConfig
+from vllm.forward_context import dense_attention_context
 
 _PROMPT_LEN, _GEN_LEN, _NUM_SEQS, _BATCH = 8, 40, 20, 4
 
@@ -103,7 +104,8 @@ def _greedy_corpus(target, gen: torch.Generator):
     layers = tuple(range(target.config.num_hidden_layers))
     for ids in _greedy_decode(target, prompts, _GEN_LEN):
         t = torch.tensor(ids)
-        hidden, aux = target(t, torch.arange(len(ids)), aux_hidden_state_layers=layers)
+        with dense_attention_context():
+            hidden, aux = target(t, torch.arange(len(ids)), aux_hidden_state_layers=layers)
         data.append({"ids": t, "hidden": hidden, "aux": aux,
                      "argmax": target.compute_logits(hidden).argmax(-1)})
     return data
@@ -127,7 +129,8 @@ def _train(model, loss_fn, data, steps: int, gen: torch.Generator, lr: float = 3
 def _ar_loss(model, seq, gen):
     ids, hidden, labels = seq["ids"], seq["hidden"], seq["argmax"]
     n = len(ids) - 1
-    h, _ = model(ids[1:], torch.arange(n), hidden[:n])
+    with dense_attention_context():
+        h, _ = model(ids[1:], torch.arange(n), hidden[:n])
     return F.cross_entropy(model.compute_logits(h), labels[1:])
 
 
@@ -187,7 +190,8 @@ def draft_accuracy(method: str, model, data) -> float:
         ids, labels = seq["ids"], seq["argmax"]
         if method in ("eagle", "mtp"):
             n = len(ids) - 1
-            h, _ = model(ids[1:], torch.arange(n), seq["hidden"][:n])
+            with dense_attention_context():
+                h, _ = model(ids[1:], torch.arange(n), seq["hidden"][:n])
             pred, gold = model.compute_logits(h).argmax(-1), labels[1:]
         else:
             q = int(model.block_size)

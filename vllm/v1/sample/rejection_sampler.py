@@ -95,7 +95,8 @@ class RejectionSampler:
     def verify(self, target_logits: torch.Tensor, draft_tokens: torch.Tensor,
                num_drafts: np.ndarray, sampling_metadata: SamplingMetadata,
                draft_probs: torch.Tensor | None = None,
-               layout: dict[str, np.ndarray] | None = None) -> DeviceRejectionOutput:
+               layout: dict[str, np.ndarray] | None = None,
+               to_device=None) -> DeviceRejectionOutput:
         """Device form: no host sync. draft_tokens [D] (drafts of every request, in row order),
         num_drafts [R] host counts; target_logits [sum(n_i + 1), V]; draft_probs [D, V] or None."""
         md = sampling_metadata
@@ -118,8 +119,12 @@ class RejectionSampler:
                              f"{target_logits.shape[1]}]; got {tuple(draft_probs.shape)}")
 
         device = target_logits.device
-        # Host index arrays -> device (small copies, no sync: they do not depend on device data).
-        draft_rows = torch.from_numpy(layout["draft_rows"]).to(device, non_blocking=True)
+        # Host index arrays -> device (small copies of host data; the runner passes `to_device`
+        # staging them through pinned buffers, so the copy never blocks the host).
+        if to_device is None:
+            def to_device(values, name):
+                return torch.from_numpy(np.ascontiguousarray(values)).to(device, non_blocking=True)
+        draft_rows = to_device(layout["draft_rows"], "draft_rows")
         draft_tokens = draft_tokens.to(torch.int64)
 
         greedy_tokens = target_logits.argmax(dim=-1)
@@ -127,7 +132,7 @@ class RejectionSampler:
             accepted = draft_tokens == greedy_tokens[draft_rows]
             emitted = greedy_tokens
         else:
-            row_req = torch.from_numpy(layout["row_req"]).to(device, non_blocking=True)
+            row_req = to_device(layout["row_req"], "row_req")
             accepted, emitted = self._random_verify(target_logits, md, row_req, row_starts.tolist(),
                                                     draft_rows, draft_tokens, draft_probs)
             if not md.all_random:
@@ -137,8 +142,8 @@ class RejectionSampler:
                 emitted = torch.where(greedy_row, greedy_tokens, emitted)
 
         max_drafts = int(num_drafts.max()) if num_reqs else 0
-        draft_req = torch.from_numpy(layout["draft_req"]).to(device, non_blocking=True)
-        draft_pos = torch.from_numpy(layout["draft_pos"]).to(device, non_blocking=True)
+        draft_req = to_device(layout["draft_req"], "draft_req")
+        draft_pos = to_device(layout["draft_pos"], "draft_pos")
         # [R, max_drafts] grids (padding: not accepted / token -1); the accepted prefix length is
         # the number of leading accepted drafts (cumprod of the accept flags).
         accept_grid = torch.zeros(num_reqs, max_drafts, dtype=torch.int64, device=device)
@@ -147,7 +152,7 @@ class RejectionSampler:
             accept_grid[draft_req, draft_pos] = accepted.to(torch.int64)
             token_grid[draft_req, draft_pos] = draft_tokens
         num_accepted = accept_grid.cumprod(dim=1).sum(dim=1)
-        starts = torch.from_numpy(row_starts[:-1]).to(device, non_blocking=True)
+        starts = to_device(row_starts[:-1], "row_starts")
         emitted_token = emitted[starts + num_accepted]
         col = torch.arange(max_drafts + 1, device=device)
         padded = torch.cat([token_grid, torch.full((num_reqs, 1), -1, dtype=torch.int64,

@@ -25,16 +25,26 @@ from vllm.model_executor.layers.rotary_embedding import get_rope, yarn_softmax_s
 
 
 def current_attn_metadata(layer_name: str):
-    """This layer's metadata from the forward context; None when no paged-cache step is running
-    (no context, or a context without metadata, e.g. a plain forward over one causal sequence)."""
-    try:
-        from vllm.forward_context import get_forward_context
-        ctx = get_forward_context()
-    except (ImportError, AssertionError, RuntimeError, LookupError):
+    """This layer's metadata from the forward context, or None for an explicit dense-attention
+    context (`vllm.forward_context.dense_attention_context()`: one causal sequence, no cache).
+
+    No forward context is an error: silently running dense attention there would hide a step
+    that forgot its metadata (and attend over the wrong tokens)."""
+    from vllm.forward_context import DenseAttention, is_forward_context_available
+    if not is_forward_context_available():
+        raise RuntimeError(
+            f"attention layer {layer_name!r} ran outside a forward context. The engine sets one "
+            "per step (set_forward_context(attn_metadata)); for a plain causal forward over one "
+            "sequence (oracles, training) wrap the call in "
+            "`with vllm.forward_context.dense_attention_context():`.")
+    from vllm.forward_context import get_forward_context
+    metadata = get_forward_context().attn_metadata
+    if isinstance(metadata, DenseAttention):
         return None
-    metadata = getattr(ctx, "attn_metadata", None) if ctx is not None else None
     if metadata is None:
-        return None
+        raise RuntimeError(
+            f"attention layer {layer_name!r}: the forward context carries no attention metadata; "
+            "build it with build_attn_metadata, or use dense_attention_context() on purpose.")
     if isinstance(metadata, dict):
         if layer_name not in metadata:
             raise KeyError(
@@ -165,15 +175,22 @@ class MLAAttention(nn.Module):
         k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.num_local_heads, -1)], dim=-1)
         return q, k, v
 
+    def bind_attention_backend(self, backend) -> None:
+        """Called by the model runner with the backend resolved once for this layer's KV cache
+        group: the layer's impl must match the group's metadata builder."""
+        num_heads = self.num_local_heads * dcp_group().world_size  # heads after the DCP q gather
+        self._backend = backend
+        self._impl = backend.get_impl_cls()(
+            num_heads=num_heads, scale=self.scaling, kv_lora_rank=self.kv_lora_rank,
+            qk_rope_head_dim=self.qk_rope_head_dim, qk_nope_head_dim=self.qk_nope_head_dim)
+
     def _attention_impl(self):
         if self._impl is None:
+            # Stand-alone use (tests driving a model with hand-built metadata): resolve by name.
             from vllm.v1.attention.selector import get_attn_backend
             device = self.kv_cache.device if self.kv_cache is not None else None
-            self._backend = get_attn_backend(self.attention_backend_name, device=device)
-            num_heads = self.num_local_heads * dcp_group().world_size  # heads after the DCP q gather
-            self._impl = self._backend.get_impl_cls()(
-                num_heads=num_heads, scale=self.scaling, kv_lora_rank=self.kv_lora_rank,
-                qk_rope_head_dim=self.qk_rope_head_dim, qk_nope_head_dim=self.qk_nope_head_dim)
+            self.bind_attention_backend(get_attn_backend(self.attention_backend_name,
+                                                         device=device))
         return self._backend, self._impl
 
     def _forward_absorbed(self, q_nope, q_pe, decode_metadata) -> torch.Tensor:

@@ -51,6 +51,7 @@ def build_attn_metadata(
     seq_lens_cpu: torch.Tensor | None = None,
     dcp_local_seq_lens_cpu: torch.Tensor | None = None,
     block_tables_cpu: Sequence[torch.Tensor] | None = None,
+    cudagraph: bool = False,
 ) -> dict[str, Any]:
     """Build the per-layer attention metadata of one forward.
 
@@ -92,6 +93,7 @@ def build_attn_metadata(
                                     else dcp_local_seq_lens_cpu[:num_reqs]),
             block_table_cpu=(None if block_tables_cpu is None
                              else block_tables_cpu[group_id][:num_reqs]),
+            cudagraph=cudagraph,
         )
         metadata = attn_metadata_builders[group_id].build(common_prefix_len=0,
                                                            common_attn_metadata=common)

@@ -77,6 +77,7 @@ class InputBatch:
     uniform_query_len: int = 0           # Q when every row is a decode row of Q tokens, else 0
     draft_tokens: torch.Tensor | None = None  # [num_reqs_padded, k] drafts being verified
     attn_metadata: dict = field(default_factory=dict)
+    cudagraph: bool = False              # replays a captured graph (padded, fixed bounds)
 
     @property
     def num_logits(self) -> int:

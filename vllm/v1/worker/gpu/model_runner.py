@@ -13,6 +13,7 @@ generators seeded the same everywhere), so each rank's request state stays in lo
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,8 @@ from vllm.v1.worker.gpu.input_batch import InputBatch, InputBatchBuilder
 from vllm.v1.worker.gpu.request_states import RequestStates
 from vllm.v1.worker.gpu.spec_decode import get_speculator_cls
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftInputs
+
+logger = logging.getLogger(__name__)
 
 
 def _attention_modules(model: Any) -> list[Any]:
@@ -85,6 +88,12 @@ class GPUModelRunner:
         self._num_computed_new = CpuGpuBuffer(self.max_num_reqs, dtype=torch.int64,
                                               device=self.device)
         self._last_drafts: tuple[list[str], torch.Tensor] | None = None
+        # CUDA graphs of uniform decode/verify steps (never on CPU, never with enforce_eager).
+        self.cudagraphs = None
+        if (self.device.type == "cuda" and not getattr(model_config, "enforce_eager", False)):
+            from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+            sizes = vllm_config.compilation_config.resolve(self.max_num_reqs)
+            self.cudagraphs = CudaGraphManager(sizes, 1 + self.num_spec_tokens, self.device)
         self.generators = RequestGenerators(self.device, int(getattr(model_config, "seed", 0)))
         self.sampler = Sampler()
         self.rejection_sampler = (RejectionSampler(self.spec_config.rejection_sample_method)
@@ -162,14 +171,20 @@ class GPUModelRunner:
             self.max_num_tokens, self.device, cp_size=self.dcp_size, cp_rank=self.dcp_rank,
             cp_interleave=self.dcp_interleave)
 
-        backend = get_attn_backend(self.vllm_config.model_config.attention_backend, self.device)
-        builder_cls = backend.get_builder_cls()
+        # One backend per KV cache group, resolved once: the group's builder makes the metadata
+        # and every layer of the group runs that backend's impl (no per-layer fallback).
+        self.attn_backends = [get_attn_backend(self.vllm_config.model_config.attention_backend,
+                                               self.device) for _ in groups]
         self.attn_metadata_builders = [
-            builder_cls(g.kv_cache_spec, g.layer_names, self.vllm_config, self.device)
-            for g in groups]
+            backend.get_builder_cls()(g.kv_cache_spec, g.layer_names, self.vllm_config, self.device)
+            for backend, g in zip(self.attn_backends, groups)]
+        for backend, g in zip(self.attn_backends, groups):
+            for name in g.layer_names:
+                layers[name].bind_attention_backend(backend)
+        builder_cls = self.attn_metadata_builders[0].__class__
         validate_dspark_dcp_backends(
             self.spec_config.method if self.spec_config is not None else None, self.dcp_size,
-            [(g.kv_cache_spec, builder_cls) for g in groups])
+            [(g.kv_cache_spec, type(b)) for g, b in zip(groups, self.attn_metadata_builders)])
 
         if self.spec_config is not None:
             speculator_cls = get_speculator_cls(self.spec_config.method)
@@ -180,6 +195,35 @@ class GPUModelRunner:
             group_ids = tuple(i for i, g in enumerate(groups)
                               if draft_layers.intersection(g.layer_names))
             self.speculator.bind_attention(kv_cache_config, self.attn_metadata_builders, group_ids)
+        for builder in self.attn_metadata_builders:
+            if hasattr(builder, "_row_buffers"):  # allocate once: graphs capture the addresses
+                builder._row_buffers(self.max_num_tokens, self.device)
+        if self.cudagraphs is not None:
+            if any(getattr(b, "kernel_family", "hopper") != "hopper"
+                   for b in self.attn_metadata_builders):
+                logger.warning("CUDA graphs are not wired for the FlashInfer Blackwell path yet; "
+                               "running eagerly")
+                self.cudagraphs = None
+            else:
+                self.capture_model()
+
+    @torch.inference_mode()
+    def capture_model(self) -> None:
+        self.cudagraphs.capture_all(self._dummy_graph_batch, self._forward)
+        # The dummy batches wrote into slots' host state; hand every slot back clean.
+        self.requests.num_computed.np[:] = 0
+
+    def _dummy_graph_batch(self, num_reqs_padded: int) -> InputBatch:
+        """A uniform decode batch of num_reqs_padded rows over slots 0.. (block 0, KV empty)."""
+        from vllm.v1.worker.gpu.request_states import RequestState
+        q = self.cudagraphs.query_len
+        rows = []
+        for slot in range(num_reqs_padded):
+            rows.append(RequestState(f"_graph_{slot}", slot, [], 1))
+            self.requests.num_computed.np[slot] = 1
+        layout = (rows, [q] * num_reqs_padded, [q - 1] * num_reqs_padded,
+                  [True] * num_reqs_padded, [None] * num_reqs_padded)
+        return self._build_batch(layout, num_reqs_padded, cudagraph=True)
 
     # ------------------------------------------------------------ state update
     def _update_states(self, scheduler_output: Any) -> None:
@@ -234,22 +278,13 @@ class GPUModelRunner:
                                      spec_token_ids=[] if self.speculator else None)
         batch = self._prepare_inputs(scheduler_output)
         num_reqs = batch.num_reqs
-        input_ids, positions = batch.input_ids, batch.positions
-
-        aux_layers = self.speculator.aux_hidden_state_layers if self.speculator else ()
-        aux_hidden = None
-        with set_forward_context(batch.attn_metadata, self.vllm_config):
-            if aux_layers:
-                hidden, aux_list = self.model(input_ids, positions,
-                                              aux_hidden_state_layers=aux_layers)
-                aux_hidden = torch.cat(list(aux_list), dim=-1)
-            else:
-                hidden = self.model(input_ids, positions)
-            if self.speculator is not None:
-                # Block drafters store context KV of the processed tokens through the draft
-                # group's slot mapping of this very step.
-                self.speculator.precompute_context(aux_hidden, positions)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        if batch.cudagraph:
+            hidden, aux_hidden, logits_all = self.cudagraphs.replay(batch.num_reqs_padded)
+            # Uniform decode: every real token is a logit row, in order.
+            logits = logits_all[: batch.num_tokens]
+        else:
+            hidden, aux_hidden, logits_all = self._forward(batch)
+            logits = logits_all
 
         sampled, num_sampled, num_draft, sample_rows = self._sample(batch, logits)
         # The step's one device->host transfer.
@@ -279,6 +314,29 @@ class GPUModelRunner:
                                  spec_token_ids=spec_token_ids, num_draft_tokens=num_draft_list,
                                  num_accepted_tokens=num_accepted)
 
+    def _forward(self, batch: InputBatch) -> tuple:
+        """Target forward (+ block drafters' context KV) and the LM head of the logit rows.
+        In graph mode (captured) the logit rows are all padded tokens, in order."""
+        aux_layers = self.speculator.aux_hidden_state_layers if self.speculator else ()
+        aux_hidden = None
+        input_ids, positions = batch.input_ids, batch.positions
+        with set_forward_context(batch.attn_metadata, self.vllm_config):
+            if aux_layers:
+                hidden, aux_list = self.model(input_ids, positions,
+                                              aux_hidden_state_layers=aux_layers)
+                aux_hidden = torch.cat(list(aux_list), dim=-1)
+            else:
+                hidden = self.model(input_ids, positions)
+            if self.speculator is not None:
+                # Block drafters store context KV of the processed tokens through the draft
+                # group's slot mapping of this very step.
+                self.speculator.precompute_context(aux_hidden, positions)
+        if batch.cudagraph:
+            logits = self.model.compute_logits(hidden)
+        else:
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+        return hidden, aux_hidden, logits
+
     def _copy_step_output(self, sampled: torch.Tensor, num_sampled: torch.Tensor,
                           rows: int) -> "np.ndarray":
         out = self._step_out
@@ -298,9 +356,7 @@ class GPUModelRunner:
         req_ids = [batch.req_ids[r] for r in rows]
         params = [self.requests[r].sampling_params for r in req_ids]
         greedy = [is_greedy(p) for p in params]
-        slots = torch.from_numpy(batch.idx_mapping_np[rows]).to(self.device, non_blocking=True) \
-            if self.device.type == "cpu" else batch.idx_mapping[torch.from_numpy(
-                np.asarray(rows, dtype=np.int64)).to(self.device, non_blocking=True)]
+        slots = self._pinned_index(batch.idx_mapping_np[rows], "sampling_slots")
         if all(greedy):
             return SamplingMetadata(temperature=torch.zeros(len(rows), device=self.device)
                                     if self.device.type == "cpu" else
@@ -330,15 +386,15 @@ class GPUModelRunner:
             drafts = self._verified_drafts(batch, rows, num_draft)
             result = self.rejection_sampler.verify(
                 logits, drafts, num_draft, metadata,
-                self._draft_probs_for([batch.req_ids[r] for r in rows], num_draft, drafts, logits))
+                self._draft_probs_for([batch.req_ids[r] for r in rows], num_draft, drafts, logits),
+                to_device=lambda values, name: self._pinned_index(values, "rs_" + name))
             sampled, num_sampled = result.sampled, result.num_sampled
         else:
             sampled = self.sampler(logits, metadata).unsqueeze(1)
             num_sampled = torch.ones(len(rows), dtype=torch.int64, device=self.device)
         # Device state: the emitted token is the next step's anchor.
         if rows:
-            slots = batch.idx_mapping[:batch.num_reqs][torch.from_numpy(
-                np.asarray(rows, dtype=np.int64)).to(self.device, non_blocking=True)]
+            slots = self._pinned_index(batch.idx_mapping_np[rows], "sampled_slots")
             emitted = sampled.gather(1, (num_sampled - 1).unsqueeze(1)).squeeze(1)
             self.requests.last_sampled[slots] = emitted
         return sampled, num_sampled, num_draft, rows
@@ -352,8 +408,8 @@ class GPUModelRunner:
         req = np.repeat(np.asarray(rows, dtype=np.int64), num_draft)
         pos = np.concatenate([np.arange(n) for n in num_draft]).astype(np.int64)
         slots = batch.idx_mapping_np[req]
-        idx = torch.from_numpy(slots * self.requests.draft_tokens.shape[1] + pos)
-        return self.requests.draft_tokens.view(-1)[idx.to(self.device, non_blocking=True)]
+        idx = self._pinned_index(slots * self.requests.draft_tokens.shape[1] + pos, "drafts")
+        return self.requests.draft_tokens.view(-1)[idx]
 
     def _draft_probs_for(self, req_ids: list[str], num_draft: np.ndarray, drafts: torch.Tensor,
                          logits: torch.Tensor) -> torch.Tensor | None:
@@ -386,8 +442,7 @@ class GPUModelRunner:
         ncn = self._num_computed_new
         ncn.np[:num_reqs] = num_computed_new
         ncn.copy_to_gpu(num_reqs)
-        last_accepted_dev = torch.from_numpy(last_accepted).to(self.device, non_blocking=True) \
-            if self.device.type == "cpu" else self._pinned_index(last_accepted)
+        last_accepted_dev = self._pinned_index(last_accepted, "last_accepted")
         next_tokens = self.requests.last_sampled[batch.idx_mapping[:num_reqs]]
         draft_inputs = DraftInputs(
             num_reqs=num_reqs,
@@ -417,11 +472,15 @@ class GPUModelRunner:
         k = self.num_spec_tokens
         return [[-1] * k for _ in range(num_reqs)]
 
-    def _pinned_index(self, values: np.ndarray) -> torch.Tensor:
-        buf = getattr(self, "_index_buf", None)
+    def _pinned_index(self, values, name: str) -> torch.Tensor:
+        """Host int64 values -> device through a pinned buffer owned by `name` (one buffer per
+        use site: a pinned region is written once per step, see buffer_utils)."""
+        bufs = self.__dict__.setdefault("_index_bufs", {})
+        buf = bufs.get(name)
         if buf is None:
-            self._index_buf = buf = CpuGpuBuffer(self.max_num_tokens, dtype=torch.int64,
-                                                 device=self.device)
+            buf = bufs[name] = CpuGpuBuffer(self.max_num_tokens, dtype=torch.int64,
+                                            device=self.device)
+        values = np.asarray(values, dtype=np.int64)
         n = len(values)
         buf.np[:n] = values
         return buf.copy_to_gpu(n)
@@ -492,16 +551,28 @@ class GPUModelRunner:
             for slot, drafts in forced_rows:
                 self._forced.np[slot, :len(drafts)] = drafts
             self._forced.copy_to_gpu()
-            slots = [s for s, _ in forced_rows]
             widths = {len(d) for _, d in forced_rows}
             for w in widths:
                 sel = [s for s, d in forced_rows if len(d) == w]
-                idx = torch.tensor(sel, dtype=torch.int64).to(self.device, non_blocking=True) \
-                    if self.device.type == "cpu" else self._pinned_index(np.asarray(sel))
+                idx = self._pinned_index(sel, f"forced{w}")
                 self.requests.draft_tokens[idx, :w] = self._forced.gpu[idx, :w]
-        batch = self.batch_builder.build(rows, counts, num_drafts, samples, host_ids,
-                                         self.requests, self.block_tables)
-        max_query_len = max(counts)
+        layout = (rows, counts, num_drafts, samples, host_ids)
+        padded = None
+        if self.cudagraphs is not None:
+            q = self.cudagraphs.query_len
+            if (all(c == q for c in counts) and all(samples)
+                    and all(h is None for h in host_ids)):
+                padded = self.cudagraphs.padded_num_reqs(len(rows))
+        return self._build_batch(layout, padded, cudagraph=padded is not None)
+
+    def _build_batch(self, layout, num_reqs_padded: int | None, cudagraph: bool) -> InputBatch:
+        rows, counts, num_drafts, samples, host_ids = layout
+        q = max(counts)
+        batch = self.batch_builder.build(
+            rows, counts, num_drafts, samples, host_ids, self.requests, self.block_tables,
+            num_reqs_padded=num_reqs_padded,
+            num_tokens_padded=None if num_reqs_padded is None else num_reqs_padded * q)
+        batch.cudagraph = cudagraph
         batch.attn_metadata = build_attn_metadata(
             attn_metadata_builders=self.attn_metadata_builders,
             kv_cache_config=self.kv_cache_config,
@@ -510,8 +581,10 @@ class GPUModelRunner:
             query_start_loc=batch.query_start_loc,
             query_start_loc_cpu=batch.query_start_loc_cpu,
             seq_lens=self.input_buffers.seq_lens,
-            max_query_len=max_query_len,
-            max_seq_len=int(batch.seq_lens_np.max()) if batch.num_reqs else 0,
+            max_query_len=q,
+            # Graph replays keep the capture's bound (kernels shaped by it are baked in).
+            max_seq_len=(self.max_model_len if cudagraph else
+                         int(batch.seq_lens_np.max()) if batch.num_reqs else 0),
             block_tables=batch.block_tables,
             slot_mappings=batch.slot_mappings,
             causal=True,
@@ -522,5 +595,6 @@ class GPUModelRunner:
             dcp_local_seq_lens_cpu=(None if batch.dcp_local_seq_lens_np is None
                                     else torch.from_numpy(batch.dcp_local_seq_lens_np.copy())),
             block_tables_cpu=self.block_tables.input_block_tables_cpu,
+            cudagraph=cudagraph,
         )
         return batch

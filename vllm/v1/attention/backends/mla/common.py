@@ -77,6 +77,7 @@ class MLACommonDecodeMetadata:
     row_req: torch.Tensor | None = None  # [num_decode_tokens] int64 decode row of every token
     row_pos: torch.Tensor | None = None  # [num_decode_tokens] int64 index inside its row
     block_table_cpu: torch.Tensor | None = None  # host twin of block_table (for planners)
+    cudagraph: bool = False  # built for a CUDA-graph capture/replay (fixed shapes)
 
     @property
     def kind(self) -> MLADecodeKind:
@@ -290,7 +291,8 @@ class MLACommonMetadataBuilder:
             dcp_world_size=n, dcp_rank=r, dcp_interleave=inter,
             row_seq_lens_cpu=row_host, row_req=row_req, row_pos=row_pos,
             block_table_cpu=(None if cm.block_table_cpu is None
-                             else cm.block_table_cpu[:num_decodes]))
+                             else cm.block_table_cpu[:num_decodes]),
+            cudagraph=bool(cm.cudagraph))
 
     def _row_seq_lens(self, cm: CommonAttentionMetadata, num_decodes: int,
                       num_tokens: int, causal: bool, local_seq_lens: torch.Tensor):
