@@ -7,8 +7,8 @@ import torch
 from tests.utils.paged_harness import PagedRequest, PagedRunner
 from vllm.config import ModelConfig, ParallelConfig, VllmConfig
 from vllm.distributed import parallel_state as ps
-from vllm.model_executor.model_loader import get_model
 from vllm.forward_context import dense_attention_context
+from vllm.model_executor.model_loader import get_model
 
 
 def run_rank(rank: int, world: int, model_dir: str, rendezvous: str, out_dir: str,
