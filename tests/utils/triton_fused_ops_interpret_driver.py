@@ -1,6 +1,7 @@
-"""Runs the fused decode-path Triton kernels (RMSNorm +- residual, RoPE, MLA rope + KV-cache write)
-on CPU tensors under TRITON_INTERPRET=1 and compares them with the torch paths. Launched in a
-subprocess by the tests (the interpreter must be chosen before the kernels are decorated)."""
+"""Runs the fused decode-path Triton kernels (RMSNorm +- residual, RoPE, MLA rope + KV-cache write,
+MoE grouped GEMM) on CPU tensors under TRITON_INTERPRET=1 and compares them with the torch paths.
+Launched in a subprocess by the tests (the interpreter must be chosen before the kernels are
+decorated); the arguments name the checks to run (default: all)."""
 import os
 import sys
 
@@ -8,7 +9,7 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
-from vllm.model_executor.layers import layernorm, rotary_embedding  # noqa: E402
+from vllm.model_executor.layers import layernorm, moe_kernels, rotary_embedding  # noqa: E402
 from vllm.v1.attention.ops import mla_kv_cache  # noqa: E402
 
 # One bf16 ulp near 1 is 2^-8: kernel and torch may round a float32 value that sits on a bf16
@@ -104,12 +105,42 @@ def check_kv_cache(gen):
             assert torch.equal(k_only, k_out)
 
 
+def _experts_float64(x, w13, w2, weights, ids):
+    """Brute force: every (token, slot) through its expert, float64."""
+    x, w13, w2, weights = x.double(), w13.double(), w2.double(), weights.double()
+    inter = w2.shape[-1]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = w13[e, :inter] @ x[t], w13[e, inter:] @ x[t]
+            out[t] += weights[t, j] * (w2[e] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+def check_moe(gen):
+    for num_tokens, num_experts, top_k, block_m in ((1, 8, 3, 16), (5, 8, 2, 16), (33, 6, 4, 16), (40, 4, 2, 32)):
+        hidden, inter = 48, 40  # neither a multiple of the tiles: exercises the masks
+        x = torch.randn(num_tokens, hidden, generator=gen)
+        w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+        w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5
+        ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+        weights = torch.rand(num_tokens, top_k, generator=gen)
+        ref = _experts_float64(x, w13, w2, weights, ids)
+        cfg = dict(BLOCK_M=block_m, GU_BLOCK_N=16, GU_BLOCK_K=32, DOWN_BLOCK_N=32, DOWN_BLOCK_K=16)
+        got = moe_kernels.fused_experts_triton(x, w13, w2, weights, ids, config=cfg)
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(moe_kernels.fused_experts_torch(x, w13, w2, weights, ids).double(), ref,
+                                   rtol=1e-4, atol=1e-4)
+
+
+CHECKS = dict(rms_norm=check_rms_norm, rope=check_rope, kv_cache=check_kv_cache, moe=check_moe)
+
 if __name__ == "__main__":
     if not layernorm.HAS_TRITON:
         print("NO_TRITON")
         sys.exit(0)
     generator = torch.Generator().manual_seed(0)
-    check_rms_norm(generator)
-    check_rope(generator)
-    check_kv_cache(generator)
+    for name in sys.argv[1:] or list(CHECKS):
+        CHECKS[name](generator)
     print("TRITON_INTERPRET_OK")
