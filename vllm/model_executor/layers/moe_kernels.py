@@ -40,28 +40,44 @@ def padded_pairs_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
     return -(-bound // block_m) * block_m
 
 
-def moe_align_block_size(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+# Up to this many (pair, expert) cells the rank of a pair inside its expert comes from a one-hot
+# cumsum (decode sizes: plain elementwise kernels, trivially capturable); beyond it, from a sort.
+_ONE_HOT_LIMIT = 1 << 22
+
+
+def moe_align_block_size(ids: torch.Tensor, num_experts: int, block_m: int,
+                         use_sort: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [T, k] expert ids -> (sorted_pairs [P] int32, block_expert [P // block_m] int32).
 
     sorted_pairs lists the flat pair indices (token * k + slot) grouped by expert (token order within
     an expert), each expert's run padded to a multiple of block_m with the sentinel N = T*k;
     block_expert[b] is the expert of block b, or num_experts for blocks past the last run.
-    Everything stays on the device: no host sync."""
+    Everything stays on the device: no host sync. `use_sort` picks how a pair's rank inside its
+    expert is found (None: one-hot cumsum for small N*E, a stable sort otherwise; same result)."""
     flat = ids.reshape(-1).to(torch.int64)
     num_pairs = flat.numel()
+    device = ids.device
     size = padded_pairs_bound(num_pairs, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount without its host sync
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     padded_start = padded_end - padded
-    count_start = counts.cumsum(0) - counts
-    sorted_experts, order = torch.sort(flat, stable=True)
-    rank_in_expert = torch.arange(num_pairs, device=ids.device) - count_start[sorted_experts]
-    dest = padded_start[sorted_experts] + rank_in_expert
-    sorted_pairs = torch.full((size,), num_pairs, dtype=torch.int64, device=ids.device)
-    sorted_pairs.scatter_(0, dest, order)
-    block_start = torch.arange(0, size, block_m, device=ids.device)
+    if use_sort is None:
+        use_sort = num_pairs * num_experts > _ONE_HOT_LIMIT
+    if use_sort:
+        sorted_experts, order = torch.sort(flat, stable=True)
+        count_start = counts.cumsum(0) - counts
+        rank = torch.arange(num_pairs, device=device) - count_start[sorted_experts]
+        dest, pair_ids = padded_start[sorted_experts] + rank, order
+    else:
+        one_hot = torch.zeros(num_pairs, num_experts, dtype=torch.int32, device=device)
+        one_hot.scatter_(1, flat[:, None], 1)
+        rank = one_hot.cumsum(0).gather(1, flat[:, None]).squeeze(1).to(torch.int64) - 1
+        dest, pair_ids = padded_start[flat] + rank, torch.arange(num_pairs, device=device)
+    sorted_pairs = torch.full((size,), num_pairs, dtype=torch.int64, device=device)
+    sorted_pairs.scatter_(0, dest, pair_ids)
+    block_start = torch.arange(0, size, block_m, device=device)
     block_expert = torch.searchsorted(padded_end, block_start, right=True)
     return sorted_pairs.to(torch.int32), block_expert.to(torch.int32)
 
