@@ -85,6 +85,9 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out if residual is None else (out, summed.view(x.shape))
 
 
+_MAX_TRITON_WIDTH = 32768
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -95,6 +98,7 @@ class RMSNorm(nn.Module):
         """x [..., D] -> rmsnorm(x); with `residual`: (rmsnorm(x + residual), x + residual)."""
         if x.shape[-1] != self.weight.shape[0]:
             raise ValueError(f"RMSNorm of size {self.weight.shape[0]} got input with last dim {x.shape[-1]}")
-        if HAS_TRITON and x.is_cuda and x.dtype != torch.float64:
+        # one row per program held in registers: fine up to this width (DeepSeek's widest is 7168)
+        if HAS_TRITON and x.is_cuda and x.dtype != torch.float64 and x.shape[-1] <= _MAX_TRITON_WIDTH:
             return rms_norm_triton(x, self.weight, self.variance_epsilon, residual)
         return rms_norm_torch(x, self.weight, self.variance_epsilon, residual)

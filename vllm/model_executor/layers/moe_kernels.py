@@ -159,7 +159,9 @@ if HAS_TRITON:
 def moe_block_config(num_pairs: int) -> dict[str, int]:
     """Tile sizes: small M tiles for decode (few pairs per expert), larger for prefill."""
     block_m = 16 if num_pairs <= 1024 else (32 if num_pairs <= 8192 else 64)
-    return dict(BLOCK_M=block_m, GU_BLOCK_N=32, GU_BLOCK_K=128, DOWN_BLOCK_N=64, DOWN_BLOCK_K=64)
+    # decode: few experts are active, so narrow gate_up tiles give more programs to stream weights
+    gu_block_n = 16 if num_pairs <= 128 else 32
+    return dict(BLOCK_M=block_m, GU_BLOCK_N=gu_block_n, GU_BLOCK_K=128, DOWN_BLOCK_N=64, DOWN_BLOCK_K=64)
 
 
 def _check_expert_args(x, w13, w2, weights, ids) -> None:

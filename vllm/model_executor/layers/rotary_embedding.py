@@ -213,6 +213,7 @@ def rope_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_c
     q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty_like(k2)
     num_heads = q.shape[1]
     half = d // 2
+    positions = positions.contiguous()  # the kernel reads positions[t] at offset t
     if num_tokens:
         _rope_kernel[(num_tokens,)](
             positions, cos_cache, sin_cache, cos_cache.stride(0), q, q.stride(0), q.stride(1),

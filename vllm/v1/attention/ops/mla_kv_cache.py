@@ -94,6 +94,9 @@ def _launch(num_tokens, *, kv_c, k_pe, kv_cache, slot_mapping, positions=None, c
     if not num_tokens:
         return
     rotate = positions is not None
+    # the kernel reads positions[t] and slot_mapping[t] at offset t (no copy when already contiguous)
+    positions = positions.contiguous() if rotate else None
+    slot_mapping = slot_mapping.contiguous() if slot_mapping is not None else None
     kpe = _last_dim_contiguous(k_pe.reshape(k_pe.shape[0], k_pe.shape[-1]))
     half = kpe.shape[-1] // 2
     write = kv_cache is not None
