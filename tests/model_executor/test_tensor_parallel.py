@@ -71,7 +71,10 @@ def test_tp2_weights_are_split(tp_results):
     shapes = r0["param_shapes"]
     assert shapes["model.layers.0.self_attn.kv_b_proj.weight"][0] * 2 == single_shapes["model.layers.0.self_attn.kv_b_proj.weight"][0]
     assert shapes["model.layers.0.self_attn.o_proj.weight"][1] * 2 == single_shapes["model.layers.0.self_attn.o_proj.weight"][1]
-    assert shapes["model.layers.1.mlp.experts.0.down_proj.weight"][1] * 2 == single_shapes["model.layers.1.mlp.experts.0.down_proj.weight"][1]
+    experts_w2 = "model.layers.1.mlp.experts.w2_weight"  # [E, D, I_local]
+    assert shapes[experts_w2][2] * 2 == single_shapes[experts_w2][2]
+    experts_w13 = "model.layers.1.mlp.experts.w13_weight"  # [E, 2 * I_local, D]
+    assert shapes[experts_w13][1] * 2 == single_shapes[experts_w13][1]
     assert shapes["lm_head.weight"][0] * 2 == single_shapes["lm_head.weight"][0]
     assert shapes["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] == single_shapes["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"]
     # per-rank parameter memory: everything but the small replicated projections is halved

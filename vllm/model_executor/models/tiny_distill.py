@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vllm.model_executor.models.weight_loading import checkpoint_names_of
+from vllm.model_executor.models.weight_loading import checkpoint_tensors_of
 from vllm.transformers_utils.config import HFConfig
 from vllm.forward_context import dense_attention_context
 
@@ -31,15 +31,11 @@ def _build(cls, config: dict, weights: dict[str, torch.Tensor]):
 
 
 def export_tensors(model, keep: set[str]) -> dict[str, torch.Tensor]:
-    """Parameters back to checkpoint names (fused gate_up split again); TP=1 only."""
+    """Parameters back to checkpoint names (fused gate_up and stacked experts split again); TP=1 only."""
     out = {}
     for name, param in model.named_parameters():
-        names = checkpoint_names_of(name)
-        if len(names) == 1:
-            out[names[0][0]] = param.detach().clone().contiguous()
-        else:
-            for (ckpt, _), piece in zip(names, param.detach().chunk(len(names), dim=0)):
-                out[ckpt] = piece.clone().contiguous()
+        for ckpt, piece in checkpoint_tensors_of(name, param):
+            out[ckpt] = piece.clone().contiguous()
     missing = keep - set(out)
     if missing:
         raise RuntimeError(f"distillation lost tensors {sorted(missing)[:4]}")

@@ -102,7 +102,8 @@ class MLAAttention(nn.Module):
 
     # ---- projections shared by all paths --------------------------------------------------------
     def project_q(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q_nope [T, H_local, nope], rotated q_pe [T, H_local, 64])."""
+        """(q_nope [T, H_local, nope], un-rotated q_pe [T, H_local, 64]); `positions` is unused
+        (rope is applied with the KV write, `rope_and_write_kv`, or by `rotary_emb`)."""
         if self.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         else:
@@ -117,36 +118,60 @@ class MLAAttention(nn.Module):
         return self.kv_a_layernorm(kv_c), k_pe
 
     def rotated_latent_kv(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exactly what the cache stores for tokens `x` at `positions`: (c_kv, rope(k_pe))."""
+        """Exactly what the cache stores for tokens `x` at `positions`: (c_kv, rope(k_pe)).
+        Same rope code as the fused write (`rope_concat_and_cache_mla`), so the values agree bit
+        for bit with what `forward` stores."""
+        from vllm.v1.attention.ops.mla_kv_cache import rope_concat_and_cache_mla
         kv_c, k_pe = self.project_latent_kv(positions, x)
         dummy_q = k_pe.new_empty(k_pe.shape[0], 0, self.qk_rope_head_dim)
-        _, k_pe = self.rotary_emb(positions, dummy_q, k_pe)
-        return kv_c, k_pe
+        k_rot = torch.empty(k_pe.shape, dtype=k_pe.dtype, device=k_pe.device)
+        rope = self.rotary_emb
+        rope_concat_and_cache_mla(positions, dummy_q, k_pe, kv_c, rope.cos_cache, rope.sin_cache,
+                                  rope.interleaved, None, None, k_pe_out=k_rot)
+        return kv_c, k_rot
 
-    def write_kv(self, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def _need_kv_cache(self) -> torch.Tensor:
         if self.kv_cache is None:
             raise RuntimeError(f"layer {self.layer_name!r} has no kv_cache bound; the runner must "
                                "set layer.kv_cache before a step with attention metadata")
+        return self.kv_cache
+
+    def write_kv(self, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store already-rotated latents (slots -1 and tokens past the mapping are skipped)."""
+        kv_cache = self._need_kv_cache()
         from vllm.v1.attention.ops.mla_kv_cache import concat_and_cache_mla
         n = min(kv_c.shape[0], slot_mapping.shape[0])
-        concat_and_cache_mla(kv_c[:n], k_pe[:n], self.kv_cache, slot_mapping[:n])
+        concat_and_cache_mla(kv_c[:n], k_pe[:n], kv_cache, slot_mapping[:n])
+
+    def rope_and_write_kv(self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor,
+                          kv_c: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One launch on CUDA: rope(q_pe), rope(k_pe), and [kv_c | rope(k_pe)] into the cache.
+        Returns (rotated q_pe, rotated k_pe)."""
+        kv_cache = self._need_kv_cache()
+        from vllm.v1.attention.ops.mla_kv_cache import rope_concat_and_cache_mla
+        k_rot = torch.empty(k_pe.shape, dtype=k_pe.dtype, device=k_pe.device)
+        rope = self.rotary_emb
+        q_rot = rope_concat_and_cache_mla(positions, q_pe, k_pe, kv_c, rope.cos_cache, rope.sin_cache,
+                                          rope.interleaved, kv_cache, slot_mapping, k_pe_out=k_rot)
+        return q_rot, k_rot
 
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q_nope, q_pe = self.project_q(positions, hidden_states)
         kv_c, k_pe = self.project_latent_kv(positions, hidden_states)
-        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
         num_tokens = hidden_states.shape[0]
 
         metadata = current_attn_metadata(self.layer_name)
         if metadata is None:
             # No paged cache this step: the batch is one sequence, attended in place.
+            q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
             q, k, v = self._expanded_qkv(q_nope, q_pe, kv_c, k_pe)
             out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                                  is_causal=not self.non_causal, scale=self.scaling)
             out = out.transpose(0, 1)
         else:
-            self.write_kv(kv_c, k_pe, metadata.slot_mapping)  # before attention: rows see themselves
+            # rope + KV write before attention: rows see themselves
+            q_pe, k_pe = self.rope_and_write_kv(positions, q_pe, k_pe, kv_c, metadata.slot_mapping)
             out = q_nope.new_zeros(num_tokens, self.num_local_heads, self.v_head_dim)
             num_decode = int(metadata.num_decode_tokens)
             if num_decode > 0:
