@@ -167,7 +167,7 @@ class BlockTables:
         num_reqs = idx_mapping.shape[0]
         if idx_mapping_np is not None:
             self._input_host.numpy()[:, :num_reqs] = self.host_block_tables[:, idx_mapping_np]
-        if idx_mapping.device != self.device:
+        if idx_mapping.device.type != self.device.type:
             raise ValueError(f"idx_mapping is on {idx_mapping.device}; pass the device copy "
                              f"({self.device}) so the gather needs no host transfer.")
         if num_reqs > self.max_num_reqs:
