@@ -84,8 +84,11 @@ def make_runner(vllm_config, device: str = "cpu", rank: int = 0) -> GPUModelRunn
 
 
 def run_scenario(runner: GPUModelRunner, scenario: Scenario,
-                 oracle: dict[str, list[int]] | None = None) -> ScenarioResult:
-    """Run to completion; `oracle` (greedy continuations) is needed for forced drafts."""
+                 oracle: dict[str, list[int]] | None = None,
+                 record_draft_logits: bool = True) -> ScenarioResult:
+    """Run to completion; `oracle` (greedy continuations) is needed for forced drafts.
+    record_draft_logits copies every drafter logits call to the host (a sync per call: off for
+    the sync-budget test)."""
     k = runner.num_spec_tokens
     dcp = runner.dcp_size
     virtual_block = BLOCK_SIZE * dcp
@@ -96,7 +99,7 @@ def run_scenario(runner: GPUModelRunner, scenario: Scenario,
                             {r: [] for r in pending}, {r: [] for r in pending})
     finished: set[str] = set()
     step = 0
-    if runner.speculator is not None:
+    if runner.speculator is not None and record_draft_logits:
         _record_draft_logits(runner.speculator.model, result.draft_logits)
     _check_local_lengths(runner, result)
     while pending or running:

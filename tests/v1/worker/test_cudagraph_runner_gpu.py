@@ -83,7 +83,8 @@ def test_steady_decode_step_has_one_device_to_host_transfer(paths, backend, meth
 
     def checked(scheduler_output):
         steps["n"] += 1
-        decode_only = not scheduler_output.scheduled_new_reqs
+        decode_only = (not scheduler_output.scheduled_new_reqs
+                       and scheduler_output.total_num_scheduled_tokens > 0)
         if steps["n"] >= 4 and decode_only:
             before = len(transfers)
             torch.cuda.set_sync_debug_mode("error")
@@ -99,5 +100,5 @@ def test_steady_decode_step_has_one_device_to_host_transfer(paths, backend, meth
 
     runner.execute_model = checked
     scenario = Scenario("sync", {"a": PROMPTS["a"], "b": PROMPTS["b"]}, max_new_tokens=10)
-    run_scenario(runner, scenario)
+    run_scenario(runner, scenario, record_draft_logits=False)
     assert steps.get("checked", 0) >= 2
