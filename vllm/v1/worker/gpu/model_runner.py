@@ -212,6 +212,12 @@ class GPUModelRunner:
         self.cudagraphs.capture_all(self._dummy_graph_batch, self._forward)
         # The dummy batches wrote into slots' host state; hand every slot back clean.
         self.requests.num_computed.np[:] = 0
+        spec = self.speculator
+        if (spec is not None and hasattr(spec, "capture_graphs")
+                and spec.draft_sample_method == "greedy"):
+            from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+            spec.capture_graphs(CudaGraphManager(self.cudagraphs.capture_sizes, spec.query_len,
+                                                 self.device))
 
     def _dummy_graph_batch(self, num_reqs_padded: int) -> InputBatch:
         """A uniform decode batch of num_reqs_padded rows over slots 0.. (block 0, KV empty)."""

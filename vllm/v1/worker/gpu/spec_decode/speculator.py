@@ -86,6 +86,7 @@ class Speculator:
         # Host upper bound of the draft seq_lens (metadata aliases it, like the other buffers).
         self.seq_lens_cpu_upper_bound = torch.zeros(max_num_reqs, dtype=torch.int32)
         self.model: Any = None  # the drafter, set by the runner after loading it
+        self.cudagraphs: Any = None  # CudaGraphManager of the draft step (block drafters)
         self.kv_cache_config: Any = None
         self.attn_metadata_builders: list[Any] = []
         self.group_ids: tuple[int, ...] = ()
@@ -158,6 +159,7 @@ class Speculator:
         query_start_loc_np: np.ndarray | None = None,
         dcp_local_seq_lens: torch.Tensor | None = None,
         seq_lens_np: np.ndarray | None = None,
+        cudagraph: bool = False,
     ) -> dict[str, Any]:
         """Attention metadata of one draft forward, described by the draft's own buffers.
 
@@ -201,6 +203,8 @@ class Speculator:
                                     dtype=torch.int64)
             upper_bound[:num_reqs] = (bound + step).clamp(max=self.max_model_len).to(torch.int32)
         max_seq_len = int(upper_bound.max()) if num_reqs > 0 else 0
+        if cudagraph:  # graph replays keep the capture's bound (shapes baked into kernels)
+            max_seq_len = self.max_model_len
 
         seq_lens_cpu = None
         if seq_lens_np is not None:
@@ -248,6 +252,7 @@ class Speculator:
             seq_lens_cpu=seq_lens_cpu,
             dcp_local_seq_lens_cpu=dcp_local_cpu,
             block_tables_cpu=getattr(self.block_tables, "input_block_tables_cpu", None),
+            cudagraph=cudagraph,
         )
 
     def _run_forward(self, attn_metadata: dict[str, Any], fn, *args, **kwargs):
