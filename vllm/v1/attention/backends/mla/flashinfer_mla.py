@@ -203,6 +203,24 @@ class BlackwellDecodeArgs:
     extra: dict = field(default_factory=dict)
 
 
+# Head tiles of FlashInfer's trtllm-gen MLA decode kernels on sm100.
+TRTLLM_GEN_HEAD_TILES = (8, 16, 64)
+
+
+def blackwell_decode_backend(num_heads: int, dcp_size: int) -> str:
+    """The trtllm_batch_decode_with_kv_cache_mla backend for the runtime (gathered) head count.
+
+    Under DCP the native DCP arguments need "cute-dsl". At DCP 1 "auto" (trtllm-gen) is used when
+    it can tile the head count, i.e. h % min(h, tile) == 0 for every tile size; otherwise (e.g.
+    24 or 96 heads) "cute-dsl", as upstream selects.
+    """
+    if dcp_size > 1:
+        return "cute-dsl"
+    if any(num_heads % min(num_heads, tile) for tile in TRTLLM_GEN_HEAD_TILES):
+        return "cute-dsl"
+    return "auto"
+
+
 def plan_blackwell_decode(decode: MLACommonDecodeMetadata) -> BlackwellDecodeArgs:
     """Shape the decode rows for trtllm_batch_decode_with_kv_cache_mla, once per step."""
     qsl = decode.query_start_loc_cpu
@@ -434,7 +452,8 @@ class FlashInferMLAImpl(MLACommonImpl):
             qk_rope_head_dim=self.qk_rope_head_dim, block_tables=args.block_tables,
             seq_lens=args.seq_lens, max_seq_len=decode_meta.max_seq_len,
             bmm1_scale=self.scale, bmm2_scale=1.0,
-            backend="cute-dsl" if dcp else "auto", return_lse=True,
+            backend=blackwell_decode_backend(num_heads, decode_meta.dcp_world_size),
+            return_lse=True,
             return_lse_base="basee" if state.natural_lse else "base2",
             enable_dcp=dcp, cp_world=decode_meta.dcp_world_size if dcp else 1,
             cp_rank=decode_meta.dcp_rank if dcp else 0,
