@@ -8,61 +8,16 @@ import pytest
 import torch
 
 from tests.utils.dcp_oracle import brute_local_len, brute_slots
-from vllm.v1.worker.gpu.block_table import BlockTables
+from tests.utils.input_batch_cases import BLOCK, MAX_REQS, MAX_TOKENS, random_batch
+from tests.utils.triton_interpreter import run_interpreter_driver
 from vllm.v1.worker.gpu.input_batch import InputBatchBuilder
-from vllm.v1.worker.gpu.request_states import RequestStates
-
-BLOCK = 16
-MAX_REQS, MAX_TOKENS, MAX_BLOCKS = 16, 512, 24
-
-
-def _random_batch(seed: int, k: int, dcp: int, rank: int, interleave: int):
-    gen = np.random.default_rng(seed)
-    states = RequestStates(MAX_REQS, "cpu", k)
-    tables = BlockTables([BLOCK, BLOCK], MAX_REQS, MAX_BLOCKS, MAX_TOKENS, "cpu", cp_size=dcp,
-                         cp_rank=rank, cp_interleave=interleave)
-    num_reqs = int(gen.integers(1, 9))
-    rows, counts, drafts, samples, host_ids = [], [], [], [], []
-    expect = []
-    for i in range(num_reqs):
-        req_id = f"r{i}"
-        is_prefill = i >= num_reqs - int(gen.integers(0, 3)) if num_reqs > 1 else False
-        if is_prefill:
-            prompt = gen.integers(0, 250, int(gen.integers(1, 40))).tolist()
-            computed = int(gen.integers(0, len(prompt)))  # partial prefill chunks too
-            count = int(gen.integers(1, len(prompt) - computed + 1))
-            state = states.add(req_id, prompt, computed, None)
-            ids = prompt[computed:computed + count]
-            rows.append(state); counts.append(count); drafts.append(0)
-            samples.append(computed + count == len(prompt)); host_ids.append(ids)
-            expect.append((state.slot, computed, ids))
-        else:
-            computed = int(gen.integers(1, 300))
-            n_drafts = int(gen.integers(0, k + 1))
-            state = states.add(req_id, [0] * (computed + 1), computed, None)
-            anchor = int(gen.integers(0, 250))
-            draft_ids = gen.integers(0, 250, max(k, 1)).tolist()
-            states.last_sampled[state.slot] = anchor
-            states.draft_tokens[state.slot] = torch.tensor(draft_ids)
-            ids = [anchor] + draft_ids[:n_drafts]
-            rows.append(state); counts.append(1 + n_drafts); drafts.append(n_drafts)
-            samples.append(True); host_ids.append(None)
-            expect.append((state.slot, computed, ids))
-        blocks = gen.permutation(200)[: -(-(computed + counts[-1] + k + 1) // (BLOCK * dcp))]
-        tables.append_block_ids(state.slot, (blocks.tolist(), blocks[::-1].tolist()), overwrite=True)
-    # decodes first (what the runner guarantees)
-    order = sorted(range(num_reqs), key=lambda j: host_ids[j] is not None)
-    pick = lambda xs: [xs[j] for j in order]  # noqa: E731
-    return (states, tables, pick(rows), pick(counts), pick(drafts), pick(samples),
-            pick(host_ids), pick(expect))
-
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("dcp,interleave", [(1, 1), (2, 1), (2, 4), (4, 1), (4, 4)])
 @pytest.mark.parametrize("k", [0, 1, 3, 7])
 def test_input_batch_equals_brute_force(seed, dcp, interleave, k):
     rank = seed % dcp
-    states, tables, rows, counts, drafts, samples, host_ids, expect = _random_batch(
+    states, tables, rows, counts, drafts, samples, host_ids, expect = random_batch(
         seed * 31 + k, k, dcp, rank, interleave)
     builder = InputBatchBuilder(MAX_REQS, MAX_TOKENS, torch.device("cpu"), k, dcp, rank,
                                 interleave)
@@ -118,7 +73,7 @@ def test_padding_rows_never_change_real_outputs():
     from vllm.config import ParallelConfig, VllmConfig
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
     k = 3
-    states, tables, rows, counts, drafts, samples, host_ids, _ = _random_batch(5, k, 1, 0, 1)
+    states, tables, rows, counts, drafts, samples, host_ids, _ = random_batch(5, k, 1, 0, 1)
     keep = [i for i, h in enumerate(host_ids) if h is None]  # decode rows only
     rows, counts, drafts, samples, host_ids = ([xs[i] for i in keep] for xs in
                                                (rows, counts, drafts, samples, host_ids))
@@ -169,3 +124,12 @@ def test_num_decode_tokens_counts_the_padded_total():
                                       dcp_rank=0)
     md = builder.build(0, cm)
     assert md.num_decodes == 3 and md.num_decode_tokens == 24 and md.num_prefills == 0
+
+
+@pytest.mark.slow
+def test_triton_input_prep_equals_torch_under_interpreter():
+    """The Triton input-preparation kernel (CUDA path), run by Triton's CPU interpreter, writes
+    exactly what the torch path writes (ids, positions, seq_lens, logits indices, padding)."""
+    from pathlib import Path
+    run_interpreter_driver(Path(__file__).parents[2].joinpath(
+        "utils", "triton_input_batch_interpret_driver.py"))

@@ -18,7 +18,65 @@ import numpy as np
 import torch
 
 from vllm.v1.worker.gpu.buffer_utils import CpuGpuBuffer
-from vllm.v1.worker.gpu.cp_utils import get_dcp_local_seq_lens, prepare_dcp_local_seq_lens
+from vllm.v1.worker.gpu.cp_utils import (HAS_TRITON, get_dcp_local_seq_lens,
+                                         prepare_dcp_local_seq_lens)
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _prepare_inputs_kernel(
+        input_ids_ptr, positions_ptr, seq_lens_ptr, logits_idx_ptr,
+        qsl_ptr, idx_ptr, is_prefill_ptr, prefill_ids_ptr, cu_logits_ptr,
+        num_computed_ptr, last_sampled_ptr, drafts_ptr, drafts_stride,
+        num_reqs, num_rows, num_tokens_padded, max_rows,
+        BLOCK: tl.constexpr,
+    ):
+        """One program per batch row (+ one for the padding tail): positions, input ids (anchor
+        and drafts gathered from the slot-indexed state, or staged prefill ids), seq_len and the
+        row's logits indices. Rows in [num_reqs, num_rows) are zero-length padding."""
+        row = tl.program_id(0)
+        if row < num_rows:
+            start = tl.load(qsl_ptr + row).to(tl.int64)
+            end = tl.load(qsl_ptr + row + 1).to(tl.int64)
+            slot = tl.load(idx_ptr + row).to(tl.int64)
+            computed = tl.load(num_computed_ptr + slot).to(tl.int64)
+            prefill = tl.load(is_prefill_ptr + row).to(tl.int1)
+            anchor = tl.load(last_sampled_ptr + slot)
+            seq_len = tl.where(row < num_reqs, computed + end - start, 0)
+            tl.store(seq_lens_ptr + row, seq_len.to(seq_lens_ptr.dtype.element_ty))
+            for first in range(start, end, BLOCK):
+                offs = first + tl.arange(0, BLOCK)
+                live = offs < end
+                j = offs - start
+                tl.store(positions_ptr + offs, computed + j, mask=live)
+                col = tl.maximum(j - 1, 0)
+                draft = tl.load(drafts_ptr + slot * drafts_stride + col, mask=live & (j > 0),
+                                other=0)
+                decode_id = tl.where(j == 0, anchor, draft)
+                staged = tl.load(prefill_ids_ptr + offs, mask=live & prefill, other=0)
+                tl.store(input_ids_ptr + offs, tl.where(prefill, staged, decode_id), mask=live)
+            if row < num_reqs:
+                l0 = tl.load(cu_logits_ptr + row).to(tl.int64)
+                l1 = tl.load(cu_logits_ptr + row + 1).to(tl.int64)
+                for first in range(l0, l1, BLOCK):
+                    offs = first + tl.arange(0, BLOCK)
+                    tl.store(logits_idx_ptr + offs, end - (l1 - offs), mask=offs < l1)
+        else:
+            # padding tail: tokens past the last row read token 0 at position 0; rows past the
+            # padded batch read length 0
+            tail = tl.load(qsl_ptr + num_rows).to(tl.int64)
+            for first in range(tail, num_tokens_padded, BLOCK):
+                offs = first + tl.arange(0, BLOCK)
+                live = offs < num_tokens_padded
+                tl.store(positions_ptr + offs, tl.zeros((BLOCK,), tl.int64), mask=live)
+                tl.store(input_ids_ptr + offs, tl.zeros((BLOCK,), tl.int64), mask=live)
+            for first in range(num_rows, max_rows, BLOCK):
+                offs = first + tl.arange(0, BLOCK)
+                tl.store(seq_lens_ptr + offs,
+                         tl.zeros((BLOCK,), tl.int32).to(seq_lens_ptr.dtype.element_ty),
+                         mask=offs < max_rows)
 
 
 class InputBuffers:
@@ -109,6 +167,39 @@ class InputBatchBuilder:
         self.dcp_local_np = np.zeros(R, dtype=np.int32)
         self.logits_indices = torch.zeros(T, dtype=torch.int64, device=self.device)
         self._arange = torch.arange(max(T, R) + 1, dtype=torch.int64, device=self.device)
+        # One Triton launch on CUDA; the same logic in torch ops elsewhere.
+        self.use_triton = self.device.type == "cuda" and HAS_TRITON
+
+    def _prepare_torch(self, requests, idx, qsl, prefill_rows, cu_dev, B, B_pad, T_pad,
+                       num_logits_total) -> None:
+        buf = self.buffers
+        tok = self._arange[:T_pad]
+        row = torch.searchsorted(qsl[1:B_pad + 1], tok.to(torch.int32), right=True)
+        row = row.clamp(max=max(B_pad - 1, 0))
+        in_batch = tok < qsl[B_pad].to(torch.int64)
+        offset = tok - qsl[row].to(torch.int64)
+        slot = idx[row]
+        nc_tok = requests.num_computed.gpu[slot].to(torch.int64)
+        torch.where(in_batch, nc_tok + offset, torch.zeros_like(nc_tok), out=buf.positions[:T_pad])
+        k = requests.draft_tokens.shape[1]
+        draft_col = (offset - 1).clamp(0, k - 1)
+        decode_ids = torch.where(offset == 0, requests.last_sampled[slot],
+                                 requests.draft_tokens[slot, draft_col])
+        ids = torch.where(prefill_rows[row], self.prefill_ids.gpu[:T_pad], decode_ids)
+        torch.where(in_batch, ids, torch.zeros_like(ids), out=buf.input_ids[:T_pad])
+        rows_dev = self._arange[:B_pad]
+        nc_row = requests.num_computed.gpu[idx].to(torch.int64)
+        qlen = (qsl[1:B_pad + 1] - qsl[:B_pad]).to(torch.int64)
+        buf.seq_lens[:B_pad].copy_(torch.where(rows_dev < B, nc_row + qlen,
+                                               torch.zeros_like(nc_row)))
+        buf.seq_lens[B_pad:].zero_()
+        # logits indices: logit l belongs to row r = searchsorted(cu, l); it is the token
+        # qsl[r + 1] - (cu[r + 1] - l) (the last num_logits[r] tokens of the row).
+        if num_logits_total:
+            lidx = self._arange[:num_logits_total]
+            lrow = torch.searchsorted(cu_dev[1:], lidx.to(torch.int32), right=True)
+            torch.sub(qsl[lrow + 1].to(torch.int64), cu_dev[lrow + 1].to(torch.int64) - lidx,
+                      out=self.logits_indices[:num_logits_total])
 
     def build(self, rows: list, counts: list[int], num_drafts: list[int], samples: list[bool],
               prefill_token_ids: list[list[int] | None], requests, block_tables,
@@ -171,27 +262,18 @@ class InputBatchBuilder:
         requests.num_computed.copy_to_gpu()
 
         # ---- device-side preparation from the slot-indexed state
-        tok = self._arange[:T_pad]
-        row = torch.searchsorted(qsl[1:B_pad + 1], tok.to(torch.int32), right=True)
-        row = row.clamp(max=max(B_pad - 1, 0))
-        in_batch = tok < qsl[B_pad].to(torch.int64)
-        offset = tok - qsl[row].to(torch.int64)
-        slot = idx[row]
-        nc_tok = requests.num_computed.gpu[slot].to(torch.int64)
         positions = buf.positions[:T_pad]
-        torch.where(in_batch, nc_tok + offset, torch.zeros_like(nc_tok), out=positions)
-        k = requests.draft_tokens.shape[1]
-        draft_col = (offset - 1).clamp(0, k - 1)
-        decode_ids = torch.where(offset == 0, requests.last_sampled[slot],
-                                 requests.draft_tokens[slot, draft_col])
-        ids = torch.where(prefill_rows[row], self.prefill_ids.gpu[:T_pad], decode_ids)
-        torch.where(in_batch, ids, torch.zeros_like(ids), out=buf.input_ids[:T_pad])
-        rows_dev = self._arange[:B_pad]
-        nc_row = requests.num_computed.gpu[idx].to(torch.int64)
-        qlen = (qsl[1:B_pad + 1] - qsl[:B_pad]).to(torch.int64)
         seq_lens = buf.seq_lens[:B_pad]
-        seq_lens.copy_(torch.where(rows_dev < B, nc_row + qlen, torch.zeros_like(nc_row)))
-        buf.seq_lens[B_pad:].zero_()
+        logits_indices = self.logits_indices[:num_logits_total]
+        if self.use_triton:
+            _prepare_inputs_kernel[(B_pad + 1,)](
+                buf.input_ids, buf.positions, buf.seq_lens, self.logits_indices,
+                qsl, idx, prefill_rows, self.prefill_ids.gpu, cu_dev,
+                requests.num_computed.gpu, requests.last_sampled, requests.draft_tokens,
+                requests.draft_tokens.stride(0), B, B_pad, T_pad, self.max_num_reqs, BLOCK=128)
+        else:
+            self._prepare_torch(requests, idx, qsl, prefill_rows, cu_dev, B, B_pad, T_pad,
+                                num_logits_total)
         dcp_local = dcp_local_np = None
         if self.dcp_size > 1:
             prepare_dcp_local_seq_lens(buf.dcp_local_seq_lens, buf.seq_lens, B, self.dcp_size,
@@ -201,15 +283,6 @@ class InputBatchBuilder:
             dcp_local_np[:B_pad] = get_dcp_local_seq_lens(
                 torch.from_numpy(seq_np[:B_pad].copy()), self.dcp_size, self.dcp_rank,
                 self.dcp_interleave).numpy()
-        # logits indices: logit l belongs to row r = searchsorted(cu, l); it is the token
-        # qsl[r + 1] - (cu[r + 1] - l) (the last num_logits[r] tokens of the row).
-        logits_indices = self.logits_indices[:num_logits_total]
-        if num_logits_total:
-            lidx = self._arange[:num_logits_total]
-            lrow = torch.searchsorted(cu_dev[1:], lidx.to(torch.int32), right=True)
-            torch.sub(qsl[lrow + 1].to(torch.int64), cu_dev[lrow + 1].to(torch.int64) - lidx,
-                      out=logits_indices)
-
         tables = block_tables.gather_block_tables(idx, idx_np[:B_pad])
         slot_mappings = block_tables.compute_slot_mappings(qsl, positions)
 
