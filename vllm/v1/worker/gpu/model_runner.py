@@ -106,8 +106,10 @@ class GPUModelRunner:
         self.block_tables: BlockTables | None = None
         self.attn_metadata_builders: list[Any] = []
         self.kv_caches: dict[str, torch.Tensor] = {}
-        # Probabilistic drafting: q [k, V] of each request's pending drafts, for verification.
-        self.pending_draft_probs: dict[str, torch.Tensor] = {}
+        # Probabilistic drafting: the speculator's slot-indexed q buffer of the pending drafts,
+        # and which slots it holds q for (forced drafts: one-hot q).
+        self._draft_probs: torch.Tensor | None = None
+        self._has_draft_probs = np.zeros(self.max_num_reqs, dtype=bool)
 
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
@@ -237,8 +239,8 @@ class GPUModelRunner:
         for req_id in set(scheduler_output.finished_req_ids) | set(
                 scheduler_output.preempted_req_ids):
             state = self.requests.remove(req_id)
-            self.pending_draft_probs.pop(req_id, None)
             if state is not None:
+                self._has_draft_probs[state.slot] = False
                 self.block_tables.remove_request(state.slot)
             if req_id in scheduler_output.finished_req_ids:
                 self.generators.remove_request(req_id)
@@ -392,7 +394,7 @@ class GPUModelRunner:
             drafts = self._verified_drafts(batch, rows, num_draft)
             result = self.rejection_sampler.verify(
                 logits, drafts, num_draft, metadata,
-                self._draft_probs_for([batch.req_ids[r] for r in rows], num_draft, drafts, logits),
+                self._draft_probs_for(batch, rows, num_draft, drafts, logits.shape[-1]),
                 to_device=lambda values, name: self._pinned_index(values, "rs_" + name))
             sampled, num_sampled = result.sampled, result.num_sampled
         else:
@@ -417,25 +419,27 @@ class GPUModelRunner:
         idx = self._pinned_index(slots * self.requests.draft_tokens.shape[1] + pos, "drafts")
         return self.requests.draft_tokens.view(-1)[idx]
 
-    def _draft_probs_for(self, req_ids: list[str], num_draft: np.ndarray, drafts: torch.Tensor,
-                         logits: torch.Tensor) -> torch.Tensor | None:
-        """q of the drafts verified this step ([total drafts, V]), or None for greedy drafting
-        (the rejection sampler then treats q as one-hot on each draft)."""
+    def _draft_probs_for(self, batch: InputBatch, rows: list[int], num_draft: np.ndarray,
+                         drafts: torch.Tensor, vocab: int) -> torch.Tensor | None:
+        """q of the drafts verified this step ([total drafts, V]) gathered from the slot-indexed
+        buffer, or None for greedy drafting (q is then one-hot on each draft)."""
         if self.speculator is None or self.speculator.draft_sample_method == "greedy":
             return None
-        rows, offset = [], 0
-        for req_id, n in zip(req_ids, num_draft.tolist()):
-            if n == 0:
-                continue
-            probs = self.pending_draft_probs.get(req_id)
-            if probs is None:  # drafts not sampled here: q is one-hot on them
-                probs = torch.nn.functional.one_hot(drafts[offset:offset + n],
-                                                    logits.shape[-1]).float()
-            rows.append(probs[:n])
-            offset += n
-        if not rows:
+        total = int(num_draft.sum())
+        if total == 0:
             return None
-        return torch.cat(rows).to(self.device)
+        req = np.repeat(np.asarray(rows, dtype=np.int64), num_draft)
+        pos = np.concatenate([np.arange(n) for n in num_draft]).astype(np.int64)
+        slots = batch.idx_mapping_np[req]
+        one_hot = torch.nn.functional.one_hot(drafts, vocab).float()
+        if self._draft_probs is None or not self._has_draft_probs[slots].any():
+            return one_hot
+        k = self._draft_probs.shape[1]
+        flat = self._pinned_index(slots * k + pos, "draft_probs")
+        q = self._draft_probs.view(-1, vocab)[flat]
+        has = self._pinned_index(self._has_draft_probs[slots].astype(np.int64), "has_q")
+        # Drafts not sampled here (scheduler-provided): q is one-hot on them.
+        return torch.where(has[:, None] > 0, q, one_hot)
 
     def _propose(self, batch: InputBatch, hidden: torch.Tensor, aux_hidden, sample_rows,
                  num_computed_new: np.ndarray, out_tokens: list[list[int]]) -> list[list[int]]:
@@ -464,16 +468,13 @@ class GPUModelRunner:
             sampling_metadata=self._full_sampling_metadata(batch, sample_rows),
             num_computed_new_dev=ncn.gpu[:num_reqs],
             target_seq_lens=batch.seq_lens[:num_reqs],
+            slots=batch.idx_mapping[:num_reqs],
         )
-        drafts = self.speculator.propose(draft_inputs)
+        drafts, probs = self.speculator.propose(draft_inputs)
         self.requests.draft_tokens[batch.idx_mapping[:num_reqs]] = drafts
         self._last_drafts = (list(batch.req_ids), drafts)
-        probs = self.speculator.draft_probs
-        for i, req_id in enumerate(batch.req_ids):
-            if probs is None:
-                self.pending_draft_probs.pop(req_id, None)
-            else:
-                self.pending_draft_probs[req_id] = probs[i]
+        self._draft_probs = probs
+        self._has_draft_probs[batch.idx_mapping_np[:num_reqs]] = probs is not None
         # Placeholders: the drafts stay on the device; the scheduler only needs their number.
         k = self.num_spec_tokens
         return [[-1] * k for _ in range(num_reqs)]
@@ -537,6 +538,7 @@ class GPUModelRunner:
                         "drafts given; num_scheduled_tokens must be 1 + len(drafts)")
                 if drafts and any(d >= 0 for d in drafts):
                     forced_rows.append((state.slot, drafts))
+                    self._has_draft_probs[state.slot] = False
                 counts.append(count)
                 num_drafts.append(len(drafts))
                 samples.append(True)

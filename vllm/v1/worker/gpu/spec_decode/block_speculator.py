@@ -37,7 +37,7 @@ class BlockSpeculator(Speculator):
                              f"{self.aux_hidden_state_layers}; run the target with them.")
         self.model.precompute_context_kv(aux_hidden_states, positions)
 
-    def propose(self, inputs: DraftInputs) -> torch.Tensor:
+    def _propose(self, inputs: DraftInputs) -> torch.Tensor:
         num_reqs, q = inputs.num_reqs, self.query_len
         self._begin_drafts(inputs)
         if num_reqs == 0:

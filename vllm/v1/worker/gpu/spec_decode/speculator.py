@@ -47,6 +47,7 @@ class DraftInputs:
     # unit tests on CPU may leave them None and the host arrays are used.
     num_computed_new_dev: torch.Tensor | None = None   # [num_reqs] int64
     target_seq_lens: torch.Tensor | None = None        # [num_reqs] int32 device
+    slots: torch.Tensor | None = None  # [num_reqs] request slot per row (None: row == slot)
 
     def accepted_on_device(self, device: torch.device) -> torch.Tensor:
         if self.num_computed_new_dev is not None:
@@ -77,9 +78,12 @@ class Speculator:
         if self.draft_sample_method not in ("greedy", "probabilistic"):
             raise ValueError(f"draft_sample_method={self.draft_sample_method!r} is invalid; use "
                              "'greedy' or 'probabilistic'.")
-        # q of every draft of the last propose() ([num_reqs, k, V] float32), kept for rejection
-        # sampling; None when drafts were chosen greedily (q is then one-hot on the draft).
-        self.draft_probs: torch.Tensor | None = None
+        # q of every draft, persistent and slot-indexed ([max_num_reqs, k, V] float32, allocated
+        # on the first probabilistic draft): propose() returns it for rejection sampling; None
+        # when drafts were chosen greedily (q is then one-hot on the draft).
+        self.draft_probs_buffer: torch.Tensor | None = None
+        self._probs_written = False
+        self._slots: torch.Tensor | None = None
         self._sampling_metadata: Any = None
         # The draft's own buffers: its seq_lens differ from the target's every draft step.
         self.input_buffers = InputBuffers(max_num_reqs, max_num_tokens, self.device)
@@ -108,13 +112,20 @@ class Speculator:
                            positions: torch.Tensor) -> None:
         """Hook run inside the target step's forward context (block drafters store context KV)."""
 
-    def propose(self, inputs: DraftInputs) -> torch.Tensor:
-        raise NotImplementedError(f"{type(self).__name__} must implement propose()")
+    def propose(self, inputs: DraftInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (drafts [num_reqs, k], the slot-indexed q buffer or None for greedy drafts)."""
+        drafts = self._propose(inputs)
+        return drafts, (self.draft_probs_buffer if self._probs_written else None)
+
+    def _propose(self, inputs: DraftInputs) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must implement _propose()")
 
     # ------------------------------------------------------- draft choice
     def _begin_drafts(self, inputs: DraftInputs) -> None:
-        self.draft_probs = None
+        self._probs_written = False
         self._sampling_metadata = inputs.sampling_metadata
+        self._slots = inputs.slots if inputs.slots is not None else torch.arange(
+            inputs.num_reqs, device=self.device)
 
     def _choose_drafts(self, logits: torch.Tensor, index: int) -> torch.Tensor:
         """Draft `index` of every request from logits [num_reqs, V].
@@ -139,11 +150,13 @@ class Speculator:
         if not metadata.all_greedy:
             tokens = torch.where(greedy_rows, greedy_tokens,
                                  random_sample(probs, metadata.generators))
-        if self.draft_probs is None:
-            self.draft_probs = torch.zeros(logits.shape[0], self.num_speculative_tokens,
-                                           logits.shape[-1], dtype=torch.float32,
-                                           device=logits.device)
-        self.draft_probs[:, index] = probs
+        if self.draft_probs_buffer is None:
+            with torch.inference_mode(False):
+                self.draft_probs_buffer = torch.zeros(
+                    self.max_num_reqs, self.num_speculative_tokens, logits.shape[-1],
+                    dtype=torch.float32, device=logits.device)
+        self.draft_probs_buffer[self._slots[: logits.shape[0]], index] = probs
+        self._probs_written = True
         return tokens
 
     # ------------------------------------------------------- shared metadata

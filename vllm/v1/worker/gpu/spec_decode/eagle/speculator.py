@@ -18,7 +18,7 @@ from vllm.v1.worker.gpu.spec_decode.speculator import DraftInputs, Speculator
 class EagleSpeculator(Speculator):
     """Also MTP's speculator: both drafters share the (input_ids, positions, hidden) contract."""
 
-    def propose(self, inputs: DraftInputs) -> torch.Tensor:
+    def _propose(self, inputs: DraftInputs) -> torch.Tensor:
         num_reqs = inputs.num_reqs
         buffers = self.input_buffers
         self._begin_drafts(inputs)
