@@ -71,7 +71,8 @@ def run_case(args, method: str, batch: int, context: int, eager: bool) -> dict:
         model=args.model, dtype="bfloat16", max_model_len=context + steps * (args.num_spec_tokens + 1) + 64,
         attention_backend=args.attention_backend, speculative_config=spec,
         max_num_seqs=max(batch, 1), max_num_batched_tokens=max(4096, batch * (context + 1)),
-        enforce_eager=eager, seed=0)
+        enforce_eager=eager, seed=0, **({"load_format": args.load_format}
+                                         if args.load_format != "auto" else {}))
     engine = LLMEngine.from_engine_args(engine_args)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=steps * (args.num_spec_tokens + 1),
@@ -138,6 +139,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="model dir (default: built-in tiny)")
     parser.add_argument("--draft-model", default=None)
+    parser.add_argument("--load-format", default="auto", help="auto or dummy (random weights)")
     parser.add_argument("--attention-backend", default="FLASHINFER_MLA")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024])
