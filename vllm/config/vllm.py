@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from vllm.config._checks import check_positive_int
 from vllm.config.cache import CacheConfig
 from vllm.config.compilation import CompilationConfig
+from vllm.config.load import LoadConfig
 from vllm.config.model import ModelConfig
 from vllm.config.parallel import ParallelConfig
 from vllm.config.speculative import SpeculativeConfig
@@ -20,6 +21,7 @@ class VllmConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    load_config: LoadConfig = field(default_factory=LoadConfig)
 
     def __post_init__(self):
         check_positive_int("max_num_seqs", self.max_num_seqs)
@@ -33,6 +35,8 @@ class VllmConfig:
                 "interleave tokens inside each block).")
         if not isinstance(self.compilation_config, CompilationConfig):
             self.compilation_config = CompilationConfig.from_any(self.compilation_config)
+        if not isinstance(self.load_config, LoadConfig):
+            raise ValueError(f"load_config={self.load_config!r} is invalid: pass a LoadConfig.")
         if self.speculative_config is not None and not isinstance(self.speculative_config,
                                                                   SpeculativeConfig):
             self.speculative_config = SpeculativeConfig.from_json(self.speculative_config)
