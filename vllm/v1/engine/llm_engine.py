@@ -38,6 +38,8 @@ def resolve_model_paths(vllm_config) -> None:
     needs_drafter = spec is not None and spec.model is None
     if not (needs_target or needs_drafter):
         return
+    if needs_drafter and spec.method is None:
+        raise ValueError("speculative_config needs a method or a model")
     from vllm.model_executor.models.tiny import write_tiny_models
     paths = write_tiny_models()
     if needs_target:
@@ -48,6 +50,7 @@ def resolve_model_paths(vllm_config) -> None:
             raise ValueError(f"no built-in tiny drafter for speculative method {spec.method!r}; "
                              "set speculative_config.model to a drafter checkpoint directory")
         spec.model = str(drafter_dir)
+    vllm_config.resolve_speculative_config()  # defaults from the now-known drafter config
 
 
 @dataclass
