@@ -70,8 +70,8 @@ class LLMEngine:
         self.vllm_config = vllm_config
         resolve_model_paths(vllm_config)
         model_config = vllm_config.model_config
-        from vllm.transformers_utils.tokenizer import get_tokenizer
-        self.tokenizer = get_tokenizer(model_config.model)
+        from vllm.transformers_utils.tokenizer import get_tokenizer_for
+        self.tokenizer = get_tokenizer_for(model_config)  # --tokenizer / --trust-remote-code / --chat-template
         hf_config = model_config.hf_config
         self.vocab_size = int(getattr(hf_config, "vocab_size"))
         self.eos_token_id = self.tokenizer.eos_token_id
