@@ -138,14 +138,19 @@ def get_tokenizer(model_dir: str, *, trust_remote_code: bool = False, chat_templ
     if not (has_json or has_tiktoken or os.path.isfile(config_path)):
         raise ValueError(f"no tokenizer in {model_dir!r}: expected tokenizer.json, tiktoken.model or "
                          "tokenizer_config.json (write_tiny_models() writes one); pass --tokenizer <dir>")
-    if os.path.isfile(config_path):
-        _read_json(config_path)  # a corrupt file fails here with its name, not deep in transformers
+    tok_config = _read_json(config_path) if os.path.isfile(config_path) else {}  # corrupt: named here
     if has_tiktoken and not has_json:
         hf = _tiktoken_tokenizer(model_dir)
     else:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PretrainedConfig
+        kwargs = {}
+        if tok_config.get("tokenizer_class"):
+            # The class is named: transformers need not parse the model's config.json (which it
+            # validates strictly, e.g. refusing a V3 config whose n_routed_experts is null).
+            kwargs["config"] = PretrainedConfig()
         try:
-            hf = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
+            hf = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code,
+                                               **kwargs)
         except ValueError as e:
             text = " ".join(str(e).split())
             if "trust_remote_code" in text and not trust_remote_code:
