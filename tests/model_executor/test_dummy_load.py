@@ -159,3 +159,17 @@ def test_engine_with_dummy_target_and_drafter(tmp_path):
     with pytest.raises(ValueError, match="no \\*.safetensors weights .*--load-format dummy"):
         get_model(VllmConfig(model_config=ModelConfig(model=str(target), device="cpu"),
                              load_config=LoadConfig("auto")))
+
+
+def test_fp8_dummy_weights_are_the_quantised_float_ones():
+    from vllm.model_executor.layers.quantization.fp8_utils import block_dequantize, block_quantize
+    config = HFConfig(tiny_target_config(num_hidden_layers=2))
+    plain, quant = DeepseekV3ForCausalLM(hf_config=config), DeepseekV3ForCausalLM(hf_config=config)
+    Fp8Config().apply_to(quant, None)
+    fill_dummy_weights(plain, seed=3)
+    fill_dummy_weights(quant, seed=3)
+    w = plain.model.layers[0].self_attn.o_proj.weight
+    layer = quant.model.layers[0].self_attn.o_proj
+    assert layer.weight.dtype == FP8_DTYPE
+    expected = block_dequantize(*block_quantize(w, (128, 128)), (128, 128))
+    torch.testing.assert_close(layer.quant_method.dequantized_weight(layer, torch.float32), expected, rtol=0, atol=0)

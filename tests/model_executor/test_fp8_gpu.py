@@ -80,3 +80,35 @@ def test_tiny_fp8_checkpoint_on_cuda_tracks_cpu_dequantised(tmp_path):
     assert rel < 0.1, rel.item()
     agree = (gpu.argmax(-1) == cpu.argmax(-1)).float().mean().item()
     assert agree >= 0.8, agree
+
+
+@pytest.mark.gpu
+def test_v3_rank_config_fp8_tracks_bf16_with_dummy_weights():
+    """benchmarks/configs/deepseek_v3_tp8_rank at full size on one GPU, dummy weights (same seed:
+    the fp8 weights are the block-quantised bf16 ones): logits track, weight bytes about halve."""
+    from pathlib import Path
+
+    from vllm.config import LoadConfig, ModelConfig, VllmConfig
+    from vllm.model_executor.model_loader import get_model
+
+    model_dir = str(Path(__file__).parents[2] / "benchmarks" / "configs" / "deepseek_v3_tp8_rank")
+    ids = torch.arange(1, 33, device="cuda")
+    results = {}
+    for quant in (None, "fp8"):
+        cfg = VllmConfig(model_config=ModelConfig(model=model_dir, dtype="bfloat16", device="cuda",
+                                                  attention_backend="TORCH_MLA", quantization=quant,
+                                                  max_model_len=4096),
+                         load_config=LoadConfig("dummy"))
+        model = get_model(cfg)
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        with torch.no_grad():
+            logits = model.compute_logits(model(ids, torch.arange(32, device="cuda"))).float()
+        assert torch.isfinite(logits).all()
+        results[quant] = (nbytes, logits)
+        del model
+        torch.cuda.empty_cache()
+    (bf16_bytes, bf16), (fp8_bytes, fp8) = results[None], results["fp8"]
+    vocab_bytes = 2 * 2 * 16160 * 7168  # embedding + LM head stay bf16
+    assert (fp8_bytes - vocab_bytes) / (bf16_bytes - vocab_bytes) < 0.52
+    rel = (fp8 - bf16).norm() / bf16.norm()
+    assert rel < 0.15, rel.item()

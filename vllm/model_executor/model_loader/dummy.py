@@ -44,16 +44,17 @@ def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             continue
         fan_in = param.shape[-1]
         std = 1.0 if name.endswith("embed_tokens.weight") else 1.0 / math.sqrt(fan_in)
-        if param.dtype == FP8_DTYPE:
-            block = owner.quant_method.block
-            scale = owner.weight_scale_inv
-            bn = block[0]
-            step = max(bn, (_CHUNK_ROWS // bn) * bn)
-            for start in range(0, param.shape[0], step):
-                rows = param[start:start + step]
-                w = torch.randn(rows.shape, generator=gen, device=param.device, dtype=torch.float32) * std
-                q, s = block_quantize(w, block)
+        # Same float32 draws (row chunks of one generator) for every dtype: an fp8 model gets
+        # exactly the block-quantised values of the bf16 model with the same seed.
+        fp8 = param.dtype == FP8_DTYPE
+        bn = owner.quant_method.block[0] if fp8 else 1
+        step = max(bn, (_CHUNK_ROWS // bn) * bn)
+        for start in range(0, param.shape[0], step):
+            rows = param[start:start + step]
+            w = torch.randn(rows.shape, generator=gen, device=param.device, dtype=torch.float32) * std
+            if fp8:
+                q, s = block_quantize(w, owner.quant_method.block)
                 rows.copy_(q)
-                scale[start // bn:start // bn + s.shape[0]].copy_(s)
-        else:
-            param.normal_(0.0, std, generator=gen)
+                owner.weight_scale_inv[start // bn:start // bn + s.shape[0]].copy_(s)
+            else:
+                rows.copy_(w)
