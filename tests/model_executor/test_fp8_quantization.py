@@ -217,3 +217,22 @@ def test_unaligned_tp_shard_refused(monkeypatch):
     with pytest.raises(ValueError, match=r"per-rank output size\(s\) \[96\] are not multiples of "
                                          r"weight_block_size\[0\]=128"):
         Fp8LinearMethod((128, 128)).create_weights(layer, "model.layers.0.self_attn.q_b_proj")
+
+
+def test_tiny_model_cli_writes_fp8_target(tmp_path, capsys):
+    from vllm.entrypoints.cli.main import main
+    with pytest.raises(SystemExit) as info:
+        main(["tiny-model", "--output", str(tmp_path / "tiny"), "--train-steps", "0", "--quantize", "fp8"])
+    assert info.value.code in (0, None)
+    fp8_dir = tmp_path / "tiny" / "target-fp8"
+    assert "target-fp8" in capsys.readouterr().out
+    with open(fp8_dir / "config.json", encoding="utf-8") as f:
+        assert json.load(f)["quantization_config"]["weight_block_size"] == [128, 128]
+    model = get_model(_config(str(fp8_dir)))
+    assert model.model.layers[0].self_attn.o_proj.weight.dtype == FP8_DTYPE
+
+
+def test_quantization_flag_reaches_model_config():
+    from vllm.engine.arg_utils import EngineArgs
+    cfg = EngineArgs(quantization="FP8", device="cpu").create_engine_config()
+    assert cfg.model_config.quantization == "fp8"
