@@ -59,7 +59,7 @@ def test_speculative_config_from_json():
         SpeculativeConfig.from_json('{"method": dspark}')
     # k may be omitted (it defaults from the draft config), but method or model must be given
     assert SpeculativeConfig.from_json('{"method": "deepseek_mtp"}').method == "mtp"
-    with pytest.raises(ValueError, match="needs a 'method'"):
+    with pytest.raises(ValueError, match="needs 'method'"):
         SpeculativeConfig.from_json('{"num_speculative_tokens": 2}')
     with pytest.raises(ValueError, match="JSON object"):
         SpeculativeConfig.from_json("[1, 2]")

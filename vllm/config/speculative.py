@@ -65,6 +65,9 @@ class SpeculativeConfig:
             if key not in known:
                 raise ValueError(f"--speculative-config has unknown key {key!r}: allowed keys are "
                                  f"{known}.")
+        if value.get("method") is None and value.get("model") is None:
+            raise ValueError("--speculative-config needs 'method' (one of "
+                             f"{list(SPECULATIVE_METHODS)}) or a draft 'model' to infer it from.")
         return cls(**value)
 
     @property

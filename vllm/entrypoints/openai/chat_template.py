@@ -77,5 +77,5 @@ def apply_chat_template(tokenizer, messages: list[dict[str, Any]], *, add_genera
 
 def encode_chat_prompt(tokenizer, prompt_text: str, templated: bool) -> list[int]:
     """Token ids of a rendered chat: a template's output already holds its special tokens."""
-    ids = tokenizer.encode(prompt_text, add_special_tokens=not templated)
+    ids = tokenizer.encode(prompt_text, add_special_tokens=False) if templated else tokenizer.encode(prompt_text)
     return list(getattr(ids, "ids", ids))
