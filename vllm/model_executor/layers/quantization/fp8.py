@@ -84,6 +84,18 @@ class Fp8Config:
         return converted
 
 
+_FP8_MMA: dict[int, bool] = {}
+
+
+def _has_fp8_mma(device: torch.device) -> bool:
+    """fp8 tensor-core MMA (tl.dot on float8) needs compute capability 8.9+ (Ada, Hopper, Blackwell);
+    older GPUs take the dequantised path. Queried once per device (host-side, no sync)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _FP8_MMA:
+        _FP8_MMA[index] = torch.cuda.get_device_capability(index) >= (8, 9)
+    return _FP8_MMA[index]
+
+
 class Fp8LinearMethod:
     """Holds `weight` (float8_e4m3fn, this rank's shard) and `weight_scale_inv` (float32 block
     scales of that shard). CUDA + triton: W8A8 block GEMM; otherwise exact dequantisation."""
@@ -124,7 +136,7 @@ class Fp8LinearMethod:
         return block_dequantize(layer.weight, layer.weight_scale_inv, self.block, dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.is_cuda:
+        if x.is_cuda and _has_fp8_mma(x.device):
             from vllm.model_executor.layers.quantization.fp8_kernels import apply_w8a8_block_fp8_linear
             return apply_w8a8_block_fp8_linear(x, layer.weight, layer.weight_scale_inv, self.block, bias)
         return F.linear(x, self.dequantized_weight(layer, x.dtype), bias)
