@@ -70,11 +70,7 @@ class SpeculativeConfig:
                              f"{list(SPECULATIVE_METHODS)}) or a draft 'model' to infer it from.")
         return cls(**value)
 
-    @property
-    def is_resolved(self) -> bool:
-        return self.method is not None and self.num_speculative_tokens is not None
-
-    def resolve_from_draft_config(self, draft_config, target_config=None) -> None:
+    def resolve_from_draft_config(self, draft_config) -> None:
         """Fill `method` / `num_speculative_tokens` from the drafter's config.json and refuse a
         k that the drafter's block cannot hold. `draft_config` is an HFConfig (for MTP inside the
         target: the target's)."""
