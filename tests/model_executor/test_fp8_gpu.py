@@ -111,4 +111,4 @@ def test_v3_rank_config_fp8_tracks_bf16_with_dummy_weights():
     vocab_bytes = 2 * 2 * 16160 * 7168  # embedding + LM head stay bf16
     assert (fp8_bytes - vocab_bytes) / (bf16_bytes - vocab_bytes) < 0.52
     rel = (fp8 - bf16).norm() / bf16.norm()
-    assert rel < 0.15, rel.item()
+    assert rel < 0.2, rel.item()  # 8 layers of fp8 weight + activation rounding
