@@ -41,6 +41,20 @@ def set_forward_context(attn_metadata: dict[str, Any] | None,
     return _ForwardContextScope(previous)
 
 
+class DenseAttention:
+    """Marker metadata: attention layers run dense causal attention over the one sequence in
+    flight, with no paged KV cache (oracles, training, cache-free references). It must be asked
+    for explicitly; an attention layer with no forward context at all raises."""
+
+    def __repr__(self) -> str:
+        return "DenseAttention()"
+
+
+def dense_attention_context(vllm_config: Any = None) -> _ForwardContextScope:
+    """`with dense_attention_context(): model(ids, positions)` = a plain causal forward."""
+    return set_forward_context(DenseAttention(), vllm_config)
+
+
 def get_forward_context() -> ForwardContext:
     if _current is None:
         raise RuntimeError("get_forward_context() called outside set_forward_context(...); "

@@ -9,6 +9,7 @@ from vllm.model_executor.model_loader import iterate_safetensors
 from vllm.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
 from vllm.model_executor.models.tiny import write_random_target, yarn_rope_scaling
 from vllm.transformers_utils.config import HFConfig, load_hf_config
+from vllm.forward_context import dense_attention_context
 
 VARIANTS = {
     # q_lora set, layer 0 dense then sigmoid/noaux MoE, plain RoPE (interleaved)
@@ -42,7 +43,7 @@ def variant(request, tmp_path_factory):
 
 def test_prefill_matches_hf(variant):
     _, _, model, ref_a, _ = variant
-    with torch.no_grad():
+    with torch.no_grad(), dense_attention_context():
         ours = model.compute_logits(model(torch.tensor(PROMPT_A), torch.arange(len(PROMPT_A))))
     assert_logits_close(ours, ref_a)
 
@@ -69,6 +70,6 @@ def test_yarn_changes_logits(name, tmp_path):
     values["rope_scaling"] = None
     plain = DeepseekV3ForCausalLM(hf_config=HFConfig(values))
     plain.load_weights(iterate_safetensors(model_dir))
-    with torch.no_grad():
+    with torch.no_grad(), dense_attention_context():
         ours = plain.compute_logits(plain(torch.tensor(PROMPT_A), torch.arange(len(PROMPT_A))))
     assert (ours - ref_a).abs().max().item() > 1e-2

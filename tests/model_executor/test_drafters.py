@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from tests.utils.paged_harness import PagedRequest, PagedRunner
 from vllm.config import ModelConfig, SpeculativeConfig, VllmConfig
-from vllm.forward_context import set_forward_context
+from vllm.forward_context import dense_attention_context, set_forward_context
 from vllm.model_executor.model_loader import get_draft_model, get_model
 from vllm.model_executor.models.tiny import MASK_ID, write_random_target, write_tiny_models
 
@@ -61,7 +61,7 @@ def test_autoregressive_drafter_contract(tiny, target, method):
         final_norm = weights["model.layers.3.shared_head.norm.weight"]
         e = embed[ids] * (pos != 0).unsqueeze(-1)  # DeepSeek MTP zeroes position 0's embedding
     seen, handle = _capture_input(layer.self_attn)
-    with torch.no_grad():
+    with torch.no_grad(), dense_attention_context():
         for_logits, for_next = draft(ids, pos, hidden)
     handle.remove()
     expected_in = torch.cat([_rms(e, en), _rms(hidden, hn)], dim=-1) @ fc.T
@@ -105,7 +105,7 @@ def test_block_drafter_paged_matches_dense_reference(tiny, target, method):
                for layer in draft.model.layers)
     prompt = [(3 * i + 17) % 256 for i in range(11)]
     L, Q = len(prompt), draft.block_size
-    with torch.no_grad():
+    with torch.no_grad(), dense_attention_context():
         _, aux = target(torch.tensor(prompt), torch.arange(L), aux_hidden_state_layers=layer_ids)
     aux_cat = torch.cat(aux, dim=-1)
     runner = PagedRunner(draft, block_size=4, num_blocks=16)

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vllm.config import ModelConfig, VllmConfig
+from vllm.forward_context import dense_attention_context
 from vllm.model_executor.model_loader import get_model, iterate_safetensors
 from vllm.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
 from vllm.model_executor.models.tiny import (BOS_ID, EOS_ID, PAD_ID, target_tensor_shapes, tiny_target_config,
@@ -29,8 +30,12 @@ def test_get_model_loads_every_tensor(tmp_path):
     model = get_model(_vllm_config(str(tmp_path)))
     on_disk = load_file(str(tmp_path / "model.safetensors"))
     params = dict(model.named_parameters())
-    torch.testing.assert_close(params["model.layers.1.mlp.experts.2.down_proj.weight"],
+    # routed experts are stacked: w2_weight [E, D, I], w13_weight [E, 2I, D] (gate rows, then up)
+    torch.testing.assert_close(params["model.layers.1.mlp.experts.w2_weight"][2],
                                on_disk["model.layers.1.mlp.experts.2.down_proj.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(params["model.layers.1.mlp.experts.w13_weight"][3],
+                               torch.cat([on_disk["model.layers.1.mlp.experts.3.gate_proj.weight"],
+                                          on_disk["model.layers.1.mlp.experts.3.up_proj.weight"]]), rtol=0, atol=0)
     gate_up = params["model.layers.0.mlp.gate_up_proj.weight"]
     torch.testing.assert_close(gate_up, torch.cat([on_disk["model.layers.0.mlp.gate_proj.weight"],
                                                    on_disk["model.layers.0.mlp.up_proj.weight"]]), rtol=0, atol=0)
@@ -46,7 +51,7 @@ def test_sharded_checkpoint_gives_same_model(tmp_path):
     assert not os.path.exists(sharded / "model.safetensors")
     a, b = get_model(_vllm_config(str(single))), get_model(_vllm_config(str(sharded)))
     ids = torch.tensor([1, 2, 3, 250])
-    with torch.no_grad():
+    with torch.no_grad(), dense_attention_context():
         torch.testing.assert_close(a.compute_logits(a(ids, torch.arange(4))),
                                    b.compute_logits(b(ids, torch.arange(4))), rtol=0, atol=0)
 
@@ -135,7 +140,7 @@ def test_tensor_shape_table_matches_model_parameters():
     cfg = load_hf_config_from_dict(tiny_target_config())
     model = DeepseekV3ForCausalLM(hf_config=cfg)
     from vllm.model_executor.models.weight_loading import checkpoint_names_of
-    names = {ck for p in dict(model.named_parameters()) for ck, _ in checkpoint_names_of(p)}
+    names = {ck for n, p in model.named_parameters() for ck, _ in checkpoint_names_of(n, p)}
     assert names == set(target_tensor_shapes(tiny_target_config()))
 
 

@@ -12,6 +12,7 @@ from vllm.config import ModelConfig, SpeculativeConfig, VllmConfig
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.model_loader import get_draft_model, get_model
 from vllm.model_executor.models.tiny import MASK_ID, write_random_target, write_tiny_models
+from vllm.forward_context import dense_attention_context
 
 PROMPT_A = [(7 * i * i + 3 * i + 11) % 256 for i in range(40)]
 PROMPT_B = [(5 * i + 101) % 256 for i in range(29)]
@@ -68,7 +69,7 @@ def test_flashinfer_dspark_block_tracks_torch_mla(tmp_path):
     for backend, dtype, name in (("TORCH_MLA", torch.float32, "float32"), ("FLASHINFER_MLA", torch.bfloat16, "bfloat16")):
         target = get_model(_cfg(paths.target, name, backend))
         draft = get_draft_model(_cfg(paths.target, name, backend, paths.dspark, "dspark"), target)
-        with torch.no_grad():
+        with torch.no_grad(), dense_attention_context():
             _, aux = target(torch.tensor(prompt, device="cuda"), torch.arange(len(prompt), device="cuda"),
                             aux_hidden_state_layers=draft.target_layer_ids)
         runner = PagedRunner(draft, block_size=16, num_blocks=16, dtype=dtype, device="cuda", backend=backend)

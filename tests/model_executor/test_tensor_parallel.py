@@ -14,6 +14,7 @@ from vllm.model_executor.model_loader import iterate_safetensors
 from vllm.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
 from vllm.model_executor.models.tiny import write_random_target
 from vllm.transformers_utils.config import load_hf_config
+from vllm.forward_context import dense_attention_context
 
 PROMPT_A = [(11 * i * i + 5 * i + 3) % 256 for i in range(22)]
 PROMPT_B = [(13 * i + 40) % 256 for i in range(13)]
@@ -35,7 +36,7 @@ def tp_results(tmp_path_factory):
     ranks = [torch.load(root / f"rank{r}.pt") for r in range(2)]
     single = DeepseekV3ForCausalLM(hf_config=load_hf_config(model_dir))
     single.load_weights(iterate_safetensors(model_dir))
-    with torch.no_grad():
+    with torch.no_grad(), dense_attention_context():
         tp1 = single.compute_logits(single(torch.tensor(PROMPT_A), torch.arange(len(PROMPT_A))))
     runner = PagedRunner(single, block_size=4, num_blocks=32)
     tp1_a, tp1_b = runner.run([PagedRequest(PROMPT_A, chunks=[8, 1, 1, 3, 1, 2, 1, 5]),
@@ -70,7 +71,10 @@ def test_tp2_weights_are_split(tp_results):
     shapes = r0["param_shapes"]
     assert shapes["model.layers.0.self_attn.kv_b_proj.weight"][0] * 2 == single_shapes["model.layers.0.self_attn.kv_b_proj.weight"][0]
     assert shapes["model.layers.0.self_attn.o_proj.weight"][1] * 2 == single_shapes["model.layers.0.self_attn.o_proj.weight"][1]
-    assert shapes["model.layers.1.mlp.experts.0.down_proj.weight"][1] * 2 == single_shapes["model.layers.1.mlp.experts.0.down_proj.weight"][1]
+    experts_w2 = "model.layers.1.mlp.experts.w2_weight"  # [E, D, I_local]
+    assert shapes[experts_w2][2] * 2 == single_shapes[experts_w2][2]
+    experts_w13 = "model.layers.1.mlp.experts.w13_weight"  # [E, 2 * I_local, D]
+    assert shapes[experts_w13][1] * 2 == single_shapes[experts_w13][1]
     assert shapes["lm_head.weight"][0] * 2 == single_shapes["lm_head.weight"][0]
     assert shapes["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] == single_shapes["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"]
     # per-rank parameter memory: everything but the small replicated projections is halved

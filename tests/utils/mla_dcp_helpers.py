@@ -105,7 +105,8 @@ def build_rank(case: DecodeCase, builder_cls, n: int, rank: int, interleave: int
         max_query_len=max(case.query_lens), max_seq_len=max(case.seq_lens),
         block_table_tensor=table.to(device),
         slot_mapping=torch.full((int(qsl[-1]),), -1, dtype=torch.int64, device=device),
-        causal=case.causal, dcp_local_seq_lens=None if local is None else local.to(device))
+        causal=case.causal, dcp_local_seq_lens=None if local is None else local.to(device),
+        seq_lens_cpu=seq_lens, dcp_local_seq_lens_cpu=local, block_table_cpu=table)
     flag = (not case.causal) if non_causal_group is None else non_causal_group
     builder = builder_cls(mla_spec(block_size, flag, dtype), ["layer.0"],
                           parallel_config(n, interleave), device, dcp_rank=rank,

@@ -80,12 +80,21 @@ class PagedRunner:
             block_table[i, :len(req.block_ids)] = torch.tensor(req.block_ids, dtype=torch.int32)
         qsl_t = torch.tensor(qsl, dtype=torch.int32)
         dev = self.device
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+        local = None
+        if self.dcp_size > 1:  # the caller's job: builders require rank-local lengths under DCP
+            from vllm.v1.worker.gpu.cp_utils import get_dcp_local_seq_lens
+            local = get_dcp_local_seq_lens(seq_lens_t, self.dcp_size, self.dcp_rank,
+                                           self.interleave)
         cm = CommonAttentionMetadata(
             query_start_loc=qsl_t.to(dev), query_start_loc_cpu=qsl_t.clone(),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev), num_reqs=len(scheduled),
             num_actual_tokens=qsl[-1], max_query_len=max(n for _, n in scheduled),
             max_seq_len=max(seq_lens), block_table_tensor=block_table.to(dev),
-            slot_mapping=torch.cat(slots).to(dev), causal=causal)
+            slot_mapping=torch.cat(slots).to(dev), causal=causal,
+            dcp_local_seq_lens=None if local is None else local.to(dev),
+            seq_lens_cpu=seq_lens_t, dcp_local_seq_lens_cpu=local,
+            block_table_cpu=block_table)
         return self.builder.build(0, cm), torch.tensor(ids, device=dev), torch.cat(pos).to(dev), qsl
 
     def step(self, scheduled: list[tuple[PagedRequest, int]]) -> None:

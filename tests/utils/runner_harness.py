@@ -21,6 +21,7 @@ from vllm.config import CacheConfig, ModelConfig, ParallelConfig, SpeculativeCon
 from vllm.v1.core.kv_cache_utils import get_kv_cache_config
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+from vllm.forward_context import dense_attention_context
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 96
@@ -83,8 +84,11 @@ def make_runner(vllm_config, device: str = "cpu", rank: int = 0) -> GPUModelRunn
 
 
 def run_scenario(runner: GPUModelRunner, scenario: Scenario,
-                 oracle: dict[str, list[int]] | None = None) -> ScenarioResult:
-    """Run to completion; `oracle` (greedy continuations) is needed for forced drafts."""
+                 oracle: dict[str, list[int]] | None = None,
+                 record_draft_logits: bool = True) -> ScenarioResult:
+    """Run to completion; `oracle` (greedy continuations) is needed for forced drafts.
+    record_draft_logits copies every drafter logits call to the host (a sync per call: off for
+    the sync-budget test)."""
     k = runner.num_spec_tokens
     dcp = runner.dcp_size
     virtual_block = BLOCK_SIZE * dcp
@@ -95,7 +99,7 @@ def run_scenario(runner: GPUModelRunner, scenario: Scenario,
                             {r: [] for r in pending}, {r: [] for r in pending})
     finished: set[str] = set()
     step = 0
-    if runner.speculator is not None:
+    if runner.speculator is not None and record_draft_logits:
         _record_draft_logits(runner.speculator.model, result.draft_logits)
     _check_local_lengths(runner, result)
     while pending or running:
@@ -147,6 +151,9 @@ def run_scenario(runner: GPUModelRunner, scenario: Scenario,
             scheduled_spec_decode_tokens=spec_tokens, finished_req_ids=finished)
         finished = set()
         out = runner.execute_model(output)
+        # The drafts stay on the device in the engine (the output carries placeholders); the
+        # harness reads them back explicitly to compare proposals.
+        proposed = runner.take_draft_token_ids() if out.spec_token_ids is not None else {}
         for i, req_id in enumerate(out.req_ids):
             state = running[req_id]
             tokens = out.sampled_token_ids[i]
@@ -159,8 +166,9 @@ def run_scenario(runner: GPUModelRunner, scenario: Scenario,
             state["num_generated"] += len(tokens)
             state["tokens"].extend(tokens)
             if out.spec_token_ids is not None:
-                state["drafts"] = list(out.spec_token_ids[i])
-                result.proposals[req_id].append(list(out.spec_token_ids[i]))
+                assert len(out.spec_token_ids[i]) == k
+                state["drafts"] = list(out.spec_token_ids[i])  # placeholders: device drafts
+                result.proposals[req_id].append(list(proposed[req_id]))
                 result.histories.setdefault(req_id, []).append(list(state["tokens"]))
             if len(result.outputs[req_id]) >= scenario.max_new_tokens:
                 result.outputs[req_id] = result.outputs[req_id][: scenario.max_new_tokens]
@@ -236,7 +244,8 @@ def greedy_oracle(model, prompts: dict[str, list[int]], max_new_tokens: int,
         tokens = list(prompt)
         for _ in range(max_new_tokens):
             ids = torch.tensor(tokens, dtype=torch.int64, device=device)
-            hidden = model(ids, torch.arange(len(tokens), device=device))
+            with dense_attention_context():
+                hidden = model(ids, torch.arange(len(tokens), device=device))
             logits = model.compute_logits(hidden[-1:]).float()[0]
             if margins is not None:
                 top2 = logits.topk(2).values
@@ -284,10 +293,13 @@ def run_all_methods(paths: dict[str, str], cases: list[tuple[str | None, int]], 
 
 
 def run_stale_control(paths, method: str, k: int, scenario: Scenario, oracle, *, dcp: int,
-                      interleave: int, rank: int, **options) -> ScenarioResult:
-    """Negative control: the draft metadata gets the TARGET's (stale) rank-local lengths, the
-    bug the shared builder exists to prevent. Output must stay exact (verification), but the
-    drafts must change, which shows the cross-DCP draft comparison can fail."""
+                      interleave: int, rank: int, mode: str = "target",
+                      **options) -> ScenarioResult:
+    """Negative controls of the shared draft builder's recompute (the patch set's first
+    behaviour). mode "target": the draft metadata gets the TARGET's (stale) rank-local lengths.
+    mode "removed": the recompute is removed (the call does nothing, the draft's persistent
+    buffer keeps whatever an earlier forward left). Output must stay exact (verification), but
+    the drafts must change, which shows the recompute is load-bearing."""
     from vllm.v1.worker.gpu.spec_decode import speculator as speculator_module
     config = make_config(paths["target"], method, paths[method], k=k, dcp=dcp,
                          interleave=interleave, **options)
@@ -295,7 +307,10 @@ def run_stale_control(paths, method: str, k: int, scenario: Scenario, oracle, *,
     real = speculator_module.prepare_dcp_local_seq_lens
 
     def stale(out, seq_lens, num_reqs, cp_size, cp_rank, cp_interleave):
-        real(out, runner.input_buffers.seq_lens, num_reqs, cp_size, cp_rank, cp_interleave)
+        if mode == "target":
+            real(out, runner.input_buffers.seq_lens, num_reqs, cp_size, cp_rank, cp_interleave)
+        elif mode != "removed":
+            raise ValueError(f"unknown control mode {mode!r}")
 
     speculator_module.prepare_dcp_local_seq_lens = stale
     try:
@@ -316,9 +331,13 @@ def dcp_world_main(rank: int, world_size: int, port: int, interleave: int, paths
         init_dist(rank, world_size, port, dcp=world_size, backend="nccl" if gpu else "gloo")
         results = run_all_methods(paths, cases, scenario, oracle, dcp=world_size,
                                   interleave=interleave, rank=rank, **options)
-        stale = {m: run_stale_control(paths, m, k, scenario, oracle, dcp=world_size,
-                                      interleave=interleave, rank=rank, **options)
-                 for m, k in stale_cases}
+        stale = {}
+        for case in stale_cases:
+            m, k, mode = (*case, "target")[:3]
+            key = m if mode == "target" else f"{m}:{mode}"
+            stale[key] = run_stale_control(paths, m, k, scenario, oracle, dcp=world_size,
+                                           interleave=interleave, rank=rank, mode=mode,
+                                           **options)
         if rank == 0:
             # Plain pickle bytes: tensors sent through a Queue would live in shared memory that
             # vanishes when this process exits.

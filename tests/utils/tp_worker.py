@@ -7,6 +7,7 @@ import torch
 from tests.utils.paged_harness import PagedRequest, PagedRunner
 from vllm.config import ModelConfig, ParallelConfig, VllmConfig
 from vllm.distributed import parallel_state as ps
+from vllm.forward_context import dense_attention_context
 from vllm.model_executor.model_loader import get_model
 
 
@@ -23,7 +24,7 @@ def run_rank(rank: int, world: int, model_dir: str, rendezvous: str, out_dir: st
                                                         decode_context_parallel_size=dcp))
         model = get_model(cfg)
         dcp_rank = ps.get_dcp_group().rank_in_group
-        with torch.no_grad():
+        with torch.no_grad(), dense_attention_context():
             prefill = model.compute_logits(model(torch.tensor(prompt_a), torch.arange(len(prompt_a))))
         runner = PagedRunner(model, block_size=4, num_blocks=32, dcp_size=dcp, dcp_rank=dcp_rank)
         req_a = PagedRequest(prompt_a, chunks=[8, 1, 1, 3, 1, 2, 1, 5])

@@ -11,9 +11,14 @@ from pathlib import Path
 import pytest
 
 
-def run_interpreter_driver(driver: Path) -> None:
+def run_interpreter_driver(driver: Path, args: tuple[str, ...] = ()) -> None:
+    """`args` are passed to the driver (e.g. the names of the checks to run)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, str(driver)], env=env, capture_output=True, text=True,
+    # Drivers may import shared test helpers (`tests.utils...`): put this checkout's root first.
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(
+        os.pathsep) if p])
+    proc = subprocess.run([sys.executable, str(driver), *args], env=env, capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     if "NO_TRITON" in proc.stdout:

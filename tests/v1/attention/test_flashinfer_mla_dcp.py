@@ -76,6 +76,33 @@ def test_flashinfer_mla_forward_uses_native_dcp_api(monkeypatch, causal):
         assert call["causal_seqlens_kv_global"].tolist() == [31, 31, 31, 35, 35, 35]
 
 
+@pytest.mark.parametrize("dcp,num_heads,expected", [
+    (1, 16, "auto"), (1, 24, "cute-dsl"), (1, 96, "cute-dsl"), (1, 128, "auto"),
+    (1, 32, "auto"), (1, 64, "auto"), (2, 16, "cute-dsl"), (8, 128, "cute-dsl")])
+def test_blackwell_backend_follows_runtime_head_count(monkeypatch, dcp, num_heads, expected):
+    """The recorded trtllm call picks cute-dsl when trtllm-gen cannot tile the gathered head
+    count (or under DCP), auto otherwise."""
+    fake = fake_flashinfer.install(monkeypatch)
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
+    cm = CommonAttentionMetadata(
+        query_start_loc=qsl.clone(), query_start_loc_cpu=qsl,
+        seq_lens=torch.tensor([31, 35], dtype=torch.int32), num_reqs=2, num_actual_tokens=2,
+        max_query_len=1, max_seq_len=35,
+        block_table_tensor=torch.tensor([[10, 11], [20, 21]], dtype=torch.int32),
+        slot_mapping=torch.zeros(2, dtype=torch.int64), causal=True,
+        dcp_local_seq_lens=(torch.tensor([31, 35], dtype=torch.int32) // dcp if dcp > 1
+                            else None))
+    builder = FlashInferMLAMetadataBuilder(mla_spec(64, dtype=torch.bfloat16), ["l0"],
+                                           parallel_config(dcp, 1), "cpu", dcp_rank=0,
+                                           kernel_family="blackwell", **SMALL_WS)
+    md = builder.build(0, cm)
+    impl = FlashInferMLAImpl(num_heads=num_heads, scale=0.1)
+    impl.forward_decode(torch.randn(2, num_heads, 576, dtype=torch.bfloat16),
+                        torch.zeros(32, 64, 576, dtype=torch.bfloat16), md.decode)
+    (call,) = fake.decode.trtllm_batch_decode_with_kv_cache_mla.calls
+    assert call["backend"] == expected
+
+
 def test_blackwell_rejects_interleave_and_odd_block_sizes():
     with pytest.raises(ValueError, match="cp_kv_cache_interleave_size=1"):
         FlashInferMLAMetadataBuilder(mla_spec(64), ["l0"], parallel_config(2, 2), "cpu",
@@ -233,13 +260,22 @@ def test_run_grouping_bound_and_cover(n, q_len, g_extra, rank_seed):
     assert _segments_of_block(counts, "flattened") == [(1, c) for c in counts]
 
 
-def test_unsupported_dtype_falls_back_to_the_exact_path(monkeypatch):
+def test_unsupported_dtype_is_an_error_not_a_fallback(monkeypatch):
+    """float32 q/cache cannot run the kernels: a clear error naming the dtypes and the fix (no
+    silent per-layer fallback to the reference backend)."""
     fake_flashinfer.install(monkeypatch, float_inputs=False)
     case = make_case([9, 30], [3, 3], num_heads=2, causal=True, dtype=torch.float32)
     md, cache, _ = hopper_rank(case, 2, 1, 1)
-    out, lse = FlashInferMLAImpl(num_heads=2, scale=case.scale).forward_decode(
-        case.q, cache, md.decode)
+    with pytest.raises(ValueError, match="bf16/fp16.*TORCH_MLA"):
+        FlashInferMLAImpl(num_heads=2, scale=case.scale).forward_decode(case.q, cache, md.decode)
     assert fake_flashinfer.FakeBatchMLAPagedAttentionWrapper.instances[0].runs == []
-    ref_out, ref_lse = TorchMLAImpl(num_heads=2, scale=case.scale).forward_decode(
-        case.q, cache, md.decode)
-    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+def test_metadata_from_another_builder_is_an_error(monkeypatch):
+    """A layer whose group metadata came from another backend's builder is refused."""
+    fake_flashinfer.install(monkeypatch)
+    case = make_case([9, 30], [3, 3], num_heads=2, causal=True, dtype=torch.bfloat16)
+    md, cache, _ = hopper_rank(case, 2, 1, 1)
+    md.decode.backend_state = None
+    with pytest.raises(ValueError, match="one\s+backend per group"):
+        FlashInferMLAImpl(num_heads=2, scale=case.scale).forward_decode(case.q, cache, md.decode)

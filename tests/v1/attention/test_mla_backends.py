@@ -83,14 +83,33 @@ def test_non_causal_decode_metadata_aliases_live_buffers(dcp):
     assert int(md.decode.seq_lens[0]) == 7
 
 
+def _brute_local(seq_lens, n, r, inter):
+    return [sum(1 for t in range(L) if (t // inter) % n == r) for L in seq_lens]
+
+
 def test_dcp_metadata_local_and_global_lengths_and_bound():
-    # N=2, I=4: seq_lens [5, 9, 16] on rank 1 -> local [1, 4, 8] (DESIGN §2)
-    md = builder(dcp=2, interleave=4, rank=1).build(0, common_md([0, 1, 2, 3], [5, 9, 16]))
+    # N=2, I=4: seq_lens [5, 9, 16] on rank 1 -> local [1, 4, 8] (DESIGN §2), handed in by the
+    # caller and passed through untouched (aliased, not recomputed).
+    local = _brute_local([5, 9, 16], 2, 1, 4)
+    assert local == [1, 4, 8]
+    cm = common_md([0, 1, 2, 3], [5, 9, 16], local=local)
+    md = builder(dcp=2, interleave=4, rank=1).build(0, cm)
+    assert md.decode.seq_lens.data_ptr() == cm.dcp_local_seq_lens.data_ptr()
     assert md.decode.seq_lens.tolist() == [1, 4, 8]
     assert md.decode.dcp_tot_seq_lens.tolist() == [5, 9, 16]
     assert md.decode.max_seq_len == 8  # ceil(16 / (2*4)) * 4
-    md17 = builder(dcp=2, interleave=4).build(0, common_md([0, 1], [17]))
+    md17 = builder(dcp=2, interleave=4).build(0, common_md([0, 1], [17],
+                                                            local=_brute_local([17], 2, 0, 4)))
     assert md17.decode.max_seq_len == 12  # ceil(17/8)*4 >= local(17, r) for every r
+
+
+def test_dcp_builder_raises_without_local_lengths():
+    """Under DCP the rank-local lengths are the caller's job (runner or speculator); a builder
+    that silently recomputed them from global lengths would hide stale draft lengths."""
+    with pytest.raises(ValueError, match="dcp_local_seq_lens"):
+        builder(dcp=2, interleave=4, rank=1).build(0, common_md([0, 1, 2, 3], [5, 9, 16]))
+    with pytest.raises(ValueError, match="dcp_local_seq_lens"):
+        builder(dcp=4).build(0, common_md([0, 4, 8], [20, 30], causal=False))
 
 
 def test_decode_rows_first_then_prefill():

@@ -22,6 +22,7 @@ from tests.utils.runner_harness import (spec_tag, Scenario, greedy_oracle, make_
                             spawn_dcp_world)
 from vllm.model_executor.models.tiny import write_tiny_models
 from vllm.sampling_params import SamplingParams
+from vllm.forward_context import dense_attention_context
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +57,8 @@ def e2e(tmp_path_factory):
     results = {1: run_all_methods(paths, CASES, SCENARIO, oracle)}
     stale = {}
     for dcp, interleave in DCP_WORLDS.items():
-        stale_cases = [("eagle", 3), ("dspark", 4)] if dcp == 2 else []
+        stale_cases = ([("eagle", 3), ("dspark", 4), ("eagle", 3, "removed"),
+                        ("dspark", 4, "removed")] if dcp == 2 else [])
         results[dcp], stale_results = spawn_dcp_world(dcp, interleave, paths, CASES, SCENARIO,
                                                       oracle, stale_cases)
         stale.update(stale_results)
@@ -149,19 +151,34 @@ def test_stale_target_lengths_control_is_caught(e2e, method):
                for a, b in zip(stale.draft_logits, good.draft_logits))
 
 
+@pytest.mark.parametrize("method", ["eagle", "dspark"])
+def test_removing_the_speculator_recompute_changes_dcp_drafts(e2e, method):
+    """The shared draft builder's recompute is load-bearing: with it removed (the MLA builder no
+    longer recomputes behind its back; it requires the caller's lengths), the DCP=2 drafts and
+    draft logits differ from the correct DCP=2 run, while verification keeps the output exact."""
+    removed = e2e["stale"][f"{method}:removed"]
+    good = e2e["results"][2][spec_tag(method)]
+    assert {r: removed.outputs[r] for r in GREEDY_IDS} == e2e["oracle"]
+    assert removed.local_len_mismatches
+    assert any(a.shape != b.shape or not torch.allclose(a, b, atol=1e-4)
+               for a, b in zip(removed.draft_logits, good.draft_logits))
+    assert removed.proposals != good.proposals
+
+
 @torch.inference_mode()
 def _reference_ar_drafts(target, drafter, tokens: list[int], k: int) -> list[int]:
     """EAGLE/MTP drafts by full recomputation (no paged cache): the drafter reads (token p+1,
     target hidden p) for every accepted position, then chains its own outputs."""
     prefix = torch.tensor(tokens)                     # accepted prefix + anchor (last token)
     n = len(tokens)
-    hidden = target(prefix[:-1], torch.arange(n - 1))  # target hidden of the accepted prefix
-    ids, feats, drafts = prefix[1:], hidden, []
-    for _ in range(k):
-        for_logits, for_next = drafter(ids, torch.arange(ids.shape[0]), feats)
-        drafts.append(int(drafter.compute_logits(for_logits[-1:]).argmax()))
-        ids = torch.cat([ids, torch.tensor(drafts[-1:])])
-        feats = torch.cat([feats, for_next[-1:]])
+    with dense_attention_context():
+        hidden = target(prefix[:-1], torch.arange(n - 1))  # target hidden of the accepted prefix
+        ids, feats, drafts = prefix[1:], hidden, []
+        for _ in range(k):
+            for_logits, for_next = drafter(ids, torch.arange(ids.shape[0]), feats)
+            drafts.append(int(drafter.compute_logits(for_logits[-1:]).argmax()))
+            ids = torch.cat([ids, torch.tensor(drafts[-1:])])
+            feats = torch.cat([feats, for_next[-1:]])
     return drafts
 
 

@@ -84,7 +84,7 @@ def test_autoregressive_paths_advance_own_seq_lens_and_recompute(cls, recorded_p
     steps = spy_steps(spec)
     # 3 requests verified 4 tokens each; accepted 3, 1, 0 drafts.
     inputs = make_inputs([4, 8, 12], [4, 4, 4], [3, 1, 0], anchors=[10, 20, 30])
-    drafts = spec.propose(inputs)
+    drafts, _ = spec.propose(inputs)
 
     assert steps == [0, 1, 2]
     new = inputs.num_computed_new  # [8, 10, 13]
@@ -146,7 +146,7 @@ def test_dflash_drafts_come_from_mask_rows():
     model = FakeBlockModel()
     spec, _ = make_speculator(DFlashSpeculator, k=3, num_reqs=1, model=model,
                               group_non_causal=(False, True), draft_groups=(1,))
-    drafts = spec.propose(make_inputs([8], [4], [1], anchors=[5]))
+    drafts, _ = spec.propose(make_inputs([8], [4], [1], anchors=[5]))
     # Fake row logits favour (id + pos) % V; mask rows are at positions 11, 12, 13.
     assert drafts.tolist() == [[(MASK_TOKEN + p) % VOCAB for p in (11, 12, 13)]]
 
@@ -155,7 +155,7 @@ def test_dspark_markov_head_samples_left_to_right():
     model = FakeBlockModel()
     spec, _ = make_speculator(DSparkSpeculator, k=4, num_reqs=2, model=model,
                               group_non_causal=(False, True), draft_groups=(1,))
-    drafts = spec.propose(make_inputs([8, 3], [4, 1], [1, 0], anchors=[5, 40]))
+    drafts, _ = spec.propose(make_inputs([8, 3], [4, 1], [1, 0], anchors=[5, 40]))
     # The bias (10 * one-hot(prev + 1)) dominates the row logits: each draft follows the previous.
     assert drafts.tolist() == [[6, 7, 8, 9], [41, 42, 43, 44]]
 
@@ -249,7 +249,10 @@ def test_probabilistic_block_drafts_sample_q_left_to_right():
         inputs.sampling_metadata = SamplingMetadata.from_sampling_params(
             [SimpleNamespace(temperature=4.0, top_k=0, top_p=1.0), None], "cpu",
             {0: make_generator(seed, "cpu")})
-        return spec.propose(inputs), spec.draft_probs
+        inputs.slots = torch.tensor([5, 2])  # rows live in request slots 5 and 2
+        drafts, buffer = spec.propose(inputs)
+        assert buffer is spec.draft_probs_buffer and buffer.shape == (8, 4, VOCAB)
+        return drafts, buffer[torch.tensor([5, 2])]
 
     drafts, probs = run(seed=3)
     assert probs.shape == (2, 4, VOCAB)

@@ -99,13 +99,13 @@ def test_probabilistic_drafts_feed_their_q_to_rejection_sampling(tiny):
         config.speculative_config.rejection_sample_method = "probabilistic"
         runner = make_runner(config)
         seen = []
-        sampler = runner.rejection_sampler
+        verify = runner.rejection_sampler.verify
 
-        def recording(logits, drafts, metadata, draft_probs=None):
-            seen.append((sum(len(d) for d in drafts), draft_probs, drafts))
-            return sampler(logits, drafts, metadata, draft_probs)
+        def recording(logits, drafts, num_drafts, metadata, draft_probs=None, **kw):
+            seen.append((int(num_drafts.sum()), draft_probs, drafts.tolist()))
+            return verify(logits, drafts, num_drafts, metadata, draft_probs, **kw)
 
-        runner.rejection_sampler = recording
+        runner.rejection_sampler.verify = recording
         prompts = {"g": [3, 1, 4, 1, 5, 9], "r": [2, 7, 1, 8]}
         scenario = Scenario("prob", prompts, 8, sampling_params={
             "r": SamplingParams(temperature=1.0, seed=11, max_tokens=8)})
@@ -121,8 +121,7 @@ def test_probabilistic_drafts_feed_their_q_to_rejection_sampling(tiny):
     for n, probs, drafts in verified:
         assert probs.shape == (n, 260)
         torch.testing.assert_close(probs.sum(-1), torch.ones(n))
-        flat = [t for d in drafts for t in d]
-        assert bool((probs[torch.arange(n), torch.tensor(flat)] > 0).all())
+        assert bool((probs[torch.arange(n), torch.tensor(drafts)] > 0).all())
 
 
 def test_dspark_dcp_start_up_rejects_incapable_builder(tiny, monkeypatch):

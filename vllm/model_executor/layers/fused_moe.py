@@ -1,5 +1,8 @@
-"""DeepSeek mixture of experts in plain torch: grouped top-k routing (sigmoid + correction bias
-"noaux_tc", or softmax), tensor-parallel experts, shared experts, one all-reduce for the sum."""
+"""DeepSeek mixture of experts: grouped top-k routing (sigmoid + correction bias "noaux_tc", or
+softmax), tensor-parallel experts stored stacked, shared experts, one all-reduce for the sum.
+
+The routed experts run through `moe_kernels.fused_experts` (a Triton grouped GEMM on CUDA, a
+gathered batched mat-vec elsewhere): no host sync and no Python loop over experts."""
 from __future__ import annotations
 
 import torch
@@ -7,8 +10,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm.model_executor.layers.mlp import GatedMLP
-from vllm.model_executor.layers.parallel_utils import tp_group
-from vllm.model_executor.layers.weight_utils import default_weight_loader
+from vllm.model_executor.layers.moe_kernels import fused_experts
+from vllm.model_executor.layers.parallel_utils import divide, tp_group
+from vllm.model_executor.layers.weight_utils import default_weight_loader, load_shard
+
+# checkpoint projection of each expert -> (stacked parameter, part); part 0 = gate rows of w13,
+# 1 = up rows of w13, 2 = the whole w2
+_EXPERT_PARTS = (("gate_proj", "w13_weight", 0), ("up_proj", "w13_weight", 1), ("down_proj", "w2_weight", 2))
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring_func: str,
@@ -62,6 +70,51 @@ class MoERouter(nn.Module):
         return F.linear(x.float(), self.weight.float())
 
 
+class StackedExperts(nn.Module):
+    """All routed experts of one layer, TP-sharded like a dense MLP (gate/up by rows, down by
+    columns): w13_weight [E, 2*I_local, D] (gate rows then up rows), w2_weight [E, D, I_local].
+
+    Checkpoints keep one tensor per expert and projection (`experts.{e}.gate_proj.weight`, ...);
+    each stacked parameter lists them in `checkpoint_names` (relative to this module) with the
+    shard id (expert, part) its `weight_loader` takes, and `export_shard(shard_id)` gives the
+    matching local slice back (for writing checkpoints, TP=1)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        group = tp_group()
+        self.tp_size, self.tp_rank = group.world_size, group.rank_in_group
+        self.num_experts = num_experts
+        self.inter_local = divide(intermediate_size, self.tp_size, "moe_intermediate_size")
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.inter_local, hidden_size),
+                                       requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter_local), requires_grad=False)
+        for name in ("w13_weight", "w2_weight"):
+            param = getattr(self, name)
+            param.weight_loader = self.weight_loader
+            param.export_shard = self._local_slice
+            param.checkpoint_names = [(f"{e}.{proj}.weight", (e, part)) for e in range(num_experts)
+                                      for proj, pname, part in _EXPERT_PARTS if pname == name]
+
+    def _local_slice(self, shard_id: tuple[int, int]) -> torch.Tensor:
+        expert, part = shard_id
+        if not (isinstance(expert, int) and 0 <= expert < self.num_experts and part in (0, 1, 2)):
+            raise ValueError(f"expert shard id {shard_id!r} is invalid: want (expert in [0, "
+                             f"{self.num_experts}), part in 0 gate / 1 up / 2 down)")
+        if part == 2:
+            return self.w2_weight[expert]
+        return self.w13_weight[expert].narrow(0, part * self.inter_local, self.inter_local)
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: tuple[int, int]) -> None:
+        dst = self._local_slice(shard_id)
+        # gate/up [I, D] are split by rows, down [D, I] by columns, as in GatedMLP
+        load_shard(param, loaded, dim=1 if shard_id[1] == 2 else 0, rank=self.tp_rank, world=self.tp_size,
+                   dst=dst)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Routed sum over each token's experts (this rank's partial sum under TP)."""
+        return fused_experts(x, self.w13_weight, self.w2_weight, weights, ids)
+
+
 class DeepseekMoE(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -76,10 +129,9 @@ class DeepseekMoE(nn.Module):
         self.gate = MoERouter(config.hidden_size, self.num_experts,
                               with_bias=config.topk_method == "noaux_tc")
         # Each expert is split over TP like a dense MLP; partial sums are reduced once at the end.
-        self.experts = nn.ModuleList(
-            GatedMLP(config.hidden_size, config.moe_intermediate_size, config.hidden_act, reduce_results=False)
-            for _ in range(self.num_experts)
-        )
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; DeepSeek models use 'silu'")
+        self.experts = StackedExperts(self.num_experts, config.hidden_size, config.moe_intermediate_size)
         if config.n_shared_experts:
             self.shared_experts = GatedMLP(config.hidden_size,
                                            config.moe_intermediate_size * config.n_shared_experts,
@@ -93,21 +145,7 @@ class DeepseekMoE(nn.Module):
             correction_bias=self.gate.e_score_correction_bias, num_groups=self.num_groups,
             topk_groups=self.topk_groups, renormalize=self.renormalize,
             routed_scaling_factor=self.routed_scaling_factor)
-        out = torch.zeros_like(x)
-        # Group the (token, slot) pairs by expert with one stable sort: each expert's rows come out in
-        # token order, and the per-expert counts cost one host sync per layer (not one per expert).
-        flat_ids = ids.flatten()
-        order = flat_ids.argsort(stable=True)
-        token_of = order // ids.shape[-1]
-        weight_of = weights.flatten()[order].to(x.dtype)
-        start = 0
-        for expert_id, count in enumerate(torch.bincount(flat_ids, minlength=self.num_experts).tolist()):
-            if count == 0:
-                continue
-            token_idx = token_of[start:start + count]
-            expert_out = self.experts[expert_id](x[token_idx])
-            out.index_add_(0, token_idx, expert_out * weight_of[start:start + count, None])
-            start += count
+        out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         group = tp_group()

@@ -40,10 +40,10 @@ class DeepseekEagleForCausalLM(TargetSharingDrafter):
                 hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (final-normed hidden for logits, pre-norm hidden fed to the next draft step)."""
         x = torch.cat([self.model.enorm(self.embed(input_ids)), self.model.hnorm(hidden_states)], dim=-1)
-        x = self.model.fc(x)
+        x, residual = self.model.fc(x), None
         for layer in self.model.layers:
-            x = layer(positions, x)
-        return self.model.norm(x), x
+            x, residual = layer(positions, x, residual)
+        return self.model.norm(x, residual)  # (norm(x + residual), x + residual)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_named_weights(self, weights, ignore=SHARED_WITH_TARGET)

@@ -38,8 +38,8 @@ class DeepSeekMultiTokenPredictorLayer(DeepseekV3DecoderLayer):
         # Position 0 has no previous token: DeepSeek zeroes its embedding.
         input_embeds = torch.where(positions.unsqueeze(-1) == 0, torch.zeros_like(input_embeds), input_embeds)
         x = self.eh_proj(torch.cat([self.enorm(input_embeds), self.hnorm(previous_hidden)], dim=-1))
-        x = DeepseekV3DecoderLayer.forward(self, positions, x)
-        return self.shared_head.norm(x), x
+        x, residual = DeepseekV3DecoderLayer.forward(self, positions, x, None)
+        return self.shared_head.norm(x, residual)  # (norm(x + residual), x + residual)
 
 
 class MTPModel(nn.Module):

@@ -27,7 +27,11 @@ def uses_moe(config, layer_idx: int) -> bool:
 
 
 class DeepseekV3DecoderLayer(nn.Module):
-    """x + attn(norm(x)), then + mlp(norm(.)). `layer_idx` picks dense MLP vs MoE."""
+    """x + attn(norm(x)), then + mlp(norm(.)). `layer_idx` picks dense MLP vs MoE.
+
+    As upstream vLLM, the residual stream travels separately: forward(positions, h, residual) ->
+    (mlp output, residual), and the next norm adds them (fused add + RMSNorm, one kernel). The
+    residual stream after the layer is their sum; the first layer passes residual=None."""
 
     def __init__(self, config, layer_idx: int, *, prefix: str, attention_backend: str = "auto",
                  non_causal: bool = False):
@@ -42,9 +46,16 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(positions, self.input_layernorm(hidden_states))
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
 
 
 class DeepseekV3Model(nn.Module):
@@ -59,13 +70,13 @@ class DeepseekV3Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids, positions, aux_hidden_state_layers: tuple[int, ...] = ()):
-        hidden_states = self.embed_tokens(input_ids)
+        hidden_states, residual = self.embed_tokens(input_ids), None
         aux = []
         for i, layer in enumerate(self.layers):
-            hidden_states = layer(positions, hidden_states)
+            hidden_states, residual = layer(positions, hidden_states, residual)
             if i in aux_hidden_state_layers:
-                aux.append(hidden_states)
-        return self.norm(hidden_states), aux
+                aux.append(hidden_states + residual)  # the residual stream after layer i
+        return self.norm(hidden_states, residual)[0], aux
 
 
 class DeepseekV3ForCausalLM(nn.Module):

@@ -85,10 +85,10 @@ class DFlashMLAForCausalLM(TargetSharingDrafter):
             attn.write_kv(kv_c, k_pe, metadata.slot_mapping)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed(input_ids)
+        x, residual = self.embed(input_ids), None
         for layer in self.model.layers:
-            x = layer(positions, x)
-        return self.model.norm(x)
+            x, residual = layer(positions, x, residual)
+        return self.model.norm(x, residual)[0]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_named_weights(self, weights, ignore=SHARED_WITH_TARGET)

@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vllm.model_executor.models.weight_loading import checkpoint_names_of
+from vllm.model_executor.models.weight_loading import checkpoint_tensors_of
 from vllm.transformers_utils.config import HFConfig
+from vllm.forward_context import dense_attention_context
 
 _PROMPT_LEN, _GEN_LEN, _NUM_SEQS, _BATCH = 8, 40, 20, 4
 
@@ -30,15 +31,11 @@ def _build(cls, config: dict, weights: dict[str, torch.Tensor]):
 
 
 def export_tensors(model, keep: set[str]) -> dict[str, torch.Tensor]:
-    """Parameters back to checkpoint names (fused gate_up split again); TP=1 only."""
+    """Parameters back to checkpoint names (fused gate_up and stacked experts split again); TP=1 only."""
     out = {}
     for name, param in model.named_parameters():
-        names = checkpoint_names_of(name)
-        if len(names) == 1:
-            out[names[0][0]] = param.detach().clone().contiguous()
-        else:
-            for (ckpt, _), piece in zip(names, param.detach().chunk(len(names), dim=0)):
-                out[ckpt] = piece.clone().contiguous()
+        for ckpt, piece in checkpoint_tensors_of(name, param):
+            out[ckpt] = piece.clone().contiguous()
     missing = keep - set(out)
     if missing:
         raise RuntimeError(f"distillation lost tensors {sorted(missing)[:4]}")
@@ -103,7 +100,8 @@ def _greedy_corpus(target, gen: torch.Generator):
     layers = tuple(range(target.config.num_hidden_layers))
     for ids in _greedy_decode(target, prompts, _GEN_LEN):
         t = torch.tensor(ids)
-        hidden, aux = target(t, torch.arange(len(ids)), aux_hidden_state_layers=layers)
+        with dense_attention_context():
+            hidden, aux = target(t, torch.arange(len(ids)), aux_hidden_state_layers=layers)
         data.append({"ids": t, "hidden": hidden, "aux": aux,
                      "argmax": target.compute_logits(hidden).argmax(-1)})
     return data
@@ -127,7 +125,8 @@ def _train(model, loss_fn, data, steps: int, gen: torch.Generator, lr: float = 3
 def _ar_loss(model, seq, gen):
     ids, hidden, labels = seq["ids"], seq["hidden"], seq["argmax"]
     n = len(ids) - 1
-    h, _ = model(ids[1:], torch.arange(n), hidden[:n])
+    with dense_attention_context():
+        h, _ = model(ids[1:], torch.arange(n), hidden[:n])
     return F.cross_entropy(model.compute_logits(h), labels[1:])
 
 
@@ -187,7 +186,8 @@ def draft_accuracy(method: str, model, data) -> float:
         ids, labels = seq["ids"], seq["argmax"]
         if method in ("eagle", "mtp"):
             n = len(ids) - 1
-            h, _ = model(ids[1:], torch.arange(n), seq["hidden"][:n])
+            with dense_attention_context():
+                h, _ = model(ids[1:], torch.arange(n), seq["hidden"][:n])
             pred, gold = model.compute_logits(h).argmax(-1), labels[1:]
         else:
             q = int(model.block_size)

@@ -18,12 +18,31 @@ _DEFAULT_BLOCK = (128, 128)
 _ALWAYS_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
-def checkpoint_names_of(param_name: str) -> list[tuple[str, int | None]]:
-    """Checkpoint tensor names (with shard ids) that fill parameter `param_name`."""
+def checkpoint_names_of(param_name: str, param: torch.Tensor | None = None) -> list[tuple[str, object]]:
+    """Checkpoint tensor names (with shard ids) that fill parameter `param_name`.
+
+    A parameter that stacks several checkpoint tensors (the MoE experts) lists them itself in
+    `param.checkpoint_names` as (name relative to its module, shard id)."""
+    listed = getattr(param, "checkpoint_names", None)
+    if listed is not None:
+        module = param_name.rsplit(".", 1)[0]
+        return [(f"{module}.{suffix}", shard_id) for suffix, shard_id in listed]
     fused_hits = [(p, s) for f, p, s in GATE_UP_STACKED_PARAMS if f".{f}." in param_name]
     if fused_hits:
         return [(param_name.replace(".gate_up_proj.", f".{p}."), s) for p, s in fused_hits]
     return [(param_name, None)]
+
+
+def checkpoint_tensors_of(param_name: str, param: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The inverse of loading, for an unsharded (TP=1) model: (checkpoint name, tensor) pieces of
+    one parameter (fused gate_up split in two, stacked experts split per expert)."""
+    names = checkpoint_names_of(param_name, param)
+    data = param.detach()
+    if hasattr(param, "export_shard"):
+        return [(name, param.export_shard(shard_id).detach()) for name, shard_id in names]
+    if len(names) == 1:
+        return [(names[0][0], data)]
+    return [(name, piece) for (name, _), piece in zip(names, data.chunk(len(names), dim=0))]
 
 
 def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], *,
@@ -36,8 +55,8 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     """
     params = dict(model.named_parameters())
     targets: dict[str, tuple[str, int | None]] = {}
-    for param_name in params:
-        for ckpt_name, shard_id in checkpoint_names_of(param_name):
+    for param_name, param in params.items():
+        for ckpt_name, shard_id in checkpoint_names_of(param_name, param):
             targets[ckpt_name] = (param_name, shard_id)
     block = tuple(getattr(model, "weight_block_size", None) or _DEFAULT_BLOCK)
     adapter = _Fp8Adapter(targets, params, block)

@@ -32,6 +32,10 @@ class CommonAttentionMetadata:
     seq_lens_cpu: torch.Tensor | None = None              # [num_reqs] int32 global, exact
     num_computed_tokens_cpu: torch.Tensor | None = None   # [num_reqs] int32 context (seq - query)
     dcp_local_seq_lens_cpu: torch.Tensor | None = None    # [num_reqs] int32 rank-local, exact
+    block_table_cpu: torch.Tensor | None = None           # host twin of block_table_tensor
+    # True when this batch replays (or is being captured into) a CUDA graph: every shape and
+    # buffer address must then be the capture's (padded rows/tokens, fixed bounds).
+    cudagraph: bool = False
 
     def query_lens_cpu(self) -> torch.Tensor:
         qsl = self.query_start_loc_cpu[: self.num_reqs + 1].to(torch.int64)

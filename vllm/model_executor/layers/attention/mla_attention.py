@@ -25,16 +25,26 @@ from vllm.model_executor.layers.rotary_embedding import get_rope, yarn_softmax_s
 
 
 def current_attn_metadata(layer_name: str):
-    """This layer's metadata from the forward context; None when no paged-cache step is running
-    (no context, or a context without metadata, e.g. a plain forward over one causal sequence)."""
-    try:
-        from vllm.forward_context import get_forward_context
-        ctx = get_forward_context()
-    except (ImportError, AssertionError, RuntimeError, LookupError):
+    """This layer's metadata from the forward context, or None for an explicit dense-attention
+    context (`vllm.forward_context.dense_attention_context()`: one causal sequence, no cache).
+
+    No forward context is an error: silently running dense attention there would hide a step
+    that forgot its metadata (and attend over the wrong tokens)."""
+    from vllm.forward_context import DenseAttention, is_forward_context_available
+    if not is_forward_context_available():
+        raise RuntimeError(
+            f"attention layer {layer_name!r} ran outside a forward context. The engine sets one "
+            "per step (set_forward_context(attn_metadata)); for a plain causal forward over one "
+            "sequence (oracles, training) wrap the call in "
+            "`with vllm.forward_context.dense_attention_context():`.")
+    from vllm.forward_context import get_forward_context
+    metadata = get_forward_context().attn_metadata
+    if isinstance(metadata, DenseAttention):
         return None
-    metadata = getattr(ctx, "attn_metadata", None) if ctx is not None else None
     if metadata is None:
-        return None
+        raise RuntimeError(
+            f"attention layer {layer_name!r}: the forward context carries no attention metadata; "
+            "build it with build_attn_metadata, or use dense_attention_context() on purpose.")
     if isinstance(metadata, dict):
         if layer_name not in metadata:
             raise KeyError(
@@ -92,7 +102,8 @@ class MLAAttention(nn.Module):
 
     # ---- projections shared by all paths --------------------------------------------------------
     def project_q(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q_nope [T, H_local, nope], rotated q_pe [T, H_local, 64])."""
+        """(q_nope [T, H_local, nope], un-rotated q_pe [T, H_local, 64]); `positions` is unused
+        (rope is applied with the KV write, `rope_and_write_kv`, or by `rotary_emb`)."""
         if self.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         else:
@@ -107,36 +118,60 @@ class MLAAttention(nn.Module):
         return self.kv_a_layernorm(kv_c), k_pe
 
     def rotated_latent_kv(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exactly what the cache stores for tokens `x` at `positions`: (c_kv, rope(k_pe))."""
+        """Exactly what the cache stores for tokens `x` at `positions`: (c_kv, rope(k_pe)).
+        Same rope code as the fused write (`rope_concat_and_cache_mla`), so the values agree bit
+        for bit with what `forward` stores."""
+        from vllm.v1.attention.ops.mla_kv_cache import rope_concat_and_cache_mla
         kv_c, k_pe = self.project_latent_kv(positions, x)
         dummy_q = k_pe.new_empty(k_pe.shape[0], 0, self.qk_rope_head_dim)
-        _, k_pe = self.rotary_emb(positions, dummy_q, k_pe)
-        return kv_c, k_pe
+        k_rot = torch.empty(k_pe.shape, dtype=k_pe.dtype, device=k_pe.device)
+        rope = self.rotary_emb
+        rope_concat_and_cache_mla(positions, dummy_q, k_pe, kv_c, rope.cos_cache, rope.sin_cache,
+                                  rope.interleaved, None, None, k_pe_out=k_rot)
+        return kv_c, k_rot
 
-    def write_kv(self, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def _need_kv_cache(self) -> torch.Tensor:
         if self.kv_cache is None:
             raise RuntimeError(f"layer {self.layer_name!r} has no kv_cache bound; the runner must "
                                "set layer.kv_cache before a step with attention metadata")
+        return self.kv_cache
+
+    def write_kv(self, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store already-rotated latents (slots -1 and tokens past the mapping are skipped)."""
+        kv_cache = self._need_kv_cache()
         from vllm.v1.attention.ops.mla_kv_cache import concat_and_cache_mla
         n = min(kv_c.shape[0], slot_mapping.shape[0])
-        concat_and_cache_mla(kv_c[:n], k_pe[:n], self.kv_cache, slot_mapping[:n])
+        concat_and_cache_mla(kv_c[:n], k_pe[:n], kv_cache, slot_mapping[:n])
+
+    def rope_and_write_kv(self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor,
+                          kv_c: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One launch on CUDA: rope(q_pe), rope(k_pe), and [kv_c | rope(k_pe)] into the cache.
+        Returns (rotated q_pe, rotated k_pe)."""
+        kv_cache = self._need_kv_cache()
+        from vllm.v1.attention.ops.mla_kv_cache import rope_concat_and_cache_mla
+        k_rot = torch.empty(k_pe.shape, dtype=k_pe.dtype, device=k_pe.device)
+        rope = self.rotary_emb
+        q_rot = rope_concat_and_cache_mla(positions, q_pe, k_pe, kv_c, rope.cos_cache, rope.sin_cache,
+                                          rope.interleaved, kv_cache, slot_mapping, k_pe_out=k_rot)
+        return q_rot, k_rot
 
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q_nope, q_pe = self.project_q(positions, hidden_states)
         kv_c, k_pe = self.project_latent_kv(positions, hidden_states)
-        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
         num_tokens = hidden_states.shape[0]
 
         metadata = current_attn_metadata(self.layer_name)
         if metadata is None:
             # No paged cache this step: the batch is one sequence, attended in place.
+            q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
             q, k, v = self._expanded_qkv(q_nope, q_pe, kv_c, k_pe)
             out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                                  is_causal=not self.non_causal, scale=self.scaling)
             out = out.transpose(0, 1)
         else:
-            self.write_kv(kv_c, k_pe, metadata.slot_mapping)  # before attention: rows see themselves
+            # rope + KV write before attention: rows see themselves
+            q_pe, k_pe = self.rope_and_write_kv(positions, q_pe, k_pe, kv_c, metadata.slot_mapping)
             out = q_nope.new_zeros(num_tokens, self.num_local_heads, self.v_head_dim)
             num_decode = int(metadata.num_decode_tokens)
             if num_decode > 0:
@@ -165,15 +200,22 @@ class MLAAttention(nn.Module):
         k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.num_local_heads, -1)], dim=-1)
         return q, k, v
 
+    def bind_attention_backend(self, backend) -> None:
+        """Called by the model runner with the backend resolved once for this layer's KV cache
+        group: the layer's impl must match the group's metadata builder."""
+        num_heads = self.num_local_heads * dcp_group().world_size  # heads after the DCP q gather
+        self._backend = backend
+        self._impl = backend.get_impl_cls()(
+            num_heads=num_heads, scale=self.scaling, kv_lora_rank=self.kv_lora_rank,
+            qk_rope_head_dim=self.qk_rope_head_dim, qk_nope_head_dim=self.qk_nope_head_dim)
+
     def _attention_impl(self):
         if self._impl is None:
+            # Stand-alone use (tests driving a model with hand-built metadata): resolve by name.
             from vllm.v1.attention.selector import get_attn_backend
             device = self.kv_cache.device if self.kv_cache is not None else None
-            self._backend = get_attn_backend(self.attention_backend_name, device=device)
-            num_heads = self.num_local_heads * dcp_group().world_size  # heads after the DCP q gather
-            self._impl = self._backend.get_impl_cls()(
-                num_heads=num_heads, scale=self.scaling, kv_lora_rank=self.kv_lora_rank,
-                qk_rope_head_dim=self.qk_rope_head_dim, qk_nope_head_dim=self.qk_nope_head_dim)
+            self.bind_attention_backend(get_attn_backend(self.attention_backend_name,
+                                                         device=device))
         return self._backend, self._impl
 
     def _forward_absorbed(self, q_nope, q_pe, decode_metadata) -> torch.Tensor:

@@ -48,6 +48,10 @@ def build_attn_metadata(
     dcp_local_seq_lens: torch.Tensor | None = None,
     seq_lens_cpu_upper_bound: torch.Tensor | None = None,
     group_ids: Sequence[int] | None = None,
+    seq_lens_cpu: torch.Tensor | None = None,
+    dcp_local_seq_lens_cpu: torch.Tensor | None = None,
+    block_tables_cpu: Sequence[torch.Tensor] | None = None,
+    cudagraph: bool = False,
 ) -> dict[str, Any]:
     """Build the per-layer attention metadata of one forward.
 
@@ -81,6 +85,15 @@ def build_attn_metadata(
                                 else dcp_local_seq_lens[:num_reqs]),
             seq_lens_cpu_upper_bound=(None if seq_lens_cpu_upper_bound is None
                                       else seq_lens_cpu_upper_bound[:num_reqs]),
+            seq_lens_cpu=None if seq_lens_cpu is None else seq_lens_cpu[:num_reqs],
+            num_computed_tokens_cpu=(None if seq_lens_cpu is None else
+                                     seq_lens_cpu[:num_reqs] - (query_start_loc_cpu[1:num_reqs + 1]
+                                                                - query_start_loc_cpu[:num_reqs])),
+            dcp_local_seq_lens_cpu=(None if dcp_local_seq_lens_cpu is None
+                                    else dcp_local_seq_lens_cpu[:num_reqs]),
+            block_table_cpu=(None if block_tables_cpu is None
+                             else block_tables_cpu[group_id][:num_reqs]),
+            cudagraph=cudagraph,
         )
         metadata = attn_metadata_builders[group_id].build(common_prefix_len=0,
                                                            common_attn_metadata=common)

@@ -106,6 +106,15 @@ class BlockTables:
         table_shape = (num_groups, max_num_reqs, max_num_blocks_per_req)
         # One tensor per kind, so the slot-mapping kernel reaches every group through strides.
         self._block_tables = torch.zeros(table_shape, dtype=torch.int32, device=self.device)
+        # Pinned host twin of every table: appends are written here and copied over without a
+        # host sync, and host planners (FlashInfer plan) read block ids from here, never from
+        # the device.
+        pin = self.device.type == "cuda" and torch.cuda.is_available()
+        self._host_tables = torch.zeros(table_shape, dtype=torch.int32, pin_memory=pin)
+        self.host_block_tables = self._host_tables.numpy()
+        # Host twin of the gathered (batch-order) rows, for host planners.
+        self._input_host = torch.zeros(table_shape, dtype=torch.int32)
+        self.input_block_tables_cpu = tuple(self._input_host[g] for g in range(num_groups))
         self._input_block_tables = torch.zeros(table_shape, dtype=torch.int32, device=self.device)
         self.block_tables = tuple(self._block_tables[g] for g in range(num_groups))
         self.input_block_tables = tuple(self._input_block_tables[g] for g in range(num_groups))
@@ -141,22 +150,30 @@ class BlockTables:
                     f"max_num_blocks_per_req={self.max_num_blocks_per_req}; raise max_model_len "
                     "headroom or shorten the request.")
             if len(ids) > 0:
-                values = torch.tensor(ids, dtype=torch.int32)
-                self.block_tables[group][req_index, start:end].copy_(values, non_blocking=False)
+                self.host_block_tables[group, req_index, start:end] = ids
+                self.block_tables[group][req_index, start:end].copy_(
+                    self._host_tables[group, req_index, start:end], non_blocking=True)
             self.num_blocks[group, req_index] = end
 
     def remove_request(self, req_index: int) -> None:
         self._check_req_index(req_index)
         self.num_blocks[:, req_index] = 0
 
-    def gather_block_tables(self, idx_mapping: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def gather_block_tables(self, idx_mapping: torch.Tensor,
+                            idx_mapping_np=None) -> tuple[torch.Tensor, ...]:
         """Copy the rows of this step's requests (idx_mapping[i] = slot of batch row i) into the
-        persistent input tables; returns one [num_reqs, max_blocks] view per group."""
+        persistent input tables; returns one [num_reqs, max_blocks] view per group. With the host
+        slots `idx_mapping_np`, the host twin `input_block_tables_cpu` is gathered too."""
         num_reqs = idx_mapping.shape[0]
+        if idx_mapping_np is not None:
+            self._input_host.numpy()[:, :num_reqs] = self.host_block_tables[:, idx_mapping_np]
+        if idx_mapping.device.type != self.device.type:
+            raise ValueError(f"idx_mapping is on {idx_mapping.device}; pass the device copy "
+                             f"({self.device}) so the gather needs no host transfer.")
         if num_reqs > self.max_num_reqs:
             raise ValueError(
                 f"idx_mapping has {num_reqs} rows, more than max_num_reqs={self.max_num_reqs}.")
-        idx_mapping = idx_mapping.to(device=self.device, dtype=torch.int64)
+        idx_mapping = idx_mapping.to(dtype=torch.int64)
         for table, input_table in zip(self.block_tables, self.input_block_tables):
             # index_select writes straight into the persistent rows (contiguous view, no realloc).
             torch.index_select(table, 0, idx_mapping, out=input_table[:num_reqs])

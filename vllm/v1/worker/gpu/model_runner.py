@@ -1,16 +1,19 @@
 """GPUModelRunner: one rank's view of an engine step (any device; the name follows upstream).
 
-Per step: drop finished/preempted requests, admit new ones into persistent slots, lay out the
-batch (decode rows first, prefills after), build attention metadata per KV cache group (target
-DCP-local lengths via prepare_dcp_local_seq_lens), run the target (KV written before attention),
-verify drafts with the rejection sampler, then let the speculator propose the next drafts.
+Per step: drop finished/preempted requests, admit new ones into persistent slots, build the step's
+InputBatch once (decode rows first, prefills after; inputs prepared on the device from the
+slot-indexed request state), build attention metadata per KV cache group from it, run the target
+(KV written before attention; uniform decode batches replay a captured CUDA graph), verify drafts
+on the device, copy the sampled tokens to the host ONCE (pinned, event-synchronised: the step's
+only device->host transfer), then let the speculator propose the next drafts, which stay on the
+device in the slot-indexed draft buffer (the scheduler only sees placeholders).
 
 Every rank runs the same step on the same scheduler output and samples identically (per-request
 generators seeded the same everywhere), so each rank's request state stays in lock-step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
 from typing import Any
 
 import numpy as np
@@ -19,41 +22,24 @@ import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.core.kv_cache_utils import num_virtual_blocks
 from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.sample.metadata import RequestGenerators, SamplingMetadata
+from vllm.v1.sample.metadata import RequestGenerators, SamplingMetadata, is_greedy
 from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
 from vllm.v1.worker.gpu.block_table import BlockTables
-from vllm.v1.worker.gpu.cp_utils import prepare_dcp_local_seq_lens
-from vllm.v1.worker.gpu.input_batch import InputBuffers
+from vllm.v1.worker.gpu.buffer_utils import CpuGpuBuffer
+from vllm.v1.worker.gpu.input_batch import InputBatch, InputBatchBuilder
 from vllm.v1.worker.gpu.request_states import RequestStates
 from vllm.v1.worker.gpu.spec_decode import get_speculator_cls
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftInputs
+
+logger = logging.getLogger(__name__)
 
 
 def _attention_modules(model: Any) -> list[Any]:
     """The attention layers of a model (modules with a KV cache spec and a layer name)."""
     return [m for m in model.modules()
             if hasattr(m, "get_kv_cache_spec") and hasattr(m, "layer_name")]
-
-
-@dataclass
-class StepBatch:
-    """Host-side description of one step's batch (device data lives in the input buffers)."""
-
-    req_ids: list[str]                    # batch rows: decode rows first, prefills after
-    num_tokens: int
-    query_start_loc_np: np.ndarray        # [num_reqs + 1]
-    num_computed: np.ndarray              # [num_reqs] tokens already in the cache
-    num_scheduled: np.ndarray             # [num_reqs] tokens processed this step
-    seq_lens_cpu: torch.Tensor            # [num_reqs] int32 = num_computed + num_scheduled
-    drafts: list[list[int]]               # drafts verified per row (empty for prefills)
-    logits_indices: torch.Tensor          # token rows whose logits are sampled / verified
-    attn_metadata: dict[str, Any]         # layer name -> metadata
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.req_ids)
 
 
 class GPUModelRunner:
@@ -82,8 +68,32 @@ class GPUModelRunner:
         self.max_num_tokens = max(int(vllm_config.max_num_batched_tokens),
                                   self.max_num_reqs * (self.num_spec_tokens + 1))
 
-        self.input_buffers = InputBuffers(self.max_num_reqs, self.max_num_tokens, self.device)
-        self.requests = RequestStates(self.max_num_reqs)
+        self.batch_builder = InputBatchBuilder(
+            self.max_num_reqs, self.max_num_tokens, self.device, self.num_spec_tokens,
+            self.dcp_size, self.dcp_rank, self.dcp_interleave)
+        self.input_buffers = self.batch_builder.buffers
+        self.requests = RequestStates(self.max_num_reqs, self.device, self.num_spec_tokens)
+        # The step's one device->host transfer: [rows, k + 2] = sampled tokens (-1 padded) and
+        # the number sampled, into pinned memory, completed by an event.
+        self._step_out = CpuGpuBuffer(self.max_num_reqs, self.num_spec_tokens + 2,
+                                      dtype=torch.int64, device=self.device)
+        self._step_event = torch.cuda.Event() if self.device.type == "cuda" else None
+        # Per-slot sampling settings (filled when a request is admitted; pinned twins).
+        self._temperature = CpuGpuBuffer(self.max_num_reqs, dtype=torch.float32, device=self.device)
+        self._top_k = CpuGpuBuffer(self.max_num_reqs, dtype=torch.int64, device=self.device)
+        self._top_p = CpuGpuBuffer(self.max_num_reqs, dtype=torch.float32, device=self.device,
+                                   fill=1.0)
+        self._forced = CpuGpuBuffer(self.max_num_reqs, max(self.num_spec_tokens, 1),
+                                    dtype=torch.int64, device=self.device)
+        self._num_computed_new = CpuGpuBuffer(self.max_num_reqs, dtype=torch.int64,
+                                              device=self.device)
+        self._last_drafts: tuple[list[str], torch.Tensor] | None = None
+        # CUDA graphs of uniform decode/verify steps (never on CPU, never with enforce_eager).
+        self.cudagraphs = None
+        if (self.device.type == "cuda" and not getattr(model_config, "enforce_eager", False)):
+            from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+            sizes = vllm_config.compilation_config.resolve(self.max_num_reqs)
+            self.cudagraphs = CudaGraphManager(sizes, 1 + self.num_spec_tokens, self.device)
         self.generators = RequestGenerators(self.device, int(getattr(model_config, "seed", 0)))
         self.sampler = Sampler()
         self.rejection_sampler = (RejectionSampler(self.spec_config.rejection_sample_method)
@@ -96,8 +106,10 @@ class GPUModelRunner:
         self.block_tables: BlockTables | None = None
         self.attn_metadata_builders: list[Any] = []
         self.kv_caches: dict[str, torch.Tensor] = {}
-        # Probabilistic drafting: q [k, V] of each request's pending drafts, for verification.
-        self.pending_draft_probs: dict[str, torch.Tensor] = {}
+        # Probabilistic drafting: the speculator's slot-indexed q buffer of the pending drafts,
+        # and which slots it holds q for (forced drafts: one-hot q).
+        self._draft_probs: torch.Tensor | None = None
+        self._has_draft_probs = np.zeros(self.max_num_reqs, dtype=bool)
 
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
@@ -161,14 +173,20 @@ class GPUModelRunner:
             self.max_num_tokens, self.device, cp_size=self.dcp_size, cp_rank=self.dcp_rank,
             cp_interleave=self.dcp_interleave)
 
-        backend = get_attn_backend(self.vllm_config.model_config.attention_backend, self.device)
-        builder_cls = backend.get_builder_cls()
+        # One backend per KV cache group, resolved once: the group's builder makes the metadata
+        # and every layer of the group runs that backend's impl (no per-layer fallback).
+        self.attn_backends = [get_attn_backend(self.vllm_config.model_config.attention_backend,
+                                               self.device) for _ in groups]
         self.attn_metadata_builders = [
-            builder_cls(g.kv_cache_spec, g.layer_names, self.vllm_config, self.device)
-            for g in groups]
+            backend.get_builder_cls()(g.kv_cache_spec, g.layer_names, self.vllm_config, self.device)
+            for backend, g in zip(self.attn_backends, groups)]
+        for backend, g in zip(self.attn_backends, groups):
+            for name in g.layer_names:
+                layers[name].bind_attention_backend(backend)
+        builder_cls = self.attn_metadata_builders[0].__class__
         validate_dspark_dcp_backends(
             self.spec_config.method if self.spec_config is not None else None, self.dcp_size,
-            [(g.kv_cache_spec, builder_cls) for g in groups])
+            [(g.kv_cache_spec, type(b)) for g, b in zip(groups, self.attn_metadata_builders)])
 
         if self.spec_config is not None:
             speculator_cls = get_speculator_cls(self.spec_config.method)
@@ -179,6 +197,41 @@ class GPUModelRunner:
             group_ids = tuple(i for i, g in enumerate(groups)
                               if draft_layers.intersection(g.layer_names))
             self.speculator.bind_attention(kv_cache_config, self.attn_metadata_builders, group_ids)
+        for builder in self.attn_metadata_builders:
+            if hasattr(builder, "_row_buffers"):  # allocate once: graphs capture the addresses
+                builder._row_buffers(self.max_num_tokens, self.device)
+        if self.cudagraphs is not None:
+            if any(getattr(b, "kernel_family", "hopper") != "hopper"
+                   for b in self.attn_metadata_builders):
+                logger.warning("CUDA graphs are not wired for the FlashInfer Blackwell path yet; "
+                               "running eagerly")
+                self.cudagraphs = None
+            else:
+                self.capture_model()
+
+    @torch.inference_mode()
+    def capture_model(self) -> None:
+        self.cudagraphs.capture_all(self._dummy_graph_batch, self._forward)
+        # The dummy batches wrote into slots' host state; hand every slot back clean.
+        self.requests.num_computed.np[:] = 0
+        spec = self.speculator
+        if (spec is not None and hasattr(spec, "capture_graphs")
+                and spec.draft_sample_method == "greedy"):
+            from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+            spec.capture_graphs(CudaGraphManager(self.cudagraphs.capture_sizes, spec.query_len,
+                                                 self.device))
+
+    def _dummy_graph_batch(self, num_reqs_padded: int) -> InputBatch:
+        """A uniform decode batch of num_reqs_padded rows over slots 0.. (block 0, KV empty)."""
+        from vllm.v1.worker.gpu.request_states import RequestState
+        q = self.cudagraphs.query_len
+        rows = []
+        for slot in range(num_reqs_padded):
+            rows.append(RequestState(f"_graph_{slot}", slot, [], 1))
+            self.requests.num_computed.np[slot] = 1
+        layout = (rows, [q] * num_reqs_padded, [q - 1] * num_reqs_padded,
+                  [True] * num_reqs_padded, [None] * num_reqs_padded)
+        return self._build_batch(layout, num_reqs_padded, cudagraph=True)
 
     # ------------------------------------------------------------ state update
     def _update_states(self, scheduler_output: Any) -> None:
@@ -186,8 +239,8 @@ class GPUModelRunner:
         for req_id in set(scheduler_output.finished_req_ids) | set(
                 scheduler_output.preempted_req_ids):
             state = self.requests.remove(req_id)
-            self.pending_draft_probs.pop(req_id, None)
             if state is not None:
+                self._has_draft_probs[state.slot] = False
                 self.block_tables.remove_request(state.slot)
             if req_id in scheduler_output.finished_req_ids:
                 self.generators.remove_request(req_id)
@@ -201,12 +254,23 @@ class GPUModelRunner:
                                                overwrite=True)
             # Idempotent per request id: a preempted request keeps its generator and its draws.
             self.generators.add_request(new.req_id, new.sampling_params)
+            params = new.sampling_params
+            greedy = is_greedy(params)
+            self._temperature.np[state.slot] = 0.0 if greedy else float(params.temperature)
+            self._top_k.np[state.slot] = max(int(getattr(params, "top_k", 0) or 0), 0) \
+                if params is not None else 0
+            self._top_p.np[state.slot] = float(getattr(params, "top_p", 1.0)) \
+                if params is not None else 1.0
 
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, new_block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
                                                        cached.num_computed_tokens):
             state = self.requests[req_id]
-            state.num_computed_tokens = int(num_computed)
+            if int(num_computed) != state.num_computed_tokens:
+                raise ValueError(
+                    f"request {req_id!r}: scheduler says {int(num_computed)} computed tokens but "
+                    f"the runner computed {state.num_computed_tokens} (it holds "
+                    f"{len(state.token_ids)} tokens); the two must advance in lock-step")
             if new_block_ids:
                 self.block_tables.append_block_ids(state.slot, (list(new_block_ids),) * num_groups,
                                                    overwrite=False)
@@ -221,13 +285,49 @@ class GPUModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[],
                                      spec_token_ids=[] if self.speculator else None)
         batch = self._prepare_inputs(scheduler_output)
-        num_reqs, num_tokens = batch.num_reqs, batch.num_tokens
-        buffers = self.input_buffers
-        input_ids = buffers.input_ids[:num_tokens]
-        positions = buffers.positions[:num_tokens]
+        num_reqs = batch.num_reqs
+        if batch.cudagraph:
+            hidden, aux_hidden, logits_all = self.cudagraphs.replay(batch.num_reqs_padded)
+            # Uniform decode: every real token is a logit row, in order.
+            logits = logits_all[: batch.num_tokens]
+        else:
+            hidden, aux_hidden, logits_all = self._forward(batch)
+            logits = logits_all
 
+        sampled, num_sampled, num_draft, sample_rows = self._sample(batch, logits)
+        # The step's one device->host transfer.
+        host = self._copy_step_output(sampled, num_sampled, len(sample_rows))
+
+        req_ids = batch.req_ids
+        out_tokens: list[list[int]] = [[] for _ in range(num_reqs)]
+        num_accepted = [0] * num_reqs
+        num_draft_list = [0] * num_reqs
+        num_computed_new = batch.num_computed_np + batch.num_scheduled_np
+        for j, row in enumerate(sample_rows):
+            n = int(host[j, -1])
+            out_tokens[row] = host[j, :n].tolist()
+            num_draft_list[row] = int(num_draft[j])
+            num_accepted[row] = n - 1
+            num_computed_new[row] -= int(num_draft[j]) - (n - 1)
+        for i, req_id in enumerate(req_ids):
+            state = self.requests[req_id]
+            state.token_ids.extend(out_tokens[i])
+            self.requests.set_num_computed(state, int(num_computed_new[i]))
+
+        spec_token_ids = None
+        if self.speculator is not None:
+            spec_token_ids = self._propose(batch, hidden, aux_hidden, sample_rows,
+                                           num_computed_new, out_tokens)
+        return ModelRunnerOutput(req_ids=list(req_ids), sampled_token_ids=out_tokens,
+                                 spec_token_ids=spec_token_ids, num_draft_tokens=num_draft_list,
+                                 num_accepted_tokens=num_accepted)
+
+    def _forward(self, batch: InputBatch) -> tuple:
+        """Target forward (+ block drafters' context KV) and the LM head of the logit rows.
+        In graph mode (captured) the logit rows are all padded tokens, in order."""
         aux_layers = self.speculator.aux_hidden_state_layers if self.speculator else ()
         aux_hidden = None
+        input_ids, positions = batch.input_ids, batch.positions
         with set_forward_context(batch.attn_metadata, self.vllm_config):
             if aux_layers:
                 hidden, aux_list = self.model(input_ids, positions,
@@ -239,175 +339,270 @@ class GPUModelRunner:
                 # Block drafters store context KV of the processed tokens through the draft
                 # group's slot mapping of this very step.
                 self.speculator.precompute_context(aux_hidden, positions)
-
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
-        req_ids = batch.req_ids
-        params = [self.requests[r].sampling_params for r in req_ids]
-        sampling_metadata = SamplingMetadata.from_sampling_params(
-            params, self.device, self.generators.for_batch(req_ids))
-        drafts = batch.drafts
-        if self.rejection_sampler is not None:
-            result = self.rejection_sampler(logits, drafts, sampling_metadata,
-                                            self._draft_probs_for(req_ids, drafts, logits))
-            sampled, num_draft, num_accepted = (result.sampled_token_ids, result.num_draft_tokens,
-                                                result.num_accepted_tokens)
+        if batch.cudagraph:
+            logits = self.model.compute_logits(hidden)
         else:
-            sampled = [[t] for t in self.sampler(logits, sampling_metadata).tolist()]
-            num_draft, num_accepted = [0] * num_reqs, [0] * num_reqs
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+        return hidden, aux_hidden, logits
 
-        num_computed_old = batch.num_computed
-        num_scheduled = batch.num_scheduled
-        num_rejected = np.asarray(num_draft, dtype=np.int64) - np.asarray(num_accepted, np.int64)
-        num_computed_new = num_computed_old + num_scheduled - num_rejected
-        for req_id, tokens, computed in zip(req_ids, sampled, num_computed_new):
-            state = self.requests[req_id]
-            state.token_ids.extend(tokens)
-            state.num_computed_tokens = int(computed)
+    def _copy_step_output(self, sampled: torch.Tensor, num_sampled: torch.Tensor,
+                          rows: int) -> "np.ndarray":
+        out = self._step_out
+        width = sampled.shape[1]
+        packed = out.gpu[:rows]
+        packed[:, :width].copy_(sampled)
+        packed[:, -1].copy_(num_sampled)
+        out.cpu[:rows].copy_(packed, non_blocking=True)
+        if self._step_event is not None:
+            self._step_event.record()
+            self._step_event.synchronize()
+        return out.np[:rows]
 
-        spec_token_ids = None
-        if self.speculator is not None:
-            qsl = batch.query_start_loc_np
-            last_accepted = qsl[:num_reqs] + (num_computed_new - num_computed_old) - 1
-            draft_inputs = DraftInputs(
-                num_reqs=num_reqs,
-                query_start_loc_np=qsl,
-                target_input_ids=input_ids,
-                target_positions=positions,
-                target_hidden_states=hidden,
-                target_seq_lens_cpu=batch.seq_lens_cpu,
-                num_computed_new=num_computed_new,
-                last_accepted_index=torch.as_tensor(last_accepted, dtype=torch.int64,
-                                                    device=self.device),
-                next_token_ids=torch.tensor([t[-1] for t in sampled], dtype=torch.int64,
-                                            device=self.device),
-                aux_hidden_states=aux_hidden,
-                sampling_metadata=sampling_metadata,
-            )
-            spec_token_ids = self.speculator.propose(draft_inputs).tolist()
-            probs = self.speculator.draft_probs
-            for i, req_id in enumerate(req_ids):
-                if probs is None:
-                    self.pending_draft_probs.pop(req_id, None)
-                else:
-                    self.pending_draft_probs[req_id] = probs[i]
+    def _sampling_metadata(self, batch: InputBatch, rows: list[int]) -> SamplingMetadata:
+        """Sampling settings of the sampling rows, gathered on the device from the per-slot
+        buffers (no tensor built from Python lists)."""
+        req_ids = [batch.req_ids[r] for r in rows]
+        params = [self.requests[r].sampling_params for r in req_ids]
+        greedy = [is_greedy(p) for p in params]
+        slots = self._pinned_index(batch.idx_mapping_np[rows], "sampling_slots")
+        if all(greedy):
+            return SamplingMetadata(temperature=torch.zeros(len(rows), device=self.device)
+                                    if self.device.type == "cpu" else
+                                    self._temperature.gpu.new_zeros(len(rows)),
+                                    all_greedy=True, all_random=False)
+        self._temperature.copy_to_gpu()
+        self._top_k.copy_to_gpu()
+        self._top_p.copy_to_gpu()
+        top_k = self._top_k.gpu[slots] if any(self._top_k.np[batch.idx_mapping_np[rows]] > 0) \
+            else None
+        top_p = self._top_p.gpu[slots] if any(self._top_p.np[batch.idx_mapping_np[rows]] < 1) \
+            else None
+        gens = self.generators.for_batch(req_ids)
+        gens = {i: g for i, g in gens.items() if not greedy[i]}
+        return SamplingMetadata(temperature=self._temperature.gpu[slots], all_greedy=False,
+                                all_random=not any(greedy), top_k=top_k, top_p=top_p,
+                                generators=gens)
 
-        return ModelRunnerOutput(req_ids=list(req_ids), sampled_token_ids=sampled,
-                                 spec_token_ids=spec_token_ids, num_draft_tokens=list(num_draft),
-                                 num_accepted_tokens=list(num_accepted))
+    def _sample(self, batch: InputBatch, logits: torch.Tensor):
+        """Verify / sample the rows that sample this step, on the device.
+        Returns (sampled [S, k+1], num_sampled [S], num_draft host [S], sampling row ids)."""
+        rows = [i for i in range(batch.num_reqs) if batch.samples_np[i]]
+        metadata = self._sampling_metadata(batch, rows)
+        self._step_sampling_metadata = metadata
+        num_draft = batch.num_draft_np[rows] if rows else np.zeros(0, dtype=np.int64)
+        if self.rejection_sampler is not None:
+            drafts = self._verified_drafts(batch, rows, num_draft)
+            result = self.rejection_sampler.verify(
+                logits, drafts, num_draft, metadata,
+                self._draft_probs_for(batch, rows, num_draft, drafts, logits.shape[-1]),
+                to_device=lambda values, name: self._pinned_index(values, "rs_" + name))
+            sampled, num_sampled = result.sampled, result.num_sampled
+        else:
+            sampled = self.sampler(logits, metadata).unsqueeze(1)
+            num_sampled = torch.ones(len(rows), dtype=torch.int64, device=self.device)
+        # Device state: the emitted token is the next step's anchor.
+        if rows:
+            slots = self._pinned_index(batch.idx_mapping_np[rows], "sampled_slots")
+            emitted = sampled.gather(1, (num_sampled - 1).unsqueeze(1)).squeeze(1)
+            self.requests.last_sampled[slots] = emitted
+        return sampled, num_sampled, num_draft, rows
 
-    def _draft_probs_for(self, req_ids: list[str], drafts: list[list[int]],
-                         logits: torch.Tensor) -> torch.Tensor | None:
-        """q of the drafts verified this step ([total drafts, V]), or None for greedy drafting
-        (the rejection sampler then treats q as one-hot on each draft)."""
+    def _verified_drafts(self, batch: InputBatch, rows: list[int],
+                         num_draft: np.ndarray) -> torch.Tensor:
+        """Flat [D] drafts verified this step, read from the slot-indexed draft buffer."""
+        total = int(num_draft.sum())
+        if total == 0:
+            return torch.zeros(0, dtype=torch.int64, device=self.device)
+        req = np.repeat(np.asarray(rows, dtype=np.int64), num_draft)
+        pos = np.concatenate([np.arange(n) for n in num_draft]).astype(np.int64)
+        slots = batch.idx_mapping_np[req]
+        idx = self._pinned_index(slots * self.requests.draft_tokens.shape[1] + pos, "drafts")
+        return self.requests.draft_tokens.view(-1)[idx]
+
+    def _draft_probs_for(self, batch: InputBatch, rows: list[int], num_draft: np.ndarray,
+                         drafts: torch.Tensor, vocab: int) -> torch.Tensor | None:
+        """q of the drafts verified this step ([total drafts, V]) gathered from the slot-indexed
+        buffer, or None for greedy drafting (q is then one-hot on each draft)."""
         if self.speculator is None or self.speculator.draft_sample_method == "greedy":
             return None
-        rows = []
-        for req_id, req_drafts in zip(req_ids, drafts):
-            if not req_drafts:
-                continue
-            probs = self.pending_draft_probs.get(req_id)
-            if probs is None:  # drafts not sampled here: q is one-hot on them
-                probs = torch.nn.functional.one_hot(
-                    torch.tensor(req_drafts, device=self.device), logits.shape[-1]).float()
-            rows.append(probs[: len(req_drafts)])
-        if not rows:
+        total = int(num_draft.sum())
+        if total == 0:
             return None
-        return torch.cat(rows).to(self.device)
+        req = np.repeat(np.asarray(rows, dtype=np.int64), num_draft)
+        pos = np.concatenate([np.arange(n) for n in num_draft]).astype(np.int64)
+        slots = batch.idx_mapping_np[req]
+        one_hot = torch.nn.functional.one_hot(drafts, vocab).float()
+        if self._draft_probs is None or not self._has_draft_probs[slots].any():
+            return one_hot
+        k = self._draft_probs.shape[1]
+        flat = self._pinned_index(slots * k + pos, "draft_probs")
+        q = self._draft_probs.view(-1, vocab)[flat]
+        has = self._pinned_index(self._has_draft_probs[slots].astype(np.int64), "has_q")
+        # Drafts not sampled here (scheduler-provided): q is one-hot on them.
+        return torch.where(has[:, None] > 0, q, one_hot)
 
-    def _prepare_inputs(self, scheduler_output: Any) -> StepBatch:
-        """Write this step's batch into the persistent buffers and build its metadata."""
+    def _propose(self, batch: InputBatch, hidden: torch.Tensor, aux_hidden, sample_rows,
+                 num_computed_new: np.ndarray, out_tokens: list[list[int]]) -> list[list[int]]:
+        num_reqs = batch.num_reqs
+        qsl = batch.query_start_loc_np[: num_reqs + 1].astype(np.int64)
+        # Rows that sampled nothing (unfinished prefill chunks) draft from their last token too;
+        # their drafts are never verified before the prefill completes.
+        num_new = num_computed_new - batch.num_computed_np
+        last_accepted = qsl[:num_reqs] + np.maximum(num_new, 1) - 1
+        ncn = self._num_computed_new
+        ncn.np[:num_reqs] = num_computed_new
+        ncn.copy_to_gpu(num_reqs)
+        last_accepted_dev = self._pinned_index(last_accepted, "last_accepted")
+        next_tokens = self.requests.last_sampled[batch.idx_mapping[:num_reqs]]
+        draft_inputs = DraftInputs(
+            num_reqs=num_reqs,
+            query_start_loc_np=batch.query_start_loc_np[: num_reqs + 1],
+            target_input_ids=batch.input_ids[: batch.num_tokens],
+            target_positions=batch.positions[: batch.num_tokens],
+            target_hidden_states=hidden,
+            target_seq_lens_cpu=torch.from_numpy(batch.seq_lens_np[:num_reqs].copy()),
+            num_computed_new=num_computed_new,
+            last_accepted_index=last_accepted_dev,
+            next_token_ids=next_tokens,
+            aux_hidden_states=aux_hidden,
+            sampling_metadata=self._full_sampling_metadata(batch, sample_rows),
+            num_computed_new_dev=ncn.gpu[:num_reqs],
+            target_seq_lens=batch.seq_lens[:num_reqs],
+            slots=batch.idx_mapping[:num_reqs],
+        )
+        drafts, probs = self.speculator.propose(draft_inputs)
+        self.requests.draft_tokens[batch.idx_mapping[:num_reqs]] = drafts
+        self._last_drafts = (list(batch.req_ids), drafts)
+        self._draft_probs = probs
+        self._has_draft_probs[batch.idx_mapping_np[:num_reqs]] = probs is not None
+        # Placeholders: the drafts stay on the device; the scheduler only needs their number.
+        k = self.num_spec_tokens
+        return [[-1] * k for _ in range(num_reqs)]
+
+    def _pinned_index(self, values, name: str) -> torch.Tensor:
+        """Host int64 values -> device through a pinned buffer owned by `name` (one buffer per
+        use site: a pinned region is written once per step, see buffer_utils)."""
+        bufs = self.__dict__.setdefault("_index_bufs", {})
+        buf = bufs.get(name)
+        if buf is None:
+            buf = bufs[name] = CpuGpuBuffer(self.max_num_tokens, dtype=torch.int64,
+                                            device=self.device)
+        values = np.asarray(values, dtype=np.int64)
+        n = len(values)
+        buf.np[:n] = values
+        return buf.copy_to_gpu(n)
+
+    def _full_sampling_metadata(self, batch: InputBatch, sample_rows: list[int]):
+        """Sampling metadata over every batch row (probabilistic drafting samples per request)."""
+        if self.speculator.draft_sample_method == "greedy":
+            return None
+        if len(sample_rows) == batch.num_reqs:
+            return self._step_sampling_metadata
+        return self._sampling_metadata(batch, list(range(batch.num_reqs)))
+
+    def take_draft_token_ids(self) -> dict[str, list[int]]:
+        """The drafts proposed by the last step, on the host (a sync: tests and tools only; the
+        engine never needs the ids, they stay in the device draft buffer)."""
+        if self._last_drafts is None:
+            return {}
+        req_ids, drafts = self._last_drafts
+        return dict(zip(req_ids, drafts.tolist()))
+
+    # ------------------------------------------------------------------ inputs
+    def _prepare_inputs(self, scheduler_output: Any) -> InputBatch:
+        """Lay out the step (host), build the InputBatch (device prep) and its metadata."""
         new_set = {n.req_id for n in scheduler_output.scheduled_new_reqs}
-        # Decode rows (prior context) first, prefills after: the MLA builder requires it.
-        decode_ids, prefill_ids = [], []
+        decode_rows, prefill_rows = [], []
         for r in scheduler_output.num_scheduled_tokens:
-            is_decode = r not in new_set and self.requests[r].num_computed_tokens > 0
-            (decode_ids if is_decode else prefill_ids).append(r)
-        req_ids = decode_ids + prefill_ids
-        num_reqs = len(req_ids)
-
-        buffers = self.input_buffers
-        qsl_np = buffers.query_start_loc_np
-        qsl_np[0] = 0
-        token_ids: list[int] = []
-        positions: list[np.ndarray] = []
-        drafts: list[list[int]] = []
-        logits_indices: list[int] = []
-        num_computed = np.zeros(num_reqs, dtype=np.int64)
-        num_scheduled = np.zeros(num_reqs, dtype=np.int64)
-        for i, req_id in enumerate(req_ids):
-            state = self.requests[req_id]
+            state = self.requests[r]
+            # Rows with prior context take the decode path (any query length).
+            is_decode = r not in new_set and state.num_computed_tokens > 0
+            (decode_rows if is_decode else prefill_rows).append(state)
+        rows = decode_rows + prefill_rows
+        counts, num_drafts, samples, host_ids = [], [], [], []
+        forced_rows = []
+        for state in rows:
+            req_id = state.req_id
             count = int(scheduler_output.num_scheduled_tokens[req_id])
             start = state.num_computed_tokens
-            if start == 0:
-                req_drafts: list[int] = []
-                tokens = state.token_ids[:count]
-                if count != len(state.token_ids):
-                    raise ValueError(
-                        f"request {req_id!r}: prefill must cover all {len(state.token_ids)} "
-                        f"known tokens (chunked prefill is not supported), got {count}")
-            else:
-                req_drafts = list(scheduler_output.scheduled_spec_decode_tokens.get(req_id, []))
-                if start + 1 != len(state.token_ids):
-                    raise ValueError(
-                        f"request {req_id!r}: scheduler says {start} computed tokens but the "
-                        f"runner holds {len(state.token_ids)} tokens (expected computed + 1)")
-                tokens = [state.token_ids[start]] + req_drafts
-                if count != len(tokens):
-                    raise ValueError(
-                        f"request {req_id!r}: {count} tokens scheduled but 1 + {len(req_drafts)} "
-                        "drafts given; num_scheduled_tokens must be 1 + len(drafts)")
+            known = len(state.token_ids)
+            drafts = list(scheduler_output.scheduled_spec_decode_tokens.get(req_id, []))
             if start + count > self.max_model_len:
                 raise ValueError(f"request {req_id!r} would reach {start + count} tokens, past "
                                  f"max_model_len={self.max_model_len}")
-            token_ids.extend(tokens)
-            positions.append(np.arange(start, start + count, dtype=np.int64))
-            qsl_np[i + 1] = qsl_np[i] + count
-            # Decode rows verify every position; a prefill samples from its last one only.
-            first_logit = int(qsl_np[i]) if req_drafts else int(qsl_np[i + 1]) - 1
-            logits_indices.extend(range(first_logit, int(qsl_np[i + 1])))
-            drafts.append(req_drafts)
-            num_computed[i] = start
-            num_scheduled[i] = count
+            if start + 1 == known and start > 0 or (start + 1 == known and drafts):
+                # decode: the anchor (last sampled token) plus drafts, all from device state
+                if count != 1 + len(drafts):
+                    raise ValueError(
+                        f"request {req_id!r}: {count} tokens scheduled but 1 + {len(drafts)} "
+                        "drafts given; num_scheduled_tokens must be 1 + len(drafts)")
+                if drafts and any(d >= 0 for d in drafts):
+                    forced_rows.append((state.slot, drafts))
+                    self._has_draft_probs[state.slot] = False
+                counts.append(count)
+                num_drafts.append(len(drafts))
+                samples.append(True)
+                host_ids.append(None)
+            else:
+                if start + count > known:
+                    raise ValueError(
+                        f"request {req_id!r}: scheduler says {start} computed + {count} scheduled "
+                        f"tokens but the runner holds {known} tokens")
+                if drafts:
+                    raise ValueError(f"request {req_id!r}: drafts scheduled for a prefill chunk")
+                counts.append(count)
+                num_drafts.append(0)
+                samples.append(start + count == known)  # a prefill samples when it completes
+                host_ids.append(state.token_ids[start:start + count])
+        if forced_rows:
+            # Scheduler-provided draft ids (tests, external drafters) replace the device drafts.
+            for slot, drafts in forced_rows:
+                self._forced.np[slot, :len(drafts)] = drafts
+            self._forced.copy_to_gpu()
+            widths = {len(d) for _, d in forced_rows}
+            for w in widths:
+                sel = [s for s, d in forced_rows if len(d) == w]
+                idx = self._pinned_index(sel, f"forced{w}")
+                self.requests.draft_tokens[idx, :w] = self._forced.gpu[idx, :w]
+        layout = (rows, counts, num_drafts, samples, host_ids)
+        padded = None
+        if self.cudagraphs is not None:
+            q = self.cudagraphs.query_len
+            if (all(c == q for c in counts) and all(samples)
+                    and all(h is None for h in host_ids)):
+                padded = self.cudagraphs.padded_num_reqs(len(rows))
+        return self._build_batch(layout, padded, cudagraph=padded is not None)
 
-        num_tokens = int(qsl_np[num_reqs])
-        if num_tokens > self.max_num_tokens:
-            raise ValueError(f"{num_tokens} tokens scheduled, more than the runner's buffers hold "
-                             f"({self.max_num_tokens}); raise max_num_batched_tokens")
-        buffers.input_ids[:num_tokens].copy_(torch.tensor(token_ids, dtype=torch.int64))
-        buffers.positions[:num_tokens].copy_(torch.from_numpy(np.concatenate(positions)))
-        buffers.query_start_loc[: num_reqs + 1].copy_(buffers.query_start_loc_cpu[: num_reqs + 1])
-        seq_lens_cpu = torch.from_numpy((num_computed + num_scheduled).astype(np.int32))
-        buffers.seq_lens[:num_reqs].copy_(seq_lens_cpu)
-        buffers.seq_lens[num_reqs:].zero_()
-
-        idx_mapping = torch.tensor([self.requests[r].slot for r in req_ids], dtype=torch.int64)
-        block_tables = self.block_tables.gather_block_tables(idx_mapping)
-        slot_mappings = self.block_tables.compute_slot_mappings(
-            buffers.query_start_loc[: num_reqs + 1], buffers.positions[:num_tokens])
-        dcp_local_seq_lens = None
-        if self.dcp_size > 1:
-            prepare_dcp_local_seq_lens(buffers.dcp_local_seq_lens, buffers.seq_lens, num_reqs,
-                                       self.dcp_size, self.dcp_rank, self.dcp_interleave)
-            dcp_local_seq_lens = buffers.dcp_local_seq_lens[:num_reqs]
-        attn_metadata = build_attn_metadata(
+    def _build_batch(self, layout, num_reqs_padded: int | None, cudagraph: bool) -> InputBatch:
+        rows, counts, num_drafts, samples, host_ids = layout
+        q = max(counts)
+        batch = self.batch_builder.build(
+            rows, counts, num_drafts, samples, host_ids, self.requests, self.block_tables,
+            num_reqs_padded=num_reqs_padded,
+            num_tokens_padded=None if num_reqs_padded is None else num_reqs_padded * q)
+        batch.cudagraph = cudagraph
+        batch.attn_metadata = build_attn_metadata(
             attn_metadata_builders=self.attn_metadata_builders,
             kv_cache_config=self.kv_cache_config,
-            num_reqs=num_reqs,
-            num_tokens=num_tokens,
-            query_start_loc=buffers.query_start_loc,
-            query_start_loc_cpu=buffers.query_start_loc_cpu,
-            seq_lens=buffers.seq_lens,
-            max_query_len=int(num_scheduled.max()),
-            max_seq_len=int(seq_lens_cpu.max()),
-            block_tables=block_tables,
-            slot_mappings=slot_mappings,
+            num_reqs=batch.num_reqs_padded,
+            num_tokens=batch.num_tokens_padded,
+            query_start_loc=batch.query_start_loc,
+            query_start_loc_cpu=batch.query_start_loc_cpu,
+            seq_lens=self.input_buffers.seq_lens,
+            max_query_len=q,
+            # Graph replays keep the capture's bound (kernels shaped by it are baked in).
+            max_seq_len=(self.max_model_len if cudagraph else
+                         int(batch.seq_lens_np.max()) if batch.num_reqs else 0),
+            block_tables=batch.block_tables,
+            slot_mappings=batch.slot_mappings,
             causal=True,
-            dcp_local_seq_lens=dcp_local_seq_lens,
-            seq_lens_cpu_upper_bound=seq_lens_cpu,
+            dcp_local_seq_lens=(None if batch.dcp_local_seq_lens is None
+                                else self.input_buffers.dcp_local_seq_lens),
+            seq_lens_cpu_upper_bound=torch.from_numpy(batch.seq_lens_np.copy()),
+            seq_lens_cpu=torch.from_numpy(batch.seq_lens_np.copy()),
+            dcp_local_seq_lens_cpu=(None if batch.dcp_local_seq_lens_np is None
+                                    else torch.from_numpy(batch.dcp_local_seq_lens_np.copy())),
+            block_tables_cpu=self.block_tables.input_block_tables_cpu,
+            cudagraph=cudagraph,
         )
-        return StepBatch(
-            req_ids=req_ids, num_tokens=num_tokens,
-            query_start_loc_np=qsl_np[: num_reqs + 1].copy(), num_computed=num_computed,
-            num_scheduled=num_scheduled, seq_lens_cpu=seq_lens_cpu, drafts=drafts,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
-            attn_metadata=attn_metadata)
+        return batch

@@ -1,12 +1,21 @@
-"""Runner-side request state: a persistent slot per resident request plus its token history.
+"""Runner-side request state, one persistent slot per resident request.
 
-The slot indexes the persistent block tables; the token history lets the runner feed the last
-sampled token (the anchor) of each decode step without the scheduler resending it.
+Host side (`RequestState`): the token history (prompt + outputs, for prefill inputs and for the
+engine-facing bookkeeping) and the exact number of computed tokens, known on the host after the
+one device->host transfer of every step.
+Device side (`RequestStates` tensors, indexed by slot): the last sampled token (the next step's
+anchor), num_computed_tokens (device twin of the host value) and the drafts proposed for the next
+step. Decode inputs are gathered from these on the device, so a decode step never ships token ids
+from the host.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import torch
+
+from vllm.v1.worker.gpu.buffer_utils import CpuGpuBuffer
 
 
 @dataclass
@@ -14,15 +23,22 @@ class RequestState:
     req_id: str
     slot: int
     token_ids: list[int]            # prompt (+ outputs after a preemption) + tokens sampled here
-    num_computed_tokens: int        # tokens whose KV is valid in the cache (set by the scheduler)
+    num_computed_tokens: int        # tokens whose KV is valid in the cache (exact, host)
     sampling_params: Any = None
 
 
 class RequestStates:
-    def __init__(self, max_num_reqs: int):
+    def __init__(self, max_num_reqs: int, device: torch.device | str = "cpu",
+                 num_spec_tokens: int = 0):
         self.max_num_reqs = max_num_reqs
+        self.device = torch.device(device)
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))  # pop() hands out slot 0 first
         self.by_id: dict[str, RequestState] = {}
+        # Slot-indexed device state (+ host twin of num_computed for planners).
+        self.num_computed = CpuGpuBuffer(max_num_reqs, dtype=torch.int32, device=self.device)
+        self.last_sampled = torch.zeros(max_num_reqs, dtype=torch.int64, device=self.device)
+        self.draft_tokens = torch.zeros(max_num_reqs, max(num_spec_tokens, 1), dtype=torch.int64,
+                                        device=self.device)
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self.by_id
@@ -44,6 +60,7 @@ class RequestStates:
         state = RequestState(req_id, self._free_slots.pop(), list(token_ids), num_computed_tokens,
                              sampling_params)
         self.by_id[req_id] = state
+        self.num_computed.np[state.slot] = num_computed_tokens
         return state
 
     def remove(self, req_id: str) -> RequestState | None:
@@ -51,3 +68,7 @@ class RequestStates:
         if state is not None:
             self._free_slots.append(state.slot)
         return state
+
+    def set_num_computed(self, state: RequestState, value: int) -> None:
+        state.num_computed_tokens = int(value)
+        self.num_computed.np[state.slot] = int(value)

@@ -73,6 +73,11 @@ class MLACommonDecodeMetadata:
     dcp_rank: int = 0
     dcp_interleave: int = 1
     backend_state: Any = None            # per-step state a backend attaches (FlashInfer plan)
+    row_seq_lens_cpu: torch.Tensor | None = None  # host twin of row_seq_lens (for planners)
+    row_req: torch.Tensor | None = None  # [num_decode_tokens] int64 decode row of every token
+    row_pos: torch.Tensor | None = None  # [num_decode_tokens] int64 index inside its row
+    block_table_cpu: torch.Tensor | None = None  # host twin of block_table (for planners)
+    cudagraph: bool = False  # built for a CUDA-graph capture/replay (fixed shapes)
 
     @property
     def kind(self) -> MLADecodeKind:
@@ -167,6 +172,17 @@ class MLACommonMetadataBuilder:
         return q
 
     # ---------------------------------------------------------------- build
+    @staticmethod
+    def _host_seq_lens(cm: CommonAttentionMetadata) -> torch.Tensor:
+        """Exact global lengths on the host: the runner's pinned twin. Device lengths are never
+        read back (that would be a host sync per step); CPU tensors are host memory already."""
+        if cm.seq_lens_cpu is not None:
+            return cm.seq_lens_cpu[: cm.num_reqs].to(torch.int64)
+        if cm.seq_lens.device.type != "cpu":
+            raise ValueError("CommonAttentionMetadata.seq_lens_cpu is required for device "
+                             "batches: builders read host twins and never sync on seq_lens.")
+        return cm.seq_lens[: cm.num_reqs].to(torch.int64)
+
     def build(self, common_prefix_len: int,
               common_attn_metadata: CommonAttentionMetadata) -> MLACommonMetadata:
         cm = common_attn_metadata
@@ -174,23 +190,34 @@ class MLACommonMetadataBuilder:
         qsl_cpu = cm.query_start_loc_cpu[: num_reqs + 1].to(torch.int64)
         query_lens = qsl_cpu[1:] - qsl_cpu[:-1]
         causal = bool(cm.causal)
+        if self.dcp_world_size > 1 and cm.dcp_local_seq_lens is None:
+            raise ValueError(
+                f"{type(self).__name__}: decode_context_parallel_size={self.dcp_world_size} needs "
+                "CommonAttentionMetadata.dcp_local_seq_lens (the rank-local lengths of THIS "
+                "batch's seq_lens, from prepare_dcp_local_seq_lens); the builder does not "
+                "recompute them, so stale or missing lengths cannot go unnoticed.")
+        seq_lens_host = self._host_seq_lens(cm)
 
         if not causal:
             self._check_non_causal(cm, query_lens)
             num_decodes = num_reqs  # every row (padding included) is one block
         else:
-            num_decodes = self._count_decodes(cm, query_lens)
+            num_decodes = self._count_decodes(seq_lens_host, query_lens, num_reqs)
         num_prefills = int((query_lens[num_decodes:] > 0).sum())
         num_decode_tokens = int(qsl_cpu[num_decodes])
-        num_prefill_tokens = int(qsl_cpu[num_decodes + num_prefills]) - num_decode_tokens
+        if num_prefills == 0:
+            # CUDA-graph padding tokens past the last row belong to the decode part (upstream
+            # counts the padded total: [0, 8, 16, 16] with 24 tokens -> 24).
+            num_decode_tokens = max(num_decode_tokens, int(cm.num_actual_tokens))
+        num_prefill_tokens = int(qsl_cpu[num_decodes + num_prefills]) - int(qsl_cpu[num_decodes])
 
         decode = None
         if num_decodes > 0:
             decode = self._build_decode(cm, num_decodes, num_decode_tokens, qsl_cpu,
-                                        query_lens, causal)
+                                        query_lens, causal, seq_lens_host)
         prefill = None
         if num_prefills > 0:
-            rel = qsl_cpu[num_decodes: num_decodes + num_prefills + 1] - num_decode_tokens
+            rel = qsl_cpu[num_decodes: num_decodes + num_prefills + 1] - int(qsl_cpu[num_decodes])
             prefill = MLACommonPrefillMetadata(
                 query_start_loc=rel.to(device=cm.query_start_loc.device, dtype=torch.int32),
                 seq_lens=cm.seq_lens[num_decodes: num_decodes + num_prefills],
@@ -203,14 +230,12 @@ class MLACommonMetadataBuilder:
             num_prefill_tokens=num_prefill_tokens)
 
     @staticmethod
-    def _count_decodes(cm: CommonAttentionMetadata, query_lens: torch.Tensor) -> int:
-        """Leading rows with prior context; all rows when the batch has no prefill."""
-        # One host sync per step: prefill-vs-decode needs the exact context lengths.
-        seq_lens = cm.seq_lens[: cm.num_reqs].to("cpu", torch.int64)
+    def _count_decodes(seq_lens: torch.Tensor, query_lens: torch.Tensor, num_reqs: int) -> int:
+        """Leading rows with prior context; all rows when the batch has no prefill. Host only."""
         has_context = seq_lens > query_lens
         is_prefill = (~has_context) & (query_lens > 0)
         if not bool(is_prefill.any()):
-            return cm.num_reqs
+            return num_reqs
         first_prefill = int(is_prefill.nonzero()[0, 0])
         # zero-length padding rows may carry stale seq_lens: only real rows must be ordered
         if bool((has_context & (query_lens > 0))[first_prefill:].any()):
@@ -226,23 +251,36 @@ class MLACommonMetadataBuilder:
         # aliases the runner's persistent buffers (CUDA graphs read them in place).
         return t if t.shape[0] == n else t[:n]
 
+    def _row_buffers(self, num_tokens: int, device: torch.device):
+        """Persistent per-builder buffers for row_seq_lens (graph replays read them in place)."""
+        buf = getattr(self, "_row_seq_lens_buf", None)
+        if buf is None or buf.shape[0] < num_tokens or buf.device != device:
+            size = max(num_tokens, 256 if buf is None else 2 * buf.shape[0])
+            # Normal (not inference) tensors: builds run both inside and outside inference mode.
+            with torch.inference_mode(False):
+                self._row_seq_lens_buf = torch.zeros(size, dtype=torch.int32, device=device)
+                self._row_req_buf = torch.zeros(size, dtype=torch.int64, device=device)
+                self._row_pos_buf = torch.zeros(size, dtype=torch.int64, device=device)
+        return self._row_seq_lens_buf, self._row_req_buf, self._row_pos_buf
+
     def _build_decode(self, cm: CommonAttentionMetadata, num_decodes: int,
                       num_decode_tokens: int, qsl_cpu: torch.Tensor,
-                      query_lens: torch.Tensor, causal: bool) -> MLACommonDecodeMetadata:
+                      query_lens: torch.Tensor, causal: bool,
+                      seq_lens_host: torch.Tensor) -> MLACommonDecodeMetadata:
         n, r, inter = self.dcp_world_size, self.dcp_rank, self.dcp_interleave
         global_lens = self._alias(cm.seq_lens, num_decodes)
         if n > 1:
-            local = cm.dcp_local_seq_lens
-            if local is None:
-                local = dcp_local_lengths(cm.seq_lens[: cm.num_reqs], n, r, inter)
-            seq_lens, tot = self._alias(local, num_decodes), global_lens
+            seq_lens, tot = self._alias(cm.dcp_local_seq_lens, num_decodes), global_lens
             max_seq_len = -(-cm.max_seq_len // (n * inter)) * inter
         else:
             seq_lens, tot, max_seq_len = global_lens, None, cm.max_seq_len
         qsl_dev = self._alias(cm.query_start_loc, num_decodes + 1)
         max_query_len = int(query_lens[:num_decodes].max()) if num_decodes else 0
-        row_seq_lens = self._row_seq_lens(cm, num_decodes, num_decode_tokens,
-                                          causal and max_query_len > 1, seq_lens)
+        multi = causal and max_query_len > 1
+        row_seq_lens, row_req, row_pos = self._row_seq_lens(cm, num_decodes, num_decode_tokens,
+                                                            multi, seq_lens)
+        row_host = self._row_seq_lens_host(cm, num_decodes, num_decode_tokens, qsl_cpu, multi,
+                                           seq_lens_host)
         return MLACommonDecodeMetadata(
             block_table=self._alias(cm.block_table_tensor, num_decodes),
             seq_lens=seq_lens, dcp_tot_seq_lens=tot, query_start_loc=qsl_dev,
@@ -250,12 +288,16 @@ class MLACommonMetadataBuilder:
             max_seq_len=max_seq_len, causal=causal,
             query_start_loc_cpu=qsl_cpu[: num_decodes + 1].to(torch.int32),
             num_decode_tokens=num_decode_tokens, row_seq_lens=row_seq_lens,
-            dcp_world_size=n, dcp_rank=r, dcp_interleave=inter)
+            dcp_world_size=n, dcp_rank=r, dcp_interleave=inter,
+            row_seq_lens_cpu=row_host, row_req=row_req, row_pos=row_pos,
+            block_table_cpu=(None if cm.block_table_cpu is None
+                             else cm.block_table_cpu[:num_decodes]),
+            cudagraph=bool(cm.cudagraph))
 
     def _row_seq_lens(self, cm: CommonAttentionMetadata, num_decodes: int,
-                      num_tokens: int, causal: bool, local_seq_lens: torch.Tensor
-                      ) -> torch.Tensor:
-        """Visible KV count on this rank for every decode query row (device, int32).
+                      num_tokens: int, causal: bool, local_seq_lens: torch.Tensor):
+        """Visible KV count on this rank for every decode query row (device, int32), plus the
+        request and in-block index of every row; written into persistent buffers, no host sync.
 
         A row that sees the whole sequence (every non-causal row, and the last row of a causal
         block) reads the rank-local length handed in by the caller (`local_seq_lens`, i.e.
@@ -264,22 +306,60 @@ class MLACommonMetadataBuilder:
         reads too. Only the earlier rows of a causal block need a bound below the sequence end,
         and that bound is taken from GLOBAL positions (DESIGN §2), never as an offset in local
         coordinates. `causal` is False for single-token batches too: every row is then the
-        last row of its block, so the causal bound equals the whole length.
+        last row of its block, so the causal bound equals the whole length. Tokens past the last
+        row (CUDA-graph padding) see nothing (0).
         """
         device = cm.seq_lens.device
+        out, req_buf, pos_buf = self._row_buffers(num_tokens, device)
+        out, req_buf, pos_buf = out[:num_tokens], req_buf[:num_tokens], pos_buf[:num_tokens]
+        if num_decodes == 0 or num_tokens == 0:
+            out.zero_()
+            return out, req_buf, pos_buf
         qsl = cm.query_start_loc[: num_decodes + 1].to(device=device, dtype=torch.int64)
-        qlen = qsl[1:] - qsl[:-1]
-        req = torch.repeat_interleave(torch.arange(num_decodes, device=device), qlen,
-                                      output_size=num_tokens)
+        tok = torch.arange(num_tokens, device=device)
+        req = torch.searchsorted(qsl[1:], tok, right=True)
+        live = req < num_decodes
+        req = req.clamp(max=num_decodes - 1)
+        req_buf.copy_(req)
+        pos_buf.copy_(tok - qsl[req])
         whole = local_seq_lens[:num_decodes].to(device=device, dtype=torch.int64)[req]
-        if not causal:
-            return whole.to(torch.int32)
-        # row j of a Q-row block sees global positions < G - (Q-1-j)
-        offset = qlen[req] - 1 - (torch.arange(num_tokens, device=device) - qsl[req])
-        global_len = cm.seq_lens[:num_decodes].to(device=device, dtype=torch.int64)[req]
-        bounded = dcp_local_lengths(global_len - offset, self.dcp_world_size, self.dcp_rank,
-                                    self.dcp_interleave)
-        return torch.where(offset > 0, bounded.to(torch.int64), whole).to(torch.int32)
+        if causal:
+            # row j of a Q-row block sees global positions < G - (Q-1-j)
+            qlen = qsl[1:] - qsl[:-1]
+            offset = qlen[req] - 1 - pos_buf
+            global_len = cm.seq_lens[:num_decodes].to(device=device, dtype=torch.int64)[req]
+            bounded = dcp_local_lengths(global_len - offset, self.dcp_world_size, self.dcp_rank,
+                                        self.dcp_interleave)
+            whole = torch.where(offset > 0, bounded.to(torch.int64), whole)
+        out.copy_(torch.where(live, whole, torch.zeros_like(whole)))
+        return out, req_buf, pos_buf
+
+    def _row_seq_lens_host(self, cm: CommonAttentionMetadata, num_decodes: int, num_tokens: int,
+                           qsl_cpu: torch.Tensor, causal: bool,
+                           seq_lens_host: torch.Tensor) -> torch.Tensor:
+        """Host twin of row_seq_lens for host planners, from host twins only."""
+        n, r, inter = self.dcp_world_size, self.dcp_rank, self.dcp_interleave
+        out = torch.zeros(num_tokens, dtype=torch.int64)
+        if num_decodes == 0:
+            return out.to(torch.int32)
+        qsl = qsl_cpu[: num_decodes + 1]
+        qlen = qsl[1:] - qsl[:-1]
+        live = int(qsl[-1])
+        req = torch.repeat_interleave(torch.arange(num_decodes), qlen, output_size=live)
+        glob = seq_lens_host[:num_decodes]
+        if causal:
+            offset = qlen[req] - 1 - (torch.arange(live) - qsl[req])
+            g = glob[req] - offset
+        else:
+            g = glob[req]
+        if n > 1:
+            if cm.dcp_local_seq_lens_cpu is not None and not causal:
+                out[:live] = cm.dcp_local_seq_lens_cpu[:num_decodes].to(torch.int64)[req]
+            else:
+                out[:live] = dcp_local_lengths(g, n, r, inter)
+        else:
+            out[:live] = g
+        return out.to(torch.int32)
 
 
 # ---------------------------------------------------------------------- impl

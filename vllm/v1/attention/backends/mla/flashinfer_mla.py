@@ -30,7 +30,6 @@ from vllm.v1.attention.backends.mla.common import (MLACommonDecodeMetadata, MLAC
                                                     MLACommonMetadata,
                                                     MLACommonMetadataBuilder, MLADecodeKind,
                                                     uniform_query_block)
-from vllm.v1.attention.backends.mla.torch_mla import TorchMLAImpl
 from vllm.v1.attention.ops.dcp_combine import LN2
 
 logger = logging.getLogger(__name__)
@@ -38,15 +37,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024
 BLACKWELL_BLOCK_SIZES = (32, 64)
 _FA3_DTYPES = (torch.bfloat16, torch.float16)  # what the kernels accept (float fakes widen it)
-_warned: set[str] = set()
 
 
-def _warn_fallback_once(reason: str) -> None:
-    if reason not in _warned:
-        _warned.add(reason)
-        logger.warning("FLASHINFER_MLA falls back to the exact TORCH_MLA decode: %s. Use "
-                       "dtype=bfloat16 (and one backend for builder and layers) to run the "
-                       "FlashInfer kernels.", reason)
 KernelFamily = Literal["hopper", "blackwell"]
 CausalPlanMode = Literal["auto", "runs", "flattened"]
 
@@ -103,14 +95,35 @@ def _segments_of_block(row_lens: list[int], mode: str) -> list[tuple[int, int]]:
     return segments
 
 
+def _host(twin: torch.Tensor | None, device_tensor: torch.Tensor, name: str) -> torch.Tensor:
+    if twin is not None:
+        return twin
+    if device_tensor.device.type == "cpu":
+        return device_tensor
+    raise ValueError(f"FlashInfer planning needs the host twin of {name} (the runner passes it); "
+                     "reading the device tensor back would sync every step.")
+
+
+def max_plan_requests(num_rows: int, q_len: int, dcp_size: int) -> int:
+    """Upper bound of planned requests for num_rows blocks of q_len rows: a causal block under DCP
+    splits into at most ceil(Q/N) + 1 runs of equal visible counts (DESIGN §5)."""
+    if dcp_size == 1 or q_len <= 1:
+        return num_rows
+    return num_rows * min(q_len, -(-q_len // dcp_size) + 1)
+
+
 def plan_hopper_decode(decode: MLACommonDecodeMetadata, page_size: int,
-                       causal_mode: CausalPlanMode = "auto") -> HopperPlanInputs | None:
-    """Turn the decode rows into FlashInfer CSR requests (None when there is no row)."""
+                       causal_mode: CausalPlanMode = "auto",
+                       num_requests: int | None = None) -> HopperPlanInputs | None:
+    """Turn the decode rows into FlashInfer CSR requests (None when there is no row).
+    `num_requests` (CUDA-graph plans) pads the request list with empty requests (no query row,
+    no KV) to that fixed count: a graph-mode wrapper's batch size cannot change."""
     if causal_mode not in ("auto", "runs", "flattened"):
         raise ValueError(f"causal_mode={causal_mode!r}; choose 'auto', 'runs' or 'flattened'.")
     bounds = decode.query_start_loc_cpu.tolist()
-    row_lens = decode.row_seq_lens.cpu().tolist()
-    block_table = decode.block_table.cpu()
+    # Host twins only: plan() runs on the host every step and must not sync on device data.
+    row_lens = _host(decode.row_seq_lens_cpu, decode.row_seq_lens, "row_seq_lens").tolist()
+    block_table = _host(decode.block_table_cpu, decode.block_table, "block_table")
     multi_token = decode.kind == MLADecodeKind.CAUSAL_MULTI
     plan_causal = multi_token and causal_mode == "auto" and decode.dcp_world_size == 1
     qo, kv_lens, kv_pages = [0], [], []
@@ -129,16 +142,31 @@ def plan_hopper_decode(decode: MLACommonDecodeMetadata, page_size: int,
             qo.append(qo[-1] + num_rows)
             kv_lens.append(kv_len)
             kv_pages.append(block_table[req, : -(-kv_len // page_size)])
-    if not kv_lens:
+    if not kv_lens and num_requests is None:
         return None
+    has_empty = (min(kv_lens) == 0) if kv_lens else True
+    if num_requests is not None:
+        if len(kv_lens) > num_requests:
+            raise ValueError(f"{len(kv_lens)} planned requests exceed the graph plan's "
+                             f"{num_requests}")
+        pad = num_requests - len(kv_lens)
+        qo += [qo[-1]] * pad
+        kv_lens += [0] * pad
+        kv_pages += [block_table[0, :0]] * pad
+        has_empty = has_empty or pad > 0
+    pin = torch.cuda.is_available()
     pages_per = torch.tensor([p.numel() for p in kv_pages], dtype=torch.int64)
-    kv_indptr = torch.zeros(len(kv_pages) + 1, dtype=torch.int32)
+    kv_indptr = torch.zeros(len(kv_pages) + 1, dtype=torch.int32, pin_memory=pin)
     kv_indptr[1:] = torch.cumsum(pages_per, 0).to(torch.int32)
+    indices = torch.cat(kv_pages).to(torch.int32) if kv_pages else torch.zeros(0, dtype=torch.int32)
+    # Pinned host tensors: FlashInfer's non-blocking staging copies then need no host sync.
     return HopperPlanInputs(
-        qo_indptr=torch.tensor(qo, dtype=torch.int32), kv_indptr=kv_indptr,
-        kv_indices=torch.cat(kv_pages).to(torch.int32),
-        kv_len_arr=torch.tensor(kv_lens, dtype=torch.int32), causal=plan_causal,
-        has_empty_rows=min(kv_lens) == 0)
+        qo_indptr=torch.tensor(qo, dtype=torch.int32).pin_memory() if pin else
+        torch.tensor(qo, dtype=torch.int32), kv_indptr=kv_indptr,
+        kv_indices=indices.pin_memory() if pin else indices,
+        kv_len_arr=torch.tensor(kv_lens, dtype=torch.int32).pin_memory() if pin else
+        torch.tensor(kv_lens, dtype=torch.int32), causal=plan_causal,
+        has_empty_rows=has_empty)
 
 
 @dataclass
@@ -147,6 +175,19 @@ class _WrapperSlot:
 
     wrapper: Any
     planned_for: tuple | None = None
+    # Layer-side plan arguments (heads, scale, dtypes, ...) recorded by the first plan; CUDA-graph
+    # replays plan at build time from them, since no layer code runs during a replay.
+    plan_args: dict | None = None
+
+
+def _plan(slot: _WrapperSlot, inputs: HopperPlanInputs, key: tuple, **plan_args) -> None:
+    fi = _import_flashinfer()
+    slot.wrapper.plan(
+        metadata=fi.mla.MLAPlanMetadata.csr(inputs.qo_indptr, inputs.kv_indptr,
+                                            inputs.kv_indices, inputs.kv_len_arr),
+        causal=inputs.causal, **plan_args)
+    slot.plan_args = plan_args
+    slot.planned_for = key
 
 
 @dataclass
@@ -160,6 +201,24 @@ class BlackwellDecodeArgs:
     seq_lens: torch.Tensor | None = None
     bounds: torch.Tensor | None = None   # int32 global lengths (DCP only)
     extra: dict = field(default_factory=dict)
+
+
+# Head tiles of FlashInfer's trtllm-gen MLA decode kernels on sm100.
+TRTLLM_GEN_HEAD_TILES = (8, 16, 64)
+
+
+def blackwell_decode_backend(num_heads: int, dcp_size: int) -> str:
+    """The trtllm_batch_decode_with_kv_cache_mla backend for the runtime (gathered) head count.
+
+    Under DCP the native DCP arguments need "cute-dsl". At DCP 1 "auto" (trtllm-gen) is used when
+    it can tile the head count, i.e. h % min(h, tile) == 0 for every tile size; otherwise (e.g.
+    24 or 96 heads) "cute-dsl", as upstream selects.
+    """
+    if dcp_size > 1:
+        return "cute-dsl"
+    if any(num_heads % min(num_heads, tile) for tile in TRTLLM_GEN_HEAD_TILES):
+        return "cute-dsl"
+    return "auto"
 
 
 def plan_blackwell_decode(decode: MLACommonDecodeMetadata) -> BlackwellDecodeArgs:
@@ -206,6 +265,7 @@ class FlashInferDecodeState:
     workspace: torch.Tensor | None = None
     step_id: int = 0
     plan_calls: list = field(default_factory=list)  # keys planned this step (reuse check)
+    planned_key: tuple | None = None  # set when the builder planned already (graph replay)
 
 
 class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
@@ -238,6 +298,7 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
                                  f"{BLACKWELL_BLOCK_SIZES}, got {self.page_size}.")
         self._workspace: torch.Tensor | None = None
         self._slot: _WrapperSlot | None = None
+        self._graph_slots: dict[int, _WrapperSlot] = {}  # planned request count -> wrapper
         self._step = 0
 
     def _get_workspace(self) -> torch.Tensor:
@@ -255,6 +316,29 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
             self._slot = _WrapperSlot(wrapper)
         return self._slot
 
+    def _get_graph_wrapper_slot(self, num_requests: int) -> _WrapperSlot:
+        """A use_cuda_graph wrapper with fixed metadata buffers per planned request count (each
+        captured graph replays against its own wrapper; plan() refills the buffers in place)."""
+        slot = self._graph_slots.get(num_requests)
+        if slot is None:
+            fi = _import_flashinfer()
+            max_pages = num_requests * self._max_pages_per_request()
+            buffers = dict(
+                qo_indptr=torch.zeros(num_requests + 1, dtype=torch.int32, device=self.device),
+                kv_indptr=torch.zeros(num_requests + 1, dtype=torch.int32, device=self.device),
+                kv_indices=torch.zeros(max_pages, dtype=torch.int32, device=self.device),
+                kv_len_arr=torch.zeros(num_requests, dtype=torch.int32, device=self.device))
+            wrapper = fi.mla.BatchMLAPagedAttentionWrapper(
+                self._get_workspace(), use_cuda_graph=True, backend="fa3", **buffers)
+            slot = self._graph_slots[num_requests] = _WrapperSlot(wrapper)
+        return slot
+
+    def _max_pages_per_request(self) -> int:
+        model_config = getattr(self.vllm_config, "model_config", None)
+        max_len = int(getattr(model_config, "max_model_len", 0) or 0) + 64
+        local = -(-max_len // self.dcp_world_size)
+        return -(-local // self.page_size) + 1
+
     def build(self, common_prefix_len: int,
               common_attn_metadata: CommonAttentionMetadata) -> MLACommonMetadata:
         metadata = super().build(common_prefix_len, common_attn_metadata)
@@ -265,8 +349,23 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
         state = FlashInferDecodeState(kernel_family=self.kernel_family,
                                       natural_lse=self.natural_lse, step_id=self._step)
         if self.kernel_family == "hopper":
-            state.hopper_inputs = plan_hopper_decode(decode, self.page_size, self.causal_mode)
-            state.wrapper_slot = self._get_wrapper_slot()
+            if decode.cudagraph:
+                num_requests = max_plan_requests(metadata.num_decodes, decode.max_query_len,
+                                                 self.dcp_world_size)
+                state.hopper_inputs = plan_hopper_decode(decode, self.page_size, self.causal_mode,
+                                                         num_requests=num_requests)
+                state.wrapper_slot = self._get_graph_wrapper_slot(num_requests)
+                # Fixed for the graph: padding tokens and empty rows are always pinned to 0/-inf.
+                state.hopper_inputs.has_empty_rows = True
+                slot = state.wrapper_slot
+                if slot.plan_args is not None:  # replay: no layer runs, so plan here
+                    key = ("graph", id(state), state.step_id)
+                    _plan(slot, state.hopper_inputs, key, **slot.plan_args)
+                    state.plan_calls.append(key)
+                    state.planned_key = key
+            else:
+                state.hopper_inputs = plan_hopper_decode(decode, self.page_size, self.causal_mode)
+                state.wrapper_slot = self._get_wrapper_slot()
             if state.hopper_inputs is not None and state.hopper_inputs.has_empty_rows:
                 state.hopper_empty_rows = decode.row_seq_lens == 0
         else:
@@ -282,23 +381,21 @@ class FlashInferMLAImpl(MLACommonImpl):
                  qk_rope_head_dim: int = 64, qk_nope_head_dim: int = 128, **kwargs: Any):
         super().__init__(num_heads, scale, kv_lora_rank, qk_rope_head_dim)
         self.qk_nope_head_dim = qk_nope_head_dim
-        self._exact = TorchMLAImpl(num_heads, scale, kv_lora_rank, qk_rope_head_dim)
 
     def forward_decode(self, q: torch.Tensor, kv_cache: torch.Tensor,
                        decode_meta: MLACommonDecodeMetadata
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_decode_inputs(q, kv_cache, decode_meta)
         state = decode_meta.backend_state
-        reason = None
         if not isinstance(state, FlashInferDecodeState):
-            reason = "the metadata was not built by FlashInferMLAMetadataBuilder"
-        elif q.dtype not in _FA3_DTYPES or kv_cache.dtype != q.dtype:
-            reason = (f"the kernels need bf16/fp16 q and cache of one dtype (got q {q.dtype}, "
-                      f"cache {kv_cache.dtype})")
-        if reason is not None:
-            # Same geometry (row_seq_lens) through the exact reference: correct, just slower.
-            _warn_fallback_once(reason)
-            return self._exact.forward_decode(q, kv_cache, decode_meta)
+            raise ValueError(
+                "FLASHINFER_MLA impl got decode metadata that FlashInferMLAMetadataBuilder did not "
+                "build (the layer's KV cache group uses another backend); the runner binds one "
+                "backend per group: builder and layers must agree.")
+        if q.dtype not in _FA3_DTYPES or kv_cache.dtype != q.dtype:
+            raise ValueError(
+                f"FLASHINFER_MLA kernels need bf16/fp16 q and cache of one dtype (got q {q.dtype}, "
+                f"cache {kv_cache.dtype}); run with dtype=bfloat16 or attention_backend=TORCH_MLA.")
         if state.kernel_family == "hopper":
             return self._forward_hopper(q, kv_cache, decode_meta, state)
         return self._forward_blackwell(q, kv_cache, decode_meta, state)
@@ -310,28 +407,24 @@ class FlashInferMLAImpl(MLACommonImpl):
             return (q.new_zeros(q.shape[0], q.shape[1], self.kv_lora_rank),
                     torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device))
         slot = state.wrapper_slot
-        key = (id(state), state.step_id, q.shape[1], q.dtype, kv_cache.dtype, self.scale,
-               kv_cache.shape[1])
+        key = state.planned_key or (id(state), state.step_id, q.shape[1], q.dtype,
+                                    kv_cache.dtype, self.scale, kv_cache.shape[1])
         if slot.planned_for != key:
-            fi = _import_flashinfer()
-            slot.wrapper.plan(
-                metadata=fi.mla.MLAPlanMetadata.csr(inputs.qo_indptr, inputs.kv_indptr,
-                                                    inputs.kv_indices, inputs.kv_len_arr),
-                num_heads=q.shape[1], head_dim_ckv=self.kv_lora_rank,
-                head_dim_kpe=self.qk_rope_head_dim, page_size=kv_cache.shape[1],
-                causal=inputs.causal, sm_scale=self.scale, q_data_type=q.dtype,
-                kv_data_type=kv_cache.dtype,
-                lse_mode="basee" if state.natural_lse else "base2")
-            slot.planned_for = key
+            _plan(slot, inputs, key, num_heads=q.shape[1], head_dim_ckv=self.kv_lora_rank,
+                  head_dim_kpe=self.qk_rope_head_dim, page_size=kv_cache.shape[1],
+                  sm_scale=self.scale, q_data_type=q.dtype, kv_data_type=kv_cache.dtype,
+                  lse_mode="basee" if state.natural_lse else "base2")
             state.plan_calls.append(key)
         out, lse = slot.wrapper.run(query=q, kv_cache=kv_cache, return_lse=True,
                                     return_lse_base_on_e=state.natural_lse)
         if not state.natural_lse:
             lse = lse * LN2  # base 2 -> natural log, once, at the backend boundary
         if inputs.has_empty_rows:
-            # Pin the contract (O=0, LSE=-inf) for rows this rank holds nothing of,
-            # whatever the kernel leaves there, so the DCP merge ignores them.
-            empty = state.hopper_empty_rows
+            # Pin the contract (O=0, LSE=-inf) for rows this rank holds nothing of (and for
+            # CUDA-graph padding tokens), whatever the kernel leaves there, so the DCP merge
+            # ignores them. Computed here from the persistent row_seq_lens, so a graph replay
+            # reads the current step's values.
+            empty = decode_meta.row_seq_lens[: q.shape[0]] == 0
             out = out.masked_fill(empty[:, None, None], 0.0)
             lse = lse.masked_fill(empty[:, None], float("-inf"))
         return out, lse
@@ -359,7 +452,8 @@ class FlashInferMLAImpl(MLACommonImpl):
             qk_rope_head_dim=self.qk_rope_head_dim, block_tables=args.block_tables,
             seq_lens=args.seq_lens, max_seq_len=decode_meta.max_seq_len,
             bmm1_scale=self.scale, bmm2_scale=1.0,
-            backend="cute-dsl" if dcp else "auto", return_lse=True,
+            backend=blackwell_decode_backend(num_heads, decode_meta.dcp_world_size),
+            return_lse=True,
             return_lse_base="basee" if state.natural_lse else "base2",
             enable_dcp=dcp, cp_world=decode_meta.dcp_world_size if dcp else 1,
             cp_rank=decode_meta.dcp_rank if dcp else 0,

@@ -37,28 +37,82 @@ class BlockSpeculator(Speculator):
                              f"{self.aux_hidden_state_layers}; run the target with them.")
         self.model.precompute_context_kv(aux_hidden_states, positions)
 
-    def propose(self, inputs: DraftInputs) -> torch.Tensor:
+    def _propose(self, inputs: DraftInputs) -> torch.Tensor:
         num_reqs, q = inputs.num_reqs, self.query_len
         self._begin_drafts(inputs)
         if num_reqs == 0:
             return torch.empty(0, self.num_speculative_tokens, dtype=torch.int64,
                                device=self.device)
-        num_tokens = num_reqs * q
-        buffers = self.input_buffers
-        accepted = torch.as_tensor(np.asarray(inputs.num_computed_new), dtype=torch.int64,
-                                   device=self.device)
-        block_ids = buffers.input_ids[:num_tokens].view(num_reqs, q)
-        block_ids.fill_(int(self.model.config.mask_token_id))
-        block_ids[:, 0] = inputs.next_token_ids
-        offsets = torch.arange(q, dtype=torch.int64, device=self.device)
-        # Clamped positions only occur for drafts the scheduler drops at max_model_len.
-        buffers.positions[:num_tokens].copy_(
-            (accepted[:, None] + offsets).clamp(max=self.max_model_len - 1).flatten())
-        buffers.seq_lens[:num_reqs].copy_((accepted + q).clamp(max=self.max_model_len))
+        graph_size = None
+        if self.cudagraphs is not None and self.draft_sample_method == "greedy":
+            graph_size = self.cudagraphs.padded_num_reqs(num_reqs)
+        padded = graph_size or num_reqs
+        accepted = inputs.accepted_on_device(self.device)
+        accepted_np = np.asarray(inputs.num_computed_new, dtype=np.int64)
+        anchors = self._write_block(num_reqs, padded, accepted, inputs.next_token_ids)
         attn_metadata = self._build_draft_attn_metadata(
-            num_reqs, num_reqs, num_tokens, inputs.target_seq_lens_cpu, step=q,
-            num_query_per_req=q, causal=False)
+            num_reqs, padded, padded * q, inputs.target_seq_lens_cpu, step=q,
+            num_query_per_req=q, causal=False,
+            seq_lens_np=np.minimum(accepted_np + q, self.max_model_len),
+            cudagraph=graph_size is not None)
+        if graph_size is not None:
+            return self.cudagraphs.replay(graph_size)[0][:num_reqs]
+        return self._block_step(attn_metadata, padded, anchors)[0]
+
+    def _write_block(self, num_reqs: int, padded: int, accepted: torch.Tensor,
+                     next_token_ids: torch.Tensor) -> torch.Tensor:
+        """Block inputs for `padded` rows (rows past num_reqs are CUDA-graph padding: position
+        0, no KV, length 0): ids = anchor + masks at positions accepted + arange(Q)."""
+        q = self.query_len
+        buffers = self.input_buffers
+        num_tokens = padded * q
+        anchors = self._anchor_buffer()[:padded]
+        anchors.zero_()
+        anchors[:num_reqs].copy_(next_token_ids[:num_reqs])
+        block_ids = buffers.input_ids[:num_tokens].view(padded, q)
+        block_ids.fill_(int(self.model.config.mask_token_id))
+        block_ids[:, 0] = anchors
+        offsets = torch.arange(q, dtype=torch.int64, device=self.device)
+        positions = buffers.positions[:num_tokens].view(padded, q)
+        positions.zero_()
+        # Clamped positions only occur for drafts the scheduler drops at max_model_len.
+        positions[:num_reqs].copy_((accepted[:num_reqs, None] + offsets).clamp(
+            max=self.max_model_len - 1))
+        buffers.seq_lens[:num_reqs].copy_((accepted[:num_reqs] + q).clamp(max=self.max_model_len))
+        return anchors
+
+    def _anchor_buffer(self) -> torch.Tensor:
+        buf = getattr(self, "_anchors", None)
+        if buf is None:
+            with torch.inference_mode(False):
+                buf = self._anchors = torch.zeros(self.max_num_reqs, dtype=torch.int64,
+                                                  device=self.device)
+        return buf
+
+    def _block_step(self, attn_metadata, padded: int, anchors: torch.Tensor) -> tuple:
+        """The captured part of a draft step: block forward, LM head, draft choice."""
+        q = self.query_len
+        num_tokens = padded * q
+        buffers = self.input_buffers
         hidden = self._run_forward(attn_metadata, self.model, buffers.input_ids[:num_tokens],
                                    buffers.positions[:num_tokens])
-        logits = self.model.compute_logits(hidden).view(num_reqs, q, -1)
-        return self.select_drafts(logits, inputs.next_token_ids)
+        logits = self.model.compute_logits(hidden).view(padded, q, -1)
+        return (self.select_drafts(logits, anchors),)
+
+    def capture_graphs(self, manager) -> None:
+        """Capture the greedy draft step for every capture size (block drafters only)."""
+        q = self.query_len
+        self.cudagraphs = None  # eager while preparing the dummy steps
+
+        def prepare(size: int):
+            accepted = torch.zeros(size, dtype=torch.int64, device=self.device)
+            self.block_tables.gather_block_tables(
+                torch.zeros(size, dtype=torch.int64, device=self.device), np.zeros(size, np.int64))
+            anchors = self._write_block(size, size, accepted, accepted)
+            md = self._build_draft_attn_metadata(
+                size, size, size * q, np.full(size, q), step=q, num_query_per_req=q,
+                causal=False, seq_lens_np=np.full(size, q), cudagraph=True)
+            return md, size, anchors
+
+        manager.capture_all(prepare, lambda batch: self._block_step(*batch))
+        self.cudagraphs = manager

@@ -43,6 +43,22 @@ class DraftInputs:
     next_token_ids: torch.Tensor            # [num_reqs] int64 anchors
     aux_hidden_states: torch.Tensor | None = None  # [T, k*D] tapped target layers (block drafters)
     sampling_metadata: Any = None  # the step's SamplingMetadata (rows = requests); probabilistic drafts
+    # Device twins filled by the runner (no host->device copy of host arrays inside propose);
+    # unit tests on CPU may leave them None and the host arrays are used.
+    num_computed_new_dev: torch.Tensor | None = None   # [num_reqs] int64
+    target_seq_lens: torch.Tensor | None = None        # [num_reqs] int32 device
+    slots: torch.Tensor | None = None  # [num_reqs] request slot per row (None: row == slot)
+
+    def accepted_on_device(self, device: torch.device) -> torch.Tensor:
+        if self.num_computed_new_dev is not None:
+            return self.num_computed_new_dev[: self.num_reqs]
+        return torch.as_tensor(np.asarray(self.num_computed_new), dtype=torch.int64,
+                               device=device)
+
+    def target_seq_lens_on_device(self, device: torch.device) -> torch.Tensor:
+        if self.target_seq_lens is not None:
+            return self.target_seq_lens[: self.num_reqs]
+        return self.target_seq_lens_cpu[: self.num_reqs].to(device)
 
 
 class Speculator:
@@ -62,15 +78,19 @@ class Speculator:
         if self.draft_sample_method not in ("greedy", "probabilistic"):
             raise ValueError(f"draft_sample_method={self.draft_sample_method!r} is invalid; use "
                              "'greedy' or 'probabilistic'.")
-        # q of every draft of the last propose() ([num_reqs, k, V] float32), kept for rejection
-        # sampling; None when drafts were chosen greedily (q is then one-hot on the draft).
-        self.draft_probs: torch.Tensor | None = None
+        # q of every draft, persistent and slot-indexed ([max_num_reqs, k, V] float32, allocated
+        # on the first probabilistic draft): propose() returns it for rejection sampling; None
+        # when drafts were chosen greedily (q is then one-hot on the draft).
+        self.draft_probs_buffer: torch.Tensor | None = None
+        self._probs_written = False
+        self._slots: torch.Tensor | None = None
         self._sampling_metadata: Any = None
         # The draft's own buffers: its seq_lens differ from the target's every draft step.
         self.input_buffers = InputBuffers(max_num_reqs, max_num_tokens, self.device)
         # Host upper bound of the draft seq_lens (metadata aliases it, like the other buffers).
         self.seq_lens_cpu_upper_bound = torch.zeros(max_num_reqs, dtype=torch.int32)
         self.model: Any = None  # the drafter, set by the runner after loading it
+        self.cudagraphs: Any = None  # CudaGraphManager of the draft step (block drafters)
         self.kv_cache_config: Any = None
         self.attn_metadata_builders: list[Any] = []
         self.group_ids: tuple[int, ...] = ()
@@ -92,13 +112,20 @@ class Speculator:
                            positions: torch.Tensor) -> None:
         """Hook run inside the target step's forward context (block drafters store context KV)."""
 
-    def propose(self, inputs: DraftInputs) -> torch.Tensor:
-        raise NotImplementedError(f"{type(self).__name__} must implement propose()")
+    def propose(self, inputs: DraftInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (drafts [num_reqs, k], the slot-indexed q buffer or None for greedy drafts)."""
+        drafts = self._propose(inputs)
+        return drafts, (self.draft_probs_buffer if self._probs_written else None)
+
+    def _propose(self, inputs: DraftInputs) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must implement _propose()")
 
     # ------------------------------------------------------- draft choice
     def _begin_drafts(self, inputs: DraftInputs) -> None:
-        self.draft_probs = None
+        self._probs_written = False
         self._sampling_metadata = inputs.sampling_metadata
+        self._slots = inputs.slots if inputs.slots is not None else torch.arange(
+            inputs.num_reqs, device=self.device)
 
     def _choose_drafts(self, logits: torch.Tensor, index: int) -> torch.Tensor:
         """Draft `index` of every request from logits [num_reqs, V].
@@ -123,11 +150,13 @@ class Speculator:
         if not metadata.all_greedy:
             tokens = torch.where(greedy_rows, greedy_tokens,
                                  random_sample(probs, metadata.generators))
-        if self.draft_probs is None:
-            self.draft_probs = torch.zeros(logits.shape[0], self.num_speculative_tokens,
-                                           logits.shape[-1], dtype=torch.float32,
-                                           device=logits.device)
-        self.draft_probs[:, index] = probs
+        if self.draft_probs_buffer is None:
+            with torch.inference_mode(False):
+                self.draft_probs_buffer = torch.zeros(
+                    self.max_num_reqs, self.num_speculative_tokens, logits.shape[-1],
+                    dtype=torch.float32, device=logits.device)
+        self.draft_probs_buffer[self._slots[: logits.shape[0]], index] = probs
+        self._probs_written = True
         return tokens
 
     # ------------------------------------------------------- shared metadata
@@ -142,6 +171,8 @@ class Speculator:
         causal: bool | Mapping[int, bool] = True,
         query_start_loc_np: np.ndarray | None = None,
         dcp_local_seq_lens: torch.Tensor | None = None,
+        seq_lens_np: np.ndarray | None = None,
+        cudagraph: bool = False,
     ) -> dict[str, Any]:
         """Attention metadata of one draft forward, described by the draft's own buffers.
 
@@ -150,6 +181,8 @@ class Speculator:
         `num_query_per_req` tokens (row i starts at min(i, num_reqs) * Q, so padding rows are
         empty) unless `query_start_loc_np` gives explicit starts. `step` is what the draft has
         advanced past the target's upper bound: the AR step index, or Q for a block drafter.
+        `seq_lens_np` are the exact draft lengths on the host (the runner knows them after its
+        one transfer per step); planners read them instead of syncing on the device buffer.
         """
         if not 0 <= num_reqs <= num_reqs_padded <= self.max_num_reqs:
             raise ValueError(
@@ -183,8 +216,23 @@ class Speculator:
                                     dtype=torch.int64)
             upper_bound[:num_reqs] = (bound + step).clamp(max=self.max_model_len).to(torch.int32)
         max_seq_len = int(upper_bound.max()) if num_reqs > 0 else 0
+        if cudagraph:  # graph replays keep the capture's bound (shapes baked into kernels)
+            max_seq_len = self.max_model_len
 
+        seq_lens_cpu = None
+        if seq_lens_np is not None:
+            seq_lens_cpu = torch.zeros(num_reqs_padded, dtype=torch.int32)
+            seq_lens_cpu[:num_reqs] = torch.from_numpy(np.asarray(seq_lens_np)[:num_reqs]
+                                                       .astype(np.int32))
+        elif buffers.seq_lens.device.type == "cpu":
+            seq_lens_cpu = buffers.seq_lens[:num_reqs_padded]
         cp_size = self.block_tables.cp_size
+        dcp_local_cpu = None
+        if cp_size > 1 and seq_lens_cpu is not None:
+            from vllm.v1.worker.gpu.cp_utils import get_dcp_local_seq_lens
+            dcp_local_cpu = get_dcp_local_seq_lens(seq_lens_cpu, cp_size,
+                                                   self.block_tables.cp_rank,
+                                                   self.block_tables.cp_interleave)
         if dcp_local_seq_lens is None and cp_size > 1:
             # Recompute from the draft's OWN seq_lens into the persistent buffer (DESIGN §6);
             # the target's local lengths would be stale after the draft advanced or rolled back.
@@ -214,6 +262,10 @@ class Speculator:
             dcp_local_seq_lens=dcp_local_seq_lens,
             seq_lens_cpu_upper_bound=upper_bound,
             group_ids=self.group_ids,
+            seq_lens_cpu=seq_lens_cpu,
+            dcp_local_seq_lens_cpu=dcp_local_cpu,
+            block_tables_cpu=getattr(self.block_tables, "input_block_tables_cpu", None),
+            cudagraph=cudagraph,
         )
 
     def _run_forward(self, attn_metadata: dict[str, Any], fn, *args, **kwargs):

@@ -18,7 +18,7 @@ from vllm.v1.worker.gpu.spec_decode.speculator import DraftInputs, Speculator
 class EagleSpeculator(Speculator):
     """Also MTP's speculator: both drafters share the (input_ids, positions, hidden) contract."""
 
-    def propose(self, inputs: DraftInputs) -> torch.Tensor:
+    def _propose(self, inputs: DraftInputs) -> torch.Tensor:
         num_reqs = inputs.num_reqs
         buffers = self.input_buffers
         self._begin_drafts(inputs)
@@ -31,10 +31,11 @@ class EagleSpeculator(Speculator):
         buffers.input_ids[: num_tokens - 1].copy_(inputs.target_input_ids[1:num_tokens])
         buffers.input_ids[inputs.last_accepted_index] = inputs.next_token_ids
         buffers.positions[:num_tokens].copy_(inputs.target_positions[:num_tokens])
-        buffers.seq_lens[:num_reqs].copy_(inputs.target_seq_lens_cpu[:num_reqs])
+        buffers.seq_lens[:num_reqs].copy_(inputs.target_seq_lens_on_device(self.device))
+        target_lens_np = inputs.target_seq_lens_cpu[:num_reqs].numpy()
         attn_metadata = self._build_draft_attn_metadata(
             num_reqs, num_reqs, num_tokens, inputs.target_seq_lens_cpu, step=0, causal=True,
-            query_start_loc_np=inputs.query_start_loc_np)
+            query_start_loc_np=inputs.query_start_loc_np, seq_lens_np=target_lens_np)
         hidden_for_logits, hidden_for_next = self._run_forward(
             attn_metadata, self.model, buffers.input_ids[:num_tokens],
             buffers.positions[:num_tokens], inputs.target_hidden_states[:num_tokens])
@@ -42,8 +43,8 @@ class EagleSpeculator(Speculator):
         drafts[:, 0] = self._choose_drafts(self.model.compute_logits(hidden_for_logits[rows]), 0)
         hidden = hidden_for_next[rows]
 
-        accepted = torch.as_tensor(np.asarray(inputs.num_computed_new), dtype=torch.int64,
-                                   device=self.device)
+        accepted = inputs.accepted_on_device(self.device)
+        accepted_np = np.asarray(inputs.num_computed_new, dtype=np.int64)
         for step in range(1, self.num_speculative_tokens):
             buffers.input_ids[:num_reqs].copy_(drafts[:, step - 1])
             # Drafts past max_model_len are dropped by the scheduler; clamping keeps their
@@ -53,7 +54,8 @@ class EagleSpeculator(Speculator):
             buffers.seq_lens[:num_reqs].copy_((accepted + step).clamp(max=self.max_model_len))
             attn_metadata = self._build_draft_attn_metadata(
                 num_reqs, num_reqs, num_reqs, inputs.target_seq_lens_cpu, step=step,
-                num_query_per_req=1, causal=True)
+                num_query_per_req=1, causal=True,
+                seq_lens_np=np.minimum(accepted_np + step, self.max_model_len))
             hidden_for_logits, hidden = self._run_forward(
                 attn_metadata, self.model, buffers.input_ids[:num_reqs],
                 buffers.positions[:num_reqs], hidden)

@@ -1,0 +1,214 @@
+"""Engine decode benchmark: steady-state decode steps through the real engine (LLMEngine.step).
+
+For each (drafter, batch size, context, graphs|eager) it reports, side by side in one run:
+  step_ms      median wall time of one engine step in steady decode (many repeats)
+  kernel_ms    summed GPU kernel time of one step (torch.profiler, CUDA activity)
+  busy         GPU busy = union of kernel intervals / wall time over the profiled steps
+  syncs        host-synchronising CUDA runtime calls per step (stream/event/device sync, memcpy)
+  launches     kernel + graph launches per step (CUDA runtime calls)
+  tok_s        output tokens per second (accepted drafts + bonus tokens)
+  spec_factor  tok/s with drafts / tok/s without (same B, context, mode)
+  overhead     (draft + verify) step time / plain step time  (DESIGN §8)
+  mbu          (weight bytes + KV bytes read) / (copy bandwidth measured here x step time)
+
+Usage (GPU): python benchmarks/engine/benchmark_decode.py --batch-sizes 1 8 --contexts 1024
+  --methods none dspark --out out/decode   (writes decode.json, decode.png, prints the table)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth (bytes/s, read + write counted once each)."""
+    a = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * a.numel() / statistics.median(times)
+
+
+def _union_ms(intervals: list[tuple[float, float]]) -> float:
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total / 1e3  # us -> ms
+
+
+def run_case(args, method: str, batch: int, context: int, eager: bool) -> dict:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    spec = None
+    if method != "none":
+        spec = {"method": method, "num_speculative_tokens": args.num_spec_tokens}
+        if args.draft_model:
+            spec["model"] = args.draft_model
+    steps = args.warmup_steps + args.steps + args.profile_steps
+    engine_args = EngineArgs(
+        model=args.model, dtype="bfloat16", max_model_len=context + steps * (args.num_spec_tokens + 1) + 64,
+        attention_backend=args.attention_backend, speculative_config=spec,
+        max_num_seqs=max(batch, 1), max_num_batched_tokens=max(4096, batch * (context + 1)),
+        enforce_eager=eager, seed=0)
+    engine = LLMEngine.from_engine_args(engine_args)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=steps * (args.num_spec_tokens + 1),
+                                ignore_eos=True)
+        for i in range(batch):
+            prompt = [(37 * i + 11 * j + 5) % 250 for j in range(context)]
+            engine.add_request(f"r{i}", prompt, params)
+        # Prefill (and the first decode steps) until every request decodes.
+        while engine.scheduler.waiting:
+            engine.step()
+        for _ in range(args.warmup_steps):
+            engine.step()
+        tokens_before = engine._num_generation_tokens
+        times = []
+        for _ in range(args.steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            engine.step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        tokens = engine._num_generation_tokens - tokens_before
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            torch.cuda.synchronize()
+            w0 = time.perf_counter()
+            for _ in range(args.profile_steps):
+                engine.step()
+            torch.cuda.synchronize()
+            wall_ms = (time.perf_counter() - w0) * 1e3
+        events = prof.events()
+        kernels = [(e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernel_ms = sum((e - s) for s, e in kernels) / 1e3
+        busy_ms = _union_ms(kernels)
+        names = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+        # Host-blocking runtime calls; the two torch.cuda.synchronize() brackets of the window
+        # are subtracted. The runner's own event wait (its one transfer) counts as one per step.
+        syncs = sum(1 for n in names if "Synchronize" in n or n == "cudaMemcpy") - 2
+        launches = sum(1 for n in names if n in ("cudaLaunchKernel", "cudaLaunchKernelExC",
+                                                 "cuLaunchKernel", "cuLaunchKernelEx",
+                                                 "cudaGraphLaunch"))
+        by_kernel: dict[str, float] = {}
+        for e in events:
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                by_kernel[e.name] = by_kernel.get(e.name, 0.0) + (e.time_range.end - e.time_range.start)
+        top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:8]
+        spec_stats = engine.scheduler.get_stats().get("spec_decode") or {}
+        n = args.profile_steps
+        return {
+            "method": method, "batch": batch, "context": context,
+            "mode": "eager" if eager else "graphs",
+            "step_ms": statistics.median(times) * 1e3,
+            "kernel_ms": kernel_ms / n, "busy": busy_ms / wall_ms,
+            "syncs_per_step": syncs / n, "launches_per_step": launches / n,
+            "tok_s": tokens / sum(times),
+            "mean_acceptance_length": spec_stats.get("mean_acceptance_length"),
+            "top_kernels_ms_per_step": [(k[:80], v / 1e3 / n) for k, v in top],
+        }
+    finally:
+        engine.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="model dir (default: built-in tiny)")
+    parser.add_argument("--draft-model", default=None)
+    parser.add_argument("--attention-backend", default="FLASHINFER_MLA")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024])
+    parser.add_argument("--methods", nargs="+", default=["none", "dspark"])
+    parser.add_argument("--modes", nargs="+", default=["graphs", "eager"])
+    parser.add_argument("--num-spec-tokens", type=int, default=4)
+    parser.add_argument("--warmup-steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--profile-steps", type=int, default=5)
+    parser.add_argument("--out", default="out/decode")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    device = torch.device("cuda")
+    bandwidth = copy_bandwidth(device)
+    rows = []
+    for context in args.contexts:
+        for batch in args.batch_sizes:
+            for method in args.methods:
+                for mode in args.modes:
+                    row = run_case(args, method, batch, context, eager=(mode == "eager"))
+                    rows.append(row)
+                    print(json.dumps({k: v for k, v in row.items() if k != "top_kernels_ms_per_step"}),
+                          flush=True)
+    plain = {(r["batch"], r["context"], r["mode"]): r for r in rows if r["method"] == "none"}
+    for r in rows:
+        base = plain.get((r["batch"], r["context"], r["mode"]))
+        if base and r["method"] != "none":
+            r["spec_factor"] = r["tok_s"] / base["tok_s"]
+            r["overhead"] = r["step_ms"] / base["step_ms"]
+    result = {"copy_bandwidth_GBps": bandwidth / 1e9, "rows": rows,
+              "device": torch.cuda.get_device_name(device), "args": vars(args)}
+    with open(os.path.join(args.out, "decode.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s on {result['device']}")
+    print(f"{'method':8} {'B':>3} {'ctx':>6} {'mode':6} {'step_ms':>8} {'kern_ms':>8} {'busy':>5} "
+          f"{'sync':>5} {'launch':>6} {'tok/s':>8} {'AL':>5} {'spec_x':>6} {'ovh':>5}")
+    for r in rows:
+        al = r.get("mean_acceptance_length")
+        print(f"{r['method']:8} {r['batch']:>3} {r['context']:>6} {r['mode']:6} {r['step_ms']:8.3f} "
+              f"{r['kernel_ms']:8.3f} {r['busy']:5.2f} {r['syncs_per_step']:5.1f} "
+              f"{r['launches_per_step']:6.0f} {r['tok_s']:8.0f} {al if al is None else round(al, 2)!s:>5} "
+              f"{r.get('spec_factor', float('nan')):6.2f} {r.get('overhead', float('nan')):5.2f}")
+    graphs = {(r["method"], r["batch"], r["context"]): r for r in rows if r["mode"] == "graphs"}
+    for r in rows:
+        g = graphs.get((r["method"], r["batch"], r["context"]))
+        if r["mode"] == "eager" and g:
+            print(f"graphs vs eager {r['method']} B={r['batch']} ctx={r['context']}: "
+                  f"{r['step_ms'] / g['step_ms']:.2f}x faster with graphs")
+    for r in rows:
+        if r["mode"] == "graphs":
+            print(f"top kernels {r['method']} B={r['batch']}: " +
+                  "; ".join(f"{k} {v:.3f}ms" for k, v in r["top_kernels_ms_per_step"][:5]))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for method in args.methods:
+            for mode in args.modes:
+                pts = sorted((r["batch"], r["step_ms"]) for r in rows
+                             if r["method"] == method and r["mode"] == mode)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=f"{method} {mode}")
+        ax.set_xlabel("batch size (requests)")
+        ax.set_ylabel("decode step (ms)")
+        ax.set_title("engine decode step")
+        ax.legend()
+        fig.savefig(os.path.join(args.out, "decode.png"), dpi=120, bbox_inches="tight")
+    except Exception as e:  # noqa: BLE001 - the plot is optional
+        print("plot skipped:", e)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Runs the fused decode-path Triton kernels (RMSNorm +- residual, RoPE, MLA rope + KV-cache write,
+MoE grouped GEMM) on CPU tensors under TRITON_INTERPRET=1 and compares them with the torch paths.
+Launched in a subprocess by the tests (the interpreter must be chosen before the kernels are
+decorated); the arguments name the checks to run (default: all)."""
+import os
+import sys
+
+import torch
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+from vllm.model_executor.layers import layernorm, moe_kernels, rotary_embedding  # noqa: E402
+from vllm.v1.attention.ops import mla_kv_cache  # noqa: E402
+
+# One bf16 ulp near 1 is 2^-8: kernel and torch may round a float32 value that sits on a bf16
+# rounding boundary differently (different float32 summation order / fused multiply-add).
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
+
+
+def check_rms_norm(gen):
+    for dtype in (torch.float32, torch.bfloat16):
+        for hidden in (64, 96, 512, 1536):
+            for with_residual in (False, True):
+                rows = int(torch.randint(1, 9, (1,), generator=gen))
+                # a strided view, as kv_c is a slice of the kv_a projection output
+                base = torch.randn(rows, hidden + 64, generator=gen).to(dtype)
+                x = base[:, :hidden]
+                w = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+                res = torch.randn(rows, hidden, generator=gen).to(dtype) if with_residual else None
+                ref = layernorm.rms_norm_torch(x, w, 1e-6, res)
+                got = layernorm.rms_norm_triton(x, w, 1e-6, res)
+                if with_residual:
+                    # one rounding of the float32 sum, like torch: exact in float32; for bf16 the
+                    # interpreter truncates on float32 -> bf16 casts (the GPU rounds to nearest
+                    # even; the gpu test checks bf16 exactly), so allow one bf16 ulp here
+                    if dtype == torch.float32:
+                        assert torch.equal(ref[1], got[1]), (dtype, hidden)
+                    else:
+                        torch.testing.assert_close(got[1], ref[1], rtol=2 ** -7, atol=0)
+                    ref, got = ref[0], got[0]
+                assert got.dtype == ref.dtype and got.shape == ref.shape
+                torch.testing.assert_close(got, ref, **TOL[dtype])
+
+
+def _tables(max_pos, half, gen):
+    inv_freq = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float32) / half))
+    angles = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return angles.cos() * 1.3, angles.sin() * 1.3
+
+
+def check_rope(gen):
+    for dtype in (torch.float32, torch.bfloat16):
+        for interleaved in (True, False):
+            for heads in (0, 1, 3, 16):
+                d, tokens = 64, int(torch.randint(1, 7, (1,), generator=gen))
+                cos, sin = _tables(100, d // 2, gen)
+                pos = torch.randint(0, 100, (tokens,), generator=gen)
+                q = torch.randn(tokens, heads, 128 + d, generator=gen).to(dtype)[..., 128:]  # a view
+                k = torch.randn(tokens, 512 + d, generator=gen).to(dtype)[:, 512:]
+                qr, kr = rotary_embedding.rope_triton(pos, q, k, cos, sin, interleaved)
+                qt = rotary_embedding.rope_torch(q, cos[pos][:, None], sin[pos][:, None], interleaved)
+                kt = rotary_embedding.rope_torch(k, cos[pos], sin[pos], interleaved)
+                torch.testing.assert_close(qr, qt, **TOL[dtype])
+                torch.testing.assert_close(kr, kt, **TOL[dtype])
+
+
+def check_kv_cache(gen):
+    for dtype in (torch.float32, torch.bfloat16):
+        for interleaved in (True, False):
+            tokens, heads, blocks, bs = 7, 5, 4, 4
+            kv_c = torch.randn(tokens, 512, generator=gen).to(dtype)
+            latent = torch.randn(tokens, 576, generator=gen).to(dtype)
+            k_pe = latent[:, 512:]  # strided, as from the kv_a split
+            q_pe = torch.randn(tokens, heads, 64, generator=gen).to(dtype)
+            cos, sin = _tables(64, 32, gen)
+            pos = torch.randint(0, 64, (tokens,), generator=gen)
+            # -1 (PAD) in the middle, and only 6 slots for 7 tokens (the last token is not stored)
+            slots = torch.tensor([3, -1, 9, 0, -1, 15], dtype=torch.int64)
+            # plain write
+            ref = torch.full((blocks, bs, 576), 7.0).to(dtype)
+            got = ref.clone()
+            mla_kv_cache._concat_and_cache_torch(kv_c[:6], k_pe[:6], ref, slots)
+            mla_kv_cache._launch(6, kv_c=kv_c, k_pe=k_pe, kv_cache=got, slot_mapping=slots)
+            assert torch.equal(ref, got), "concat_and_cache_mla"
+            # fused rope + write
+            ref = torch.full((blocks, bs, 576), 7.0).to(dtype)
+            got = ref.clone()
+            k_out = torch.empty(tokens, 64, dtype=dtype)
+            q_out = torch.empty_like(q_pe)
+            mla_kv_cache._launch(tokens, kv_c=kv_c, k_pe=k_pe, kv_cache=got, slot_mapping=slots, positions=pos,
+                                 cos_cache=cos, sin_cache=sin, interleaved=interleaved, q_pe=q_pe, q_out=q_out,
+                                 k_out=k_out)
+            k_ref = rotary_embedding.rope_torch(k_pe, cos[pos], sin[pos], interleaved)
+            q_ref = rotary_embedding.rope_torch(q_pe, cos[pos][:, None], sin[pos][:, None], interleaved)
+            torch.testing.assert_close(q_out, q_ref, **TOL[dtype])
+            torch.testing.assert_close(k_out, k_ref, **TOL[dtype])
+            # the cache holds exactly the kernel's own rotated k_pe (what rotated_latent_kv returns)
+            mla_kv_cache._concat_and_cache_torch(kv_c[:6], k_out[:6], ref, slots)
+            assert torch.equal(ref, got), "rope_concat_and_cache_mla cache rows"
+            # rope only (kv_cache None): same k values
+            k_only = torch.empty(tokens, 64, dtype=dtype)
+            mla_kv_cache._launch(tokens, kv_c=kv_c, k_pe=k_pe, kv_cache=None, slot_mapping=None, positions=pos,
+                                 cos_cache=cos, sin_cache=sin, interleaved=interleaved,
+                                 q_pe=q_pe[:, :0], q_out=q_out[:, :0], k_out=k_only)
+            assert torch.equal(k_only, k_out)
+
+
+def _experts_float64(x, w13, w2, weights, ids):
+    """Brute force: every (token, slot) through its expert, float64."""
+    x, w13, w2, weights = x.double(), w13.double(), w2.double(), weights.double()
+    inter = w2.shape[-1]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = w13[e, :inter] @ x[t], w13[e, inter:] @ x[t]
+            out[t] += weights[t, j] * (w2[e] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+def check_moe(gen):
+    for num_tokens, num_experts, top_k, block_m in ((1, 8, 3, 16), (5, 8, 2, 16), (33, 6, 4, 16), (40, 4, 2, 32)):
+        hidden, inter = 48, 40  # neither a multiple of the tiles: exercises the masks
+        x = torch.randn(num_tokens, hidden, generator=gen)
+        w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+        w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5
+        ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+        weights = torch.rand(num_tokens, top_k, generator=gen)
+        ref = _experts_float64(x, w13, w2, weights, ids)
+        cfg = dict(BLOCK_M=block_m, GU_BLOCK_N=16, GU_BLOCK_K=32, DOWN_BLOCK_N=32, DOWN_BLOCK_K=16)
+        got = moe_kernels.fused_experts_triton(x, w13, w2, weights, ids, config=cfg)
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(moe_kernels.fused_experts_torch(x, w13, w2, weights, ids).double(), ref,
+                                   rtol=1e-4, atol=1e-4)
+
+
+CHECKS = dict(rms_norm=check_rms_norm, rope=check_rope, kv_cache=check_kv_cache, moe=check_moe)
+
+if __name__ == "__main__":
+    if not layernorm.HAS_TRITON:
+        print("NO_TRITON")
+        sys.exit(0)
+    generator = torch.Generator().manual_seed(0)
+    for name in sys.argv[1:] or list(CHECKS):
+        CHECKS[name](generator)
+    print("TRITON_INTERPRET_OK")
