@@ -4,6 +4,7 @@ correction bias, q_lora on/off, YaRN; plus the registry (architectures / model_t
 import pytest
 import torch
 
+from vllm.forward_context import dense_attention_context
 from vllm.config import ModelConfig, VllmConfig
 from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM
@@ -34,7 +35,7 @@ def test_v2_logits_match_transformers(tmp_path, variant):
                                                           attention_backend="TORCH_MLA")))
     assert isinstance(model, DeepseekV2ForCausalLM)
     assert model.model.layers[1].mlp.gate.e_score_correction_bias is None
-    with torch.no_grad():
+    with torch.no_grad(), dense_attention_context():
         ours = model.compute_logits(model(torch.tensor(PROMPT), torch.arange(len(PROMPT))))
     ref = hf_v2_logits(model_dir, PROMPT)
     rel = (ours - ref).abs().max().item() / ref.abs().max().item()

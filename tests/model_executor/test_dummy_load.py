@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from vllm import LLM, SamplingParams
+from vllm.forward_context import dense_attention_context
 from vllm.config import LoadConfig, ModelConfig, VllmConfig
 from vllm.model_executor.layers.quantization.fp8 import Fp8Config
 from vllm.model_executor.layers.quantization.fp8_utils import FP8_DTYPE
@@ -74,8 +75,8 @@ def test_benchmark_config_shapes_on_meta(model_dir):
     assert tuple(model.model.layers[0].mlp.gate_up_proj.weight.shape) == (2 * 2304, 7168)
     if c.get("n_routed_experts"):
         moe = model.model.layers[-1].mlp
-        assert len(moe.experts) == 256 and moe.top_k == 8 and (moe.num_groups, moe.topk_groups) == (8, 4)
-        assert tuple(moe.experts[0].down_proj.weight.shape) == (7168, 256)
+        assert moe.experts.num_experts == 256 and moe.top_k == 8 and (moe.num_groups, moe.topk_groups) == (8, 4)
+        assert tuple(moe.experts.w2_weight.shape) == (256, 7168, 256)  # [experts, hidden, 2048 / TP8]
     # fp8: every dense projection becomes 1 byte/elem + float32 128x128 block scales
     bf16_bytes = sum(p.numel() * 2 for n, p in model.named_parameters() if p.dtype == torch.bfloat16)
     Fp8Config().apply_to(model, None)
@@ -115,7 +116,7 @@ def test_real_dims_dummy_forward_reduced_layers():
         if quant is not None:
             quant.apply_to(model, None)
         fill_dummy_weights(model, seed=0)
-        with torch.no_grad():
+        with torch.no_grad(), dense_attention_context():
             logits = model.compute_logits(model(ids, torch.arange(8))).float()
         assert torch.isfinite(logits).all()
         assert 0.1 < logits.std().item() < 10.0
@@ -130,7 +131,7 @@ def test_dummy_weights_stay_finite_through_many_layers_and_are_seeded():
         fill_dummy_weights(model, seed=seed)
         models.append(model)
     ids = torch.tensor([5, 17, 29, 41, 53, 65])
-    with torch.no_grad():
+    with torch.no_grad(), dense_attention_context():
         hidden = [m.model(ids, torch.arange(6))[0] for m in models]
     assert torch.isfinite(hidden[0]).all() and hidden[0].abs().max() < 1e3
     assert torch.equal(hidden[0], hidden[1]) and not torch.equal(hidden[0], hidden[2])

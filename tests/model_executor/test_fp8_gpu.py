@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vllm.forward_context import dense_attention_context
 from vllm.model_executor.layers.quantization.fp8_utils import (block_dequantize, block_quantize,
                                                                per_token_group_quant_reference)
 
@@ -70,7 +71,7 @@ def test_tiny_fp8_checkpoint_on_cuda_tracks_cpu_dequantised(tmp_path):
         cfg = VllmConfig(model_config=ModelConfig(model=fp8, dtype=dtype, device=device,
                                                   attention_backend="TORCH_MLA"))
         model = get_model(cfg)
-        with torch.no_grad():
+        with torch.no_grad(), dense_attention_context():
             return model, model.compute_logits(model(prompt.to(device), torch.arange(24, device=device))).float().cpu()
 
     model, gpu = logits("cuda", "bfloat16")
@@ -101,7 +102,7 @@ def test_v3_rank_config_fp8_tracks_bf16_with_dummy_weights():
                          load_config=LoadConfig("dummy"))
         model = get_model(cfg)
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        with torch.no_grad():
+        with torch.no_grad(), dense_attention_context():
             logits = model.compute_logits(model(ids, torch.arange(32, device="cuda"))).float()
         assert torch.isfinite(logits).all()
         results[quant] = (nbytes, logits)

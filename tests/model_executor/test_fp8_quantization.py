@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from vllm.forward_context import dense_attention_context
 from vllm.config import ModelConfig, VllmConfig
 from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
 from vllm.model_executor.layers.quantization.fp8_utils import (FP8_DTYPE, block_dequantize, block_quantize,
@@ -28,7 +29,7 @@ def _config(model_dir, **model_kwargs) -> VllmConfig:
 
 def _logits(model_dir, **model_kwargs):
     model = get_model(_config(model_dir, **model_kwargs))
-    with torch.no_grad():
+    with torch.no_grad(), dense_attention_context():
         return model, model.compute_logits(model(torch.tensor(PROMPT), torch.arange(len(PROMPT))))
 
 
@@ -110,7 +111,8 @@ def test_fp8_checkpoint_logits_equal_dequantised_checkpoint(fp8_pair):
     assert layers[0].mlp.gate_up_proj.weight.dtype == FP8_DTYPE
     assert layers[1].mlp.shared_experts.down_proj.weight.dtype == FP8_DTYPE
     # dequantised at load (plain torch MoE; MLA absorption reads kv_b_proj's weight)
-    assert layers[1].mlp.experts[0].down_proj.weight.dtype == torch.float32
+    experts = layers[1].mlp.experts
+    assert experts.w13_weight.dtype == torch.float32 and experts.w2_weight.dtype == torch.float32
     assert attn.kv_b_proj.weight.dtype == torch.float32
     # auto-detected: no --quantization given
     assert model.model.layers[0].self_attn.kv_a_proj_with_mqa.weight_scale_inv.shape == (5, 2)
