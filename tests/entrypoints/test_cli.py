@@ -19,8 +19,9 @@ SUBPROCESS_CASES = {
     "unknown_spec_key": (["generate", "--speculative-config",
                           '{"method": "dspark", "num_speculative_tokens": 4, "num_spec_tokens": 2}'],
                          ["--speculative-config", "'num_spec_tokens'"]),
-    "missing_spec_key": (["generate", "--speculative-config", '{"method": "dspark"}'],
-                         ["--speculative-config", "'num_speculative_tokens'"]),
+    # num_speculative_tokens may be omitted (it defaults from the drafter); method or model may not
+    "missing_spec_key": (["generate", "--speculative-config", '{"num_speculative_tokens": 4}'],
+                         ["--speculative-config", "'method'"]),
     "tp_not_multiple_of_dcp": (["generate", "-tp", "2", "-dcp", "3"],
                                ["decode_context_parallel_size=3", "tensor_parallel_size=2"]),
     "unknown_model_dir": (["serve", "/nonexistent/model-dir", "--port", "0"],

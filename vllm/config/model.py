@@ -51,6 +51,9 @@ class ModelConfig:
     device: str = "auto"  # auto = cuda when available, else cpu
     tokenizer: str | None = None  # tokenizer directory; None = the model directory
     enforce_eager: bool = False  # True: never capture/replay CUDA graphs
+    quantization: str | None = None  # None = the checkpoint's quantization_config (or none)
+    trust_remote_code: bool = False  # let the tokenizer directory run its own Python code
+    chat_template: str | None = None  # file (or literal Jinja) overriding the tokenizer's template
 
     def __post_init__(self):
         # Cache of the loaded config.json; plain attributes, not fields (kept out of asdict/replace).
@@ -68,6 +71,11 @@ class ModelConfig:
                              "torch.float16 and torch.float32.")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager={self.enforce_eager!r} is invalid: it must be a bool.")
+        if not isinstance(self.trust_remote_code, bool):
+            raise ValueError(f"trust_remote_code={self.trust_remote_code!r} is invalid: it must be a bool.")
+        if self.quantization is not None:
+            from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+            self.quantization = check_choice("quantization", self.quantization, QUANTIZATION_METHODS)
         if not is_int(self.seed):
             raise ValueError(f"seed={self.seed!r} is invalid: it must be an int.")
         backend = self.attention_backend
@@ -116,6 +124,14 @@ class ModelConfig:
             self._hf_config = load_hf_config(self.model)
             self._hf_config_source = self.model
         return self._hf_config
+
+    @property
+    def quant_method(self) -> str | None:
+        """`quantization`, or the checkpoint's quantization_config.quant_method; unsupported
+        methods and conflicts are refused by name."""
+        from vllm.model_executor.layers.quantization import resolve_quantization
+        return resolve_quantization(self.quantization, self.hf_config.get("quantization_config"),
+                                    source=f"{self.model}/config.json")
 
     @property
     def tokenizer_path(self) -> str | None:

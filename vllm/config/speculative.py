@@ -8,23 +8,36 @@ from typing import Any
 from vllm.config._checks import check_choice, check_positive_int
 
 SPECULATIVE_METHODS = ("eagle", "mtp", "dflash", "dspark")
+METHOD_ALIASES = {"deepseek_mtp": "mtp"}  # upstream's name for DeepSeek's MTP
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 REJECTION_SAMPLE_METHODS = ("strict", "probabilistic")
 
 
 @dataclass
 class SpeculativeConfig:
-    method: str
-    model: str | None  # drafter directory; None = the built-in tiny drafter of `method`
-    num_speculative_tokens: int
+    # None = inferred from the draft config (architectures / DFlash / DSpark keys)
+    method: str | None = None
+    # drafter directory; None = MTP: the target's own next-n layers (a user target) or the
+    # built-in tiny drafter of `method` (the built-in tiny target)
+    model: str | None = None
+    # None = from the draft config: DFlash block_size - 1, DSpark block_size, MTP
+    # num_nextn_predict_layers (resolved by resolve_from_draft_config)
+    num_speculative_tokens: int | None = None
     draft_sample_method: str = "greedy"
     rejection_sample_method: str = "strict"
 
     def __post_init__(self):
-        self.method = check_choice("method", self.method, SPECULATIVE_METHODS)
         if self.model is not None and not isinstance(self.model, str):
             self.model = str(self.model)  # accept pathlib.Path
-        check_positive_int("num_speculative_tokens", self.num_speculative_tokens)
+        if self.method is None:
+            if self.model is None:
+                raise ValueError("speculative_config needs a 'method' (one of "
+                                 f"{list(SPECULATIVE_METHODS)}) or a draft 'model' to infer it from.")
+        else:
+            if isinstance(self.method, str):
+                self.method = METHOD_ALIASES.get(self.method.lower(), self.method)
+            self.method = check_choice("method", self.method, SPECULATIVE_METHODS)
+        check_positive_int("num_speculative_tokens", self.num_speculative_tokens, optional=True)
         self.draft_sample_method = check_choice("draft_sample_method", self.draft_sample_method,
                                                 DRAFT_SAMPLE_METHODS)
         self.rejection_sample_method = check_choice(
@@ -52,10 +65,59 @@ class SpeculativeConfig:
             if key not in known:
                 raise ValueError(f"--speculative-config has unknown key {key!r}: allowed keys are "
                                  f"{known}.")
-        for key in ("method", "num_speculative_tokens"):
-            if key not in value:
-                raise ValueError(f"--speculative-config is missing required key {key!r}.")
-        return cls(**{"model": None, **value})
+        if value.get("method") is None and value.get("model") is None:
+            raise ValueError("--speculative-config needs 'method' (one of "
+                             f"{list(SPECULATIVE_METHODS)}) or a draft 'model' to infer it from.")
+        return cls(**value)
+
+    def resolve_from_draft_config(self, draft_config) -> None:
+        """Fill `method` / `num_speculative_tokens` from the drafter's config.json and refuse a
+        k that the drafter's block cannot hold. `draft_config` is an HFConfig (for MTP inside the
+        target: the target's)."""
+        from vllm.model_executor.models.drafter_common import (block_drafter_fields,
+                                                               expected_num_speculative_tokens)
+        where = f"{getattr(draft_config, 'path', None) or self.model}/config.json"
+        if self.method is None:
+            self.method = infer_method(draft_config, where)
+        if self.method in ("dflash", "dspark"):
+            block = block_drafter_fields(draft_config, self.method).block_size
+            capacity = expected_num_speculative_tokens(self.method, block)
+            if self.num_speculative_tokens is None:
+                self.num_speculative_tokens = capacity
+            elif self.num_speculative_tokens > capacity:
+                form = "block_size - 1 (anchor + masks)" if self.method == "dflash" else "block_size"
+                raise ValueError(
+                    f"num_speculative_tokens={self.num_speculative_tokens} does not fit the {self.method} "
+                    f"drafter's block_size={block} ({where}): it drafts at most {form} = {capacity} tokens "
+                    f"per step; set num_speculative_tokens <= {capacity} or omit it")
+        elif self.method == "mtp" and self.num_speculative_tokens is None:
+            # (with k given, the MTP model itself refuses a config without next-n layers at load)
+            n = int(draft_config.get("num_nextn_predict_layers", 0) or 0)
+            if n < 1:
+                raise ValueError(f"speculative method 'mtp' reads the next-n layers of {where}, but it has "
+                                 f"num_nextn_predict_layers={n}; use a checkpoint with MTP layers or set "
+                                 "speculative_config.model to an MTP drafter")
+            self.num_speculative_tokens = n
+        elif self.num_speculative_tokens is None:
+            raise ValueError(f"speculative method {self.method!r} needs num_speculative_tokens "
+                             "(its draft config does not imply one)")
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def infer_method(draft_config, where: str = "config.json") -> str:
+    """The speculative method a draft config.json describes (architectures and format keys)."""
+    values = draft_config.to_dict()
+    arch = " ".join(values.get("architectures") or []).lower()
+    if "dspark" in arch or any(k.startswith("dspark_") for k in values) or "markov_rank" in values:
+        return "dspark"
+    if "dflash" in arch or "dflash_config" in values:
+        return "dflash"
+    if "eagle" in arch:
+        return "eagle"
+    if "mtp" in arch or int(values.get("num_nextn_predict_layers") or 0) > 0:
+        return "mtp"
+    raise ValueError(f"cannot infer the speculative method from {where} (architectures="
+                     f"{values.get('architectures')}); set speculative_config.method to one of "
+                     f"{list(SPECULATIVE_METHODS)}")

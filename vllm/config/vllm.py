@@ -1,11 +1,13 @@
 """VllmConfig: every config of one engine, plus the checks that span several of them."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from vllm.config._checks import check_positive_int
 from vllm.config.cache import CacheConfig
 from vllm.config.compilation import CompilationConfig
+from vllm.config.load import LoadConfig
 from vllm.config.model import ModelConfig
 from vllm.config.parallel import ParallelConfig
 from vllm.config.speculative import SpeculativeConfig
@@ -20,6 +22,7 @@ class VllmConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    load_config: LoadConfig = field(default_factory=LoadConfig)
 
     def __post_init__(self):
         check_positive_int("max_num_seqs", self.max_num_seqs)
@@ -33,11 +36,43 @@ class VllmConfig:
                 "interleave tokens inside each block).")
         if not isinstance(self.compilation_config, CompilationConfig):
             self.compilation_config = CompilationConfig.from_any(self.compilation_config)
+        if not isinstance(self.load_config, LoadConfig):
+            raise ValueError(f"load_config={self.load_config!r} is invalid: pass a LoadConfig.")
         if self.speculative_config is not None and not isinstance(self.speculative_config,
                                                                   SpeculativeConfig):
             self.speculative_config = SpeculativeConfig.from_json(self.speculative_config)
+        self.resolve_speculative_config()
+
+    def resolve_speculative_config(self) -> None:
+        """Complete the speculative config from the drafter's config.json once directories are
+        known (the engine calls this again after substituting the built-in tiny model):
+        MTP without a model on a user target = the target's own next-n layers; `method` and
+        `num_speculative_tokens` default from the draft config; an oversized k is refused."""
+        spec = self.speculative_config
+        target_dir = self.model_config.model
+        if spec is None:
+            return
+        if spec.method == "mtp" and spec.model is None and target_dir is not None:
+            # DeepSeek ships its MTP layer(s) inside the target checkpoint
+            from vllm.transformers_utils.config import load_hf_config
+            n = int(load_hf_config(target_dir).get("num_nextn_predict_layers", 0) or 0)
+            if n < 1:
+                raise ValueError(f"speculative method 'mtp' without a model uses the target's own next-n "
+                                 f"layers, but {target_dir}/config.json has num_nextn_predict_layers={n}; "
+                                 "set speculative_config.model to an MTP drafter directory")
+            spec.model = target_dir
+        if spec.model is None or not os.path.isfile(os.path.join(spec.model, "config.json")):
+            if spec.method is None:
+                raise ValueError(f"speculative_config has no method and {spec.model!r} holds no "
+                                 "config.json to infer it from; set speculative_config.method")
+            return  # resolved later (built-in tiny drafter) or refused at load (missing directory)
+        from vllm.transformers_utils.config import load_hf_config
+        spec.resolve_from_draft_config(load_hf_config(spec.model))
 
     @property
     def num_speculative_tokens(self) -> int:
         spec = self.speculative_config
+        if spec is not None and spec.num_speculative_tokens is None:
+            raise ValueError("speculative_config.num_speculative_tokens is unresolved: call "
+                             "resolve_speculative_config() once the drafter directory is known")
         return 0 if spec is None else spec.num_speculative_tokens

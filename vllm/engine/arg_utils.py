@@ -6,7 +6,8 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Any
 
-from vllm.config import CacheConfig, CompilationConfig, ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
+from vllm.config import (CacheConfig, CompilationConfig, LoadConfig, ModelConfig, ParallelConfig, SpeculativeConfig,
+                         VllmConfig)
 
 
 @dataclass
@@ -33,6 +34,10 @@ class EngineArgs:
     compilation_config: dict[str, Any] | str | None = None
     max_cudagraph_capture_size: int | None = None
     cudagraph_capture_sizes: list[int] | None = None
+    quantization: str | None = None
+    load_format: str = "auto"
+    trust_remote_code: bool = False
+    chat_template: str | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -85,6 +90,15 @@ class EngineArgs:
         group.add_argument("--cudagraph-capture-sizes", type=int, nargs="+",
                            default=d.cudagraph_capture_sizes,
                            help="batch sizes captured in CUDA graphs (default 1 2 4 8 16 ...)")
+        group.add_argument("-q", "--quantization", type=str, default=d.quantization,
+                           help="weight quantisation: fp8 (block 128x128; default: the checkpoint's "
+                                "quantization_config)")
+        group.add_argument("--load-format", type=str, default=d.load_format,
+                           help="auto / safetensors (read the checkpoint) or dummy (seeded random weights)")
+        group.add_argument("--trust-remote-code", action="store_true", default=d.trust_remote_code,
+                           help="allow the tokenizer directory's own Python code (e.g. Kimi's)")
+        group.add_argument("--chat-template", type=str, default=d.chat_template,
+                           help="chat template file (Jinja) overriding the tokenizer's")
         return parser
 
     @classmethod
@@ -109,7 +123,9 @@ class EngineArgs:
                                      max_model_len=self.max_model_len, seed=self.seed,
                                      attention_backend=self.attention_backend,
                                      device=self.device, tokenizer=self.tokenizer,
-                                     enforce_eager=self.enforce_eager),
+                                     enforce_eager=self.enforce_eager, quantization=self.quantization,
+                                     trust_remote_code=self.trust_remote_code,
+                                     chat_template=self.chat_template),
             cache_config=CacheConfig(block_size=self.block_size,
                                      gpu_memory_utilization=self.gpu_memory_utilization,
                                      kv_cache_memory_bytes=self.kv_cache_memory_bytes,
@@ -123,6 +139,7 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             compilation_config=self.create_compilation_config(),
+            load_config=LoadConfig(load_format=self.load_format),
         )
 
     def create_compilation_config(self) -> CompilationConfig:

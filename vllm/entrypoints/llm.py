@@ -78,6 +78,26 @@ class LLM:
             raise RuntimeError(f"prompts {missing} finished without output; the engine lost them")
         return results
 
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True) -> list:
+        """Generate a reply to one conversation (a list of {"role", "content"} dicts) or to each
+        of several. The prompt is the tokenizer's chat template rendering (see
+        entrypoints/openai/chat_template.py); `chat_template` (Jinja text or a file) overrides it."""
+        from vllm.entrypoints.openai.chat_template import (apply_chat_template, encode_chat_prompt,
+                                                           has_chat_template)
+        from vllm.transformers_utils.tokenizer import load_chat_template
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (one "
+                             "conversation) or a list of such lists")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        template = load_chat_template(chat_template)
+        tokenizer = self.get_tokenizer()
+        templated = template is not None or has_chat_template(tokenizer)
+        prompts = [encode_chat_prompt(tokenizer, apply_chat_template(
+            tokenizer, conv, add_generation_prompt=add_generation_prompt, chat_template=template), templated)
+            for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def get_metrics(self) -> dict:
         return self.llm_engine.get_metrics()
 

@@ -93,8 +93,15 @@ def load_hf_config(model_dir: str) -> HFConfig:
             f"no config.json in {model_dir!r}; point the model path at a directory holding "
             "config.json and *.safetensors (write_tiny_models() creates one)"
         )
-    with open(path, encoding="utf-8") as f:
-        values = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}; fix or "
+                         "re-download it") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); is it really a "
+                         "config.json?") from None
     if not isinstance(values, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(values).__name__}")
     return HFConfig(values, path=os.fspath(model_dir))

@@ -20,7 +20,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vllm.entrypoints.openai.api_server import run_server
-    from vllm.transformers_utils.tokenizer import get_tokenizer
+    from vllm.transformers_utils.tokenizer import get_tokenizer_for
     from vllm.v1.engine.async_llm import AsyncLLM
 
     config, display = create_vllm_config(args)
@@ -28,5 +28,5 @@ def run(args: argparse.Namespace) -> int:
     # The HTTP thread tokenizes with its own instance: tokenizer objects are not shared across
     # threads (the engine thread detokenizes concurrently).
     run_server(llm, args, model_dir=config.model_config.model,
-               tokenizer=get_tokenizer(config.model_config.model))
+               tokenizer=get_tokenizer_for(config.model_config))
     return 0

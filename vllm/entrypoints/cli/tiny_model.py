@@ -16,6 +16,9 @@ def register(subparsers) -> None:
     parser.add_argument("--train-steps", type=int, default=None, metavar="N",
                         help="drafter distillation steps (default: the writer's default; 0 = "
                              "random drafters, fastest)")
+    parser.add_argument("--quantize", choices=["fp8"], default=None,
+                        help="also write <output>/target-fp8: the target block-quantised to fp8 "
+                             "(128x128 weight_scale_inv, as DeepSeek-V3 ships)")
     parser.add_argument("--force", action="store_true", help="rewrite even if already complete")
     parser.set_defaults(dispatch=run)
 
@@ -33,5 +36,9 @@ def run(args: argparse.Namespace) -> int:
     paths = write_tiny_models(**kwargs)
     for name in ("target", "eagle", "mtp", "dflash", "dspark"):
         print(f"{name:>7}: {getattr(paths, name)}")
+    if args.quantize == "fp8":
+        from vllm.model_executor.model_loader.fp8_writer import write_fp8_checkpoint
+        fp8_dir = write_fp8_checkpoint(paths.target, os.path.join(os.path.dirname(paths.target), "target-fp8"))
+        print(f"{'fp8':>7}: {fp8_dir}")
     print(f"serve it with: vllm serve {paths.target}")
     return 0

@@ -12,7 +12,7 @@ import asyncio
 import json
 from typing import Any, AsyncIterator
 
-from vllm.entrypoints.openai.chat_template import apply_chat_template
+from vllm.entrypoints.openai.chat_template import apply_chat_template, encode_chat_prompt, has_chat_template
 from vllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                               error_body, new_id, now_s, usage)
 from vllm.v1.engine.async_llm import AsyncLLM, EngineDeadError
@@ -223,7 +223,7 @@ class OpenAIServing:
             prompt_text = apply_chat_template(self.tokenizer, messages)
         except ValueError as error:
             raise APIError(str(error), 400, "messages") from error
-        prompt_ids = encode(self.tokenizer, prompt_text)
+        prompt_ids = encode_chat_prompt(self.tokenizer, prompt_text, has_chat_template(self.tokenizer))
         max_tokens = request.max_completion_tokens or request.max_tokens
         params = self.sampling_params(request, self.check_length(prompt_ids, max_tokens))
         streams = await self.admit([prompt_ids], [params])

@@ -3,6 +3,10 @@
 Column-parallel layers split the output features (the input is replicated on every rank and the
 output stays sharded); row-parallel layers split the input features and all-reduce the output.
 Each parameter carries a `weight_loader(param, full_tensor[, shard_id])` used by `load_weights`.
+
+Quantisation hook: a quantisation method (layers/quantization) may replace `weight` with a
+quantised parameter, add its scales (loaded by `scale_loader(block)`, sharded like the weight in
+block units) and set `quant_method`; `forward` then calls `quant_method.apply(layer, x, bias)`.
 """
 from __future__ import annotations
 
@@ -14,7 +18,26 @@ from vllm.model_executor.layers.parallel_utils import divide, tp_group
 from vllm.model_executor.layers.weight_utils import default_weight_loader, load_shard
 
 
-class ReplicatedLinear(nn.Module):
+class LinearBase(nn.Module):
+    """Shared by every linear layer: `quant_method` (None = plain F.linear) and which dim is
+    sharded under TP (`shards_output` / `shards_input`), which quantisation needs for its scales."""
+
+    shards_output = False
+    shards_input = False
+    quant_method = None
+    tp_size, tp_rank = 1, 0
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, bias)
+        return F.linear(x, self.weight, bias)
+
+    def scale_loader(self, block: tuple[int, int]):
+        """weight_loader for block scales [ceil(N/bn), ceil(K/bk)] of this layer's weight."""
+        return default_weight_loader
+
+
+class ReplicatedLinear(LinearBase):
     """Full weight on every rank (small projections such as q_a_proj / kv_a_proj_with_mqa)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
@@ -29,11 +52,13 @@ class ReplicatedLinear(nn.Module):
             self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(LinearBase):
     """Y_local = X W_local^T with W split along the output dim; output stays sharded."""
+
+    shards_output = True
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
@@ -52,8 +77,12 @@ class ColumnParallelLinear(nn.Module):
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
         load_shard(param, loaded, dim=0, rank=self.tp_rank, world=self.tp_size)
 
+    def scale_loader(self, block):
+        # Shards are block-aligned (checked when quantising), so scale rows shard like weight rows.
+        return lambda param, loaded: load_shard(param, loaded, dim=0, rank=self.tp_rank, world=self.tp_size)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -72,9 +101,23 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         dst = param.narrow(0, offset, self.local_sizes[shard_id])
         load_shard(param, loaded, dim=0, rank=self.tp_rank, world=self.tp_size, dst=dst)
 
+    def scale_loader(self, block):
+        bn = block[0]
 
-class RowParallelLinear(nn.Module):
+        def load(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+            if shard_id is None:
+                raise ValueError("MergedColumnParallelLinear scales load per shard; pass shard_id")
+            # every projection is a whole number of blocks (checked when quantising)
+            offset = sum(self.local_sizes[:shard_id]) // bn
+            dst = param.narrow(0, offset, self.local_sizes[shard_id] // bn)
+            load_shard(param, loaded, dim=0, rank=self.tp_rank, world=self.tp_size, dst=dst)
+        return load
+
+
+class RowParallelLinear(LinearBase):
     """Y = all_reduce(X_local W_local^T) + b with W split along the input dim."""
+
+    shards_input = True
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True):
         super().__init__()
@@ -94,8 +137,11 @@ class RowParallelLinear(nn.Module):
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
         load_shard(param, loaded, dim=1, rank=self.tp_rank, world=self.tp_size)
 
+    def scale_loader(self, block):
+        return lambda param, loaded: load_shard(param, loaded, dim=1, rank=self.tp_rank, world=self.tp_size)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = self._matmul(x, None)
         if self.reduce_results and self.tp_size > 1:
             out = tp_group().all_reduce(out)
         if self.bias is not None:

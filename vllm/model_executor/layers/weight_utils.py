@@ -15,9 +15,17 @@ def check_full_shape(loaded: torch.Tensor, expected_full: tuple[int, ...]) -> No
         )
 
 
+def _check_not_requantizing(loaded: torch.Tensor, dst: torch.Tensor) -> None:
+    # A plain cast to float8 would drop the block scales: the loader quantises first.
+    if dst.dtype == torch.float8_e4m3fn and loaded.dtype != torch.float8_e4m3fn:
+        raise WeightShapeError(f"an fp8 parameter received a {loaded.dtype} tensor; unquantised "
+                               "weights must be block-quantised before loading")
+
+
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     """Unsharded parameter: shapes must match exactly."""
     check_full_shape(loaded, tuple(param.shape))
+    _check_not_requantizing(loaded, param)
     with torch.no_grad():
         param.copy_(loaded.to(dtype=param.dtype, device=param.device))
 
@@ -29,6 +37,7 @@ def load_shard(param: torch.Tensor, loaded: torch.Tensor, *, dim: int, rank: int
     expected = list(dst.shape)
     expected[dim] *= world
     check_full_shape(loaded, tuple(expected))
+    _check_not_requantizing(loaded, dst)
     size = dst.shape[dim]
     piece = loaded.narrow(dim, rank * size, size)
     with torch.no_grad():

@@ -20,15 +20,16 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.models.deepseek_v3 import DeepseekV3DecoderLayer, attention_backend_name
 from vllm.model_executor.models.drafter_common import (DEFAULT_DRAFT_PREFIX, SHARED_WITH_TARGET,
-                                                       TargetSharingDrafter, drafter_config)
+                                                       TargetSharingDrafter, block_drafter_fields,
+                                                       drafter_config)
 from vllm.model_executor.models.weight_loading import load_named_weights
 
 
 class BlockDrafterModel(nn.Module):
-    def __init__(self, config, *, prefix: str, attention_backend: str):
+    def __init__(self, config, *, prefix: str, attention_backend: str, num_target_layers: int):
         super().__init__()
         target_hidden = config.get("target_hidden_size", config.hidden_size)
-        self.fc = ReplicatedLinear(len(config.target_layer_ids) * target_hidden, config.hidden_size)
+        self.fc = ReplicatedLinear(num_target_layers * target_hidden, config.hidden_size)
         self.hidden_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList(
             DeepseekV3DecoderLayer(config, i, prefix=f"{prefix}.layers.{i}", attention_backend=attention_backend,
@@ -38,19 +39,25 @@ class BlockDrafterModel(nn.Module):
 
 
 class DFlashMLAForCausalLM(TargetSharingDrafter):
+    method = "dflash"
+
     def __init__(self, *, vllm_config=None, prefix: str = "", hf_config=None):
         super().__init__()
         self.config = drafter_config(vllm_config, hf_config)
-        for field in ("target_layer_ids", "block_size", "mask_token_id"):
-            if field not in self.config.to_dict():
-                raise ValueError(f"{type(self).__name__} config lacks {field!r}; block drafters need "
-                                 "target_layer_ids, block_size and mask_token_id in config.json")
-        self.target_layer_ids = tuple(int(i) for i in self.config.target_layer_ids)
-        self.block_size = int(self.config.block_size)
-        self.mask_token_id = int(self.config.mask_token_id)
+        fields = block_drafter_fields(self.config, self.method)
+        self.fields = fields
+        self.target_layer_ids = fields.target_layer_ids
+        self.block_size = fields.block_size
+        self.mask_token_id = fields.mask_token_id
+        # Canonical names on the config too (the speculator reads config.target_layer_ids /
+        # mask_token_id), whichever upstream layout config.json used.
+        self.config.target_layer_ids = list(fields.target_layer_ids)
+        self.config.block_size = fields.block_size
+        self.config.mask_token_id = fields.mask_token_id
         prefix = prefix or DEFAULT_DRAFT_PREFIX
         self.model = BlockDrafterModel(self.config, prefix=f"{prefix}.model",
-                                       attention_backend=attention_backend_name(vllm_config))
+                                       attention_backend=attention_backend_name(vllm_config),
+                                       num_target_layers=len(self.target_layer_ids))
 
     def check_target_fit(self, target_config) -> None:
         layers = target_config.num_hidden_layers

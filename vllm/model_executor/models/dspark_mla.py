@@ -29,11 +29,12 @@ class MarkovHead(nn.Module):
 
 
 class DSparkMLAForCausalLM(DFlashMLAForCausalLM):
+    method = "dspark"
+
     def __init__(self, *, vllm_config=None, prefix: str = "", hf_config=None):
         super().__init__(vllm_config=vllm_config, prefix=prefix, hf_config=hf_config)
-        if "markov_rank" not in self.config.to_dict():
-            raise ValueError("DSpark config lacks 'markov_rank' (rank of the Markov head); add it to config.json")
-        self.markov_head = MarkovHead(self.config.vocab_size, int(self.config.markov_rank))
+        # markov_rank / markov_head_type were validated by block_drafter_fields
+        self.markov_head = MarkovHead(self.config.vocab_size, self.fields.markov_rank)
 
     def markov_logits_bias(self, prev_token_ids: torch.Tensor) -> torch.Tensor:
         """prev_token_ids [B] -> [B, V] logit bias."""

@@ -4,6 +4,8 @@ Decoding one token at a time is wrong for byte-level BPE (a character can span t
 tokenizers that drop a word's leading space at the start of a decode. So each step decodes a short
 window that starts a few tokens back (`prefix_offset`) and emits only the text past the window's
 already-emitted part (`read_offset`), holding back while the text ends in an incomplete character.
+Tokenizers backed by the `tokenizers` library use its `DecodeStream` instead (same contract: text
+appears once its characters are complete), primed with the same prompt context.
 """
 from __future__ import annotations
 
@@ -28,6 +30,16 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         self.output_text = ""
         self.stopped = False
+        self._stream = None
+        backend = getattr(tokenizer, "backend", None)
+        if backend is not None:
+            try:
+                from tokenizers.decoders import DecodeStream
+            except ImportError:  # older tokenizers: the windowed decode below
+                DecodeStream = None
+            if DecodeStream is not None:
+                self._backend = backend
+                self._stream = DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -35,6 +47,17 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: Sequence[int]) -> str | None:
         """Append tokens; return the stop string if one appeared (text is then cut at it)."""
         if self.stopped:
+            return None
+        if self._stream is not None:
+            for token in new_token_ids:
+                delta = self._stream.step(self._backend, int(token))
+                if not delta:
+                    continue
+                self.output_text += delta
+                matched = self._find_stop(len(delta))
+                if matched is not None:
+                    self.stopped = True
+                    return matched
             return None
         for token in new_token_ids:
             self._tokens.append(int(token))

@@ -38,6 +38,8 @@ def resolve_model_paths(vllm_config) -> None:
     needs_drafter = spec is not None and spec.model is None
     if not (needs_target or needs_drafter):
         return
+    if needs_drafter and spec.method is None:
+        raise ValueError("speculative_config needs a method or a model")
     from vllm.model_executor.models.tiny import write_tiny_models
     paths = write_tiny_models()
     if needs_target:
@@ -48,6 +50,7 @@ def resolve_model_paths(vllm_config) -> None:
             raise ValueError(f"no built-in tiny drafter for speculative method {spec.method!r}; "
                              "set speculative_config.model to a drafter checkpoint directory")
         spec.model = str(drafter_dir)
+    vllm_config.resolve_speculative_config()  # defaults from the now-known drafter config
 
 
 @dataclass
@@ -67,8 +70,8 @@ class LLMEngine:
         self.vllm_config = vllm_config
         resolve_model_paths(vllm_config)
         model_config = vllm_config.model_config
-        from vllm.transformers_utils.tokenizer import get_tokenizer
-        self.tokenizer = get_tokenizer(model_config.model)
+        from vllm.transformers_utils.tokenizer import get_tokenizer_for
+        self.tokenizer = get_tokenizer_for(model_config)  # --tokenizer / --trust-remote-code / --chat-template
         hf_config = model_config.hf_config
         self.vocab_size = int(getattr(hf_config, "vocab_size"))
         self.eos_token_id = self.tokenizer.eos_token_id

@@ -1,0 +1,115 @@
+"""GPU checks of block FP8 (run on the H200: `pytest -m gpu tests/model_executor/test_fp8_gpu.py`).
+
+* the Triton W8A8 block-FP8 GEMM at DeepSeek-V3 per-TP8-rank dims equals (a) the exact float32
+  product of the same quantised operands and (b) the dequantised bf16 GEMM within fp8 tolerance;
+* the Triton activation quantisation equals the torch reference on the GPU;
+* the tiny fp8 checkpoint on CUDA (bf16, fp8 GEMMs) tracks the same checkpoint on CPU (exact
+  dequantisation, float32).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm.forward_context import dense_attention_context
+from vllm.model_executor.layers.quantization.fp8_utils import (block_dequantize, block_quantize,
+                                                               per_token_group_quant_reference)
+
+# (N, K) of the dense projections of one DeepSeek-V3 TP8 rank: q_a, q_b (16 heads x 192), kv_a,
+# o_proj (16 x 128 in), dense MLP gate_up (2 x 2304) and down
+V3_RANK_SHAPES = [(1536, 7168), (3072, 1536), (576, 7168), (7168, 2048), (4608, 7168), (7168, 2304)]
+BLOCK = (128, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 32])
+@pytest.mark.parametrize("n,k", V3_RANK_SHAPES)
+def test_fp8_gemm_matches_dequantised_bf16(m, n, k):
+    from vllm.model_executor.layers.quantization.fp8_kernels import (per_token_group_quant_fp8,
+                                                                     w8a8_block_fp8_matmul)
+    gen = torch.Generator(device="cuda").manual_seed(m * 7 + n)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5)
+    qw, sw = block_quantize(w, BLOCK)
+    qa, sa = per_token_group_quant_fp8(x, BLOCK[1])
+    got = w8a8_block_fp8_matmul(qa, sa, qw, sw, BLOCK, torch.bfloat16)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    # (a) same quantised operands, float32 dequantised product: only bf16 output rounding differs
+    exact = (qa.float() * sa.repeat_interleave(BLOCK[1], 1)[:, :k]) @ block_dequantize(qw, sw, BLOCK).T
+    rel_a = (got.float() - exact).norm() / exact.norm()
+    assert rel_a < 1e-2, rel_a.item()
+    # (b) dequantised bf16 GEMM on the unquantised activation: fp8 activation rounding (3 mantissa
+    # bits, RMS relative error ~3.6 %) is the whole difference
+    ref = F.linear(x, block_dequantize(qw, sw, BLOCK, torch.bfloat16))
+    rel_b = (got.float() - ref.float()).norm() / ref.float().norm()
+    assert rel_b < 0.06, rel_b.item()
+
+
+@pytest.mark.gpu
+def test_activation_quant_kernel_matches_torch_on_gpu():
+    from vllm.model_executor.layers.quantization.fp8_kernels import per_token_group_quant_fp8
+    x = torch.randn(37, 7168, device="cuda", dtype=torch.bfloat16) * 3
+    q, s = per_token_group_quant_fp8(x, 128)
+    q_ref, s_ref = per_token_group_quant_reference(x, 128)
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    mismatch = (q.float() != q_ref.float()).float().mean().item()
+    assert mismatch < 1e-3, mismatch  # division rounding may flip a rare tie
+
+
+@pytest.mark.gpu
+def test_tiny_fp8_checkpoint_on_cuda_tracks_cpu_dequantised(tmp_path):
+    from vllm.config import ModelConfig, VllmConfig
+    from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
+    from vllm.model_executor.model_loader import get_model
+    from vllm.model_executor.model_loader.fp8_writer import write_fp8_checkpoint
+    from vllm.model_executor.models.tiny import write_random_target
+
+    src = write_random_target(str(tmp_path / "fp32"), seed=4)
+    fp8 = write_fp8_checkpoint(src, str(tmp_path / "fp8"))
+    prompt = torch.tensor([(7 * i * i + 3 * i + 11) % 256 for i in range(24)])
+
+    def logits(device, dtype):
+        cfg = VllmConfig(model_config=ModelConfig(model=fp8, dtype=dtype, device=device,
+                                                  attention_backend="TORCH_MLA"))
+        model = get_model(cfg)
+        with torch.no_grad(), dense_attention_context():
+            return model, model.compute_logits(model(prompt.to(device), torch.arange(24, device=device))).float().cpu()
+
+    model, gpu = logits("cuda", "bfloat16")
+    assert isinstance(model.model.layers[0].self_attn.o_proj.quant_method, Fp8LinearMethod)
+    _, cpu = logits("cpu", "float32")
+    rel = (gpu - cpu).norm() / cpu.norm()
+    assert rel < 0.1, rel.item()
+    agree = (gpu.argmax(-1) == cpu.argmax(-1)).float().mean().item()
+    assert agree >= 0.8, agree
+
+
+@pytest.mark.gpu
+def test_v3_rank_config_fp8_tracks_bf16_with_dummy_weights():
+    """benchmarks/configs/deepseek_v3_tp8_rank at full size on one GPU, dummy weights (same seed:
+    the fp8 weights are the block-quantised bf16 ones): logits track, weight bytes about halve."""
+    from pathlib import Path
+
+    from vllm.config import LoadConfig, ModelConfig, VllmConfig
+    from vllm.model_executor.model_loader import get_model
+
+    model_dir = str(Path(__file__).parents[2] / "benchmarks" / "configs" / "deepseek_v3_tp8_rank")
+    ids = torch.arange(1, 33, device="cuda")
+    results = {}
+    for quant in (None, "fp8"):
+        cfg = VllmConfig(model_config=ModelConfig(model=model_dir, dtype="bfloat16", device="cuda",
+                                                  attention_backend="TORCH_MLA", quantization=quant,
+                                                  max_model_len=4096),
+                         load_config=LoadConfig("dummy"))
+        model = get_model(cfg)
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        with torch.no_grad(), dense_attention_context():
+            logits = model.compute_logits(model(ids, torch.arange(32, device="cuda"))).float()
+        assert torch.isfinite(logits).all()
+        results[quant] = (nbytes, logits)
+        del model
+        torch.cuda.empty_cache()
+    (bf16_bytes, bf16), (fp8_bytes, fp8) = results[None], results["fp8"]
+    vocab_bytes = 2 * 2 * 16160 * 7168  # embedding + LM head stay bf16
+    assert (fp8_bytes - vocab_bytes) / (bf16_bytes - vocab_bytes) < 0.52
+    rel = (fp8 - bf16).norm() / bf16.norm()
+    assert rel < 0.2, rel.item()  # 8 layers of fp8 weight + activation rounding
