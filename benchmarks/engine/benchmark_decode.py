@@ -121,6 +121,16 @@ def run_case(args, method: str, batch: int, context: int, eager: bool) -> dict:
         top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:8]
         spec_stats = engine.scheduler.get_stats().get("spec_decode") or {}
         n = args.profile_steps
+        # Memory ideal of one step: every weight read once + the KV cache of every request read
+        # once per layer (target; the drafter's share is small), at the copy bandwidth measured.
+        runner = engine.executor.worker.model_runner
+        weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+        if runner.draft_model is not None:
+            weight_bytes += sum(p.numel() * p.element_size()
+                                for p in runner.draft_model.parameters())
+        num_layers = int(runner.model.config.num_hidden_layers)
+        kv_bytes = batch * (context + 8) * 576 * 2 * num_layers
+        ideal_ms = (weight_bytes + kv_bytes) / args.bandwidth * 1e3
         return {
             "method": method, "batch": batch, "context": context,
             "mode": "eager" if eager else "graphs",
@@ -129,6 +139,8 @@ def run_case(args, method: str, batch: int, context: int, eager: bool) -> dict:
             "syncs_per_step": syncs / n, "launches_per_step": launches / n,
             "tok_s": tokens / sum(times),
             "mean_acceptance_length": spec_stats.get("mean_acceptance_length"),
+            "weight_GB": weight_bytes / 1e9, "ideal_ms": ideal_ms,
+            "mbu": ideal_ms / (statistics.median(times) * 1e3),
             "top_kernels_ms_per_step": [(k[:80], v / 1e3 / n) for k, v in top],
         }
     finally:
@@ -154,6 +166,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
+    args.bandwidth = bandwidth
     rows = []
     for context in args.contexts:
         for batch in args.batch_sizes:
@@ -175,13 +188,15 @@ def main() -> None:
         json.dump(result, f, indent=1)
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s on {result['device']}")
     print(f"{'method':8} {'B':>3} {'ctx':>6} {'mode':6} {'step_ms':>8} {'kern_ms':>8} {'busy':>5} "
-          f"{'sync':>5} {'launch':>6} {'tok/s':>8} {'AL':>5} {'spec_x':>6} {'ovh':>5}")
+          f"{'sync':>5} {'launch':>6} {'tok/s':>8} {'AL':>5} {'spec_x':>6} {'ovh':>5} "
+          f"{'ideal':>6} {'x_ideal':>7}")
     for r in rows:
         al = r.get("mean_acceptance_length")
         print(f"{r['method']:8} {r['batch']:>3} {r['context']:>6} {r['mode']:6} {r['step_ms']:8.3f} "
               f"{r['kernel_ms']:8.3f} {r['busy']:5.2f} {r['syncs_per_step']:5.1f} "
               f"{r['launches_per_step']:6.0f} {r['tok_s']:8.0f} {al if al is None else round(al, 2)!s:>5} "
-              f"{r.get('spec_factor', float('nan')):6.2f} {r.get('overhead', float('nan')):5.2f}")
+              f"{r.get('spec_factor', float('nan')):6.2f} {r.get('overhead', float('nan')):5.2f} "
+              f"{r['ideal_ms']:6.3f} {r['step_ms'] / r['ideal_ms']:7.1f}")
     graphs = {(r["method"], r["batch"], r["context"]): r for r in rows if r["mode"] == "graphs"}
     for r in rows:
         g = graphs.get((r["method"], r["batch"], r["context"]))
