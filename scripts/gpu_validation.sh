@@ -4,6 +4,8 @@
 #   bash scripts/gpu_validation.sh bench     # benchmarks/kernels/benchmark_mla_dcp.py (DCP 1,2)
 #   bash scripts/gpu_validation.sh engine    # engine / e2e exactness (FlashInfer DCP 1 and 2) GPU tests
 #   bash scripts/gpu_validation.sh surface   # `vllm generate` / `vllm serve` on CUDA (needs fastapi there)
+#   bash scripts/gpu_validation.sh runner    # CUDA graphs vs eager, sync budget, fused kernels, fp8, prefill
+#   bash scripts/gpu_validation.sh decode    # benchmarks/engine/benchmark_decode.py (tiny + V3-rank dummy)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
 set -uo pipefail
 out="${OUT:-out}"; mkdir -p "$out"
@@ -30,6 +32,18 @@ for what in "$@"; do
       summary+=("bench rc=$?"); tail -n 40 "$out/bench.log" ;;
     engine) run_pytest engine tests/v1/engine tests/v1/e2e tests/v1/spec_decode tests/v1/worker/test_gpu_model_runner.py tests/entrypoints/llm ;;
     surface) run_pytest surface tests/entrypoints --ignore=tests/entrypoints/llm ;;  # needs fastapi/uvicorn (README: GPU node)
+    runner) run_pytest runner tests/v1/worker tests/model_executor tests/v1/attention tests/v1/sample ;;
+    decode)
+      timeout "${DECODE_TIMEOUT_S:-280}" python3 benchmarks/engine/benchmark_decode.py \
+        --batch-sizes 1 8 --contexts 256 --methods none dspark eagle --steps 30 \
+        --out "$out/decode_tiny" >"$out/decode_tiny.log" 2>&1
+      summary+=("decode tiny rc=$?"); grep -v "^{" "$out/decode_tiny.log" | tail -n 30
+      timeout "${DECODE_V3_TIMEOUT_S:-300}" python3 benchmarks/engine/benchmark_decode.py \
+        --model benchmarks/configs/deepseek_v3_tp8_rank --load-format dummy \
+        --draft-model benchmarks/configs/deepseek_v3_tp8_rank_dspark \
+        --batch-sizes ${V3_BATCHES:-1 8 32 64} --contexts ${V3_CONTEXTS:-1024} --methods none dspark \
+        --steps 20 --out "$out/decode_v3" >"$out/decode_v3.log" 2>&1
+      summary+=("decode v3 rc=$?"); grep -v "^{" "$out/decode_v3.log" | tail -n 40 ;;
     *) echo "unknown group $what" >&2; exit 2 ;;
   esac
 done
