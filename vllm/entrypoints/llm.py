@@ -78,6 +78,23 @@ class LLM:
             raise RuntimeError(f"prompts {missing} finished without output; the engine lost them")
         return results
 
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list:
+        """Render each conversation with the tokenizer's chat template, then generate.
+
+        messages: one conversation (a list of {"role", "content"} dicts) or a list of them."""
+        from vllm.entrypoints.openai.chat_template import apply_chat_template
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages is empty; pass a list of {'role': ..., 'content': ...} "
+                             "dicts or a list of such conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            text = apply_chat_template(self.tokenizer, list(conversation))
+            # The template already holds the special tokens: encode without adding more.
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt_token_ids": list(getattr(ids, "ids", ids)), "prompt": text})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def get_metrics(self) -> dict:
         return self.llm_engine.get_metrics()
 
@@ -92,7 +109,7 @@ class LLM:
 
 
 def _normalize_prompts(prompts) -> list:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     prompts = list(prompts)
     if not prompts:
@@ -100,7 +117,8 @@ def _normalize_prompts(prompts) -> list:
     if all(isinstance(t, int) for t in prompts):
         return [prompts]  # a single token-id prompt
     for prompt in prompts:
-        if not (isinstance(prompt, str) or (isinstance(prompt, (list, tuple))
-                                             and all(isinstance(t, int) for t in prompt))):
-            raise ValueError(f"prompt {prompt!r} is neither a string nor a list of token ids")
-    return [p if isinstance(p, str) else list(p) for p in prompts]
+        if not (isinstance(prompt, (str, dict)) or (isinstance(prompt, (list, tuple))
+                                                    and all(isinstance(t, int) for t in prompt))):
+            raise ValueError(f"prompt {prompt!r} is neither a string nor a list of token ids (nor "
+                             "a TextPrompt / TokensPrompt dict)")
+    return [p if isinstance(p, (str, dict)) else list(p) for p in prompts]

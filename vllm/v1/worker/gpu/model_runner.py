@@ -27,6 +27,7 @@ from vllm.v1.worker.gpu.block_table import BlockTables
 from vllm.v1.worker.gpu.cp_utils import prepare_dcp_local_seq_lens
 from vllm.v1.worker.gpu.input_batch import InputBuffers
 from vllm.v1.worker.gpu.request_states import RequestStates
+from vllm.v1.worker.gpu.sample_utils import BatchRows, SamplingStates
 from vllm.v1.worker.gpu.spec_decode import get_speculator_cls
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftInputs
 
@@ -98,11 +99,15 @@ class GPUModelRunner:
         self.kv_caches: dict[str, torch.Tensor] = {}
         # Probabilistic drafting: q [k, V] of each request's pending drafts, for verification.
         self.pending_draft_probs: dict[str, torch.Tensor] = {}
+        # Penalties, logits processors and logprobs (sample_utils.py); sized once the model is known.
+        self.sampling_states: SamplingStates | None = None
 
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
         from vllm.model_executor.model_loader import get_draft_model, get_model
         self.model = get_model(self.vllm_config)
+        vocab_size = int(self.vllm_config.model_config.hf_config.vocab_size)
+        self.sampling_states = SamplingStates(self.max_num_reqs, vocab_size, self.device)
         if self.spec_config is not None:
             self.draft_model = get_draft_model(self.vllm_config, self.model)
 
@@ -187,6 +192,9 @@ class GPUModelRunner:
                 scheduler_output.preempted_req_ids):
             state = self.requests.remove(req_id)
             self.pending_draft_probs.pop(req_id, None)
+            self.sampling_states.remove_request(
+                req_id, state.slot if state is not None else None,
+                finished=req_id in scheduler_output.finished_req_ids)
             if state is not None:
                 self.block_tables.remove_request(state.slot)
             if req_id in scheduler_output.finished_req_ids:
@@ -201,6 +209,8 @@ class GPUModelRunner:
                                                overwrite=True)
             # Idempotent per request id: a preempted request keeps its generator and its draws.
             self.generators.add_request(new.req_id, new.sampling_params)
+            self.sampling_states.add_request(new.req_id, state.slot, new.prompt_token_ids,
+                                             new.sampling_params)
 
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, new_block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
@@ -240,8 +250,14 @@ class GPUModelRunner:
                 # group's slot mapping of this very step.
                 self.speculator.precompute_context(aux_hidden, positions)
 
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        raw_logits = self.model.compute_logits(hidden[batch.logits_indices])
         req_ids = batch.req_ids
+        sample_rows = BatchRows(req_ids, [self.requests[r].slot for r in req_ids], batch.drafts,
+                                [self.requests[r].token_ids for r in req_ids])
+        prompt_logprobs = self.sampling_states.prompt_logprobs(
+            self.model.compute_logits, hidden, req_ids, batch.query_start_loc_np.tolist(),
+            [self.requests[r].token_ids for r in req_ids], (batch.num_computed == 0).tolist())
+        logits = self.sampling_states.process_logits(raw_logits, sample_rows)
         params = [self.requests[r].sampling_params for r in req_ids]
         sampling_metadata = SamplingMetadata.from_sampling_params(
             params, self.device, self.generators.for_batch(req_ids))
@@ -255,6 +271,7 @@ class GPUModelRunner:
             sampled = [[t] for t in self.sampler(logits, sampling_metadata).tolist()]
             num_draft, num_accepted = [0] * num_reqs, [0] * num_reqs
 
+        logprobs = self.sampling_states.after_sampling(raw_logits, sample_rows, sampled)
         num_computed_old = batch.num_computed
         num_scheduled = batch.num_scheduled
         num_rejected = np.asarray(num_draft, dtype=np.int64) - np.asarray(num_accepted, np.int64)
@@ -293,7 +310,8 @@ class GPUModelRunner:
 
         return ModelRunnerOutput(req_ids=list(req_ids), sampled_token_ids=sampled,
                                  spec_token_ids=spec_token_ids, num_draft_tokens=list(num_draft),
-                                 num_accepted_tokens=list(num_accepted))
+                                 num_accepted_tokens=list(num_accepted), logprobs=logprobs,
+                                 prompt_logprobs=prompt_logprobs)
 
     def _draft_probs_for(self, req_ids: list[str], drafts: list[list[int]],
                          logits: torch.Tensor) -> torch.Tensor | None:
