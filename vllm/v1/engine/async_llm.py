@@ -36,7 +36,8 @@ _request_counter = itertools.count()
 
 
 def _num_output_tokens(output) -> int:
-    return len(output.outputs[0].token_ids) if output.outputs else 0
+    """All samples' tokens (n > 1: one RequestOutput carries every sample)."""
+    return sum(len(c.token_ids) for c in output.outputs)
 
 
 class RequestStream:
