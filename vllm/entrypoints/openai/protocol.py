@@ -59,6 +59,8 @@ class _SamplingFields(BaseModel):
     allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    # Render logprob tokens as "token_id:{id}" (byte-level tokens often decode to the same "\ufffd").
+    return_tokens_as_token_ids: bool | None = None
     # Declared so they can be refused by name (serving.check_supported).
     best_of: int | None = None
     response_format: ResponseFormat | None = None

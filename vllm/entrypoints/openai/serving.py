@@ -189,7 +189,9 @@ class OpenAIServing:
     def _abort_unfinished(self, streams) -> None:
         self._abort([stream for stream in streams if not stream.finished])
 
-    def _token_str(self, token_id: int, entry=None) -> str:
+    def _token_str(self, as_ids: bool, token_id: int, entry=None) -> str:
+        if as_ids:
+            return f"token_id:{token_id}"
         decoded = getattr(entry, "decoded_token", None) if entry is not None else None
         if decoded is not None:
             return decoded
@@ -223,6 +225,7 @@ class OpenAIServing:
         if request.stream:
             return self._stream_completion(request, request_id, created, prompts, streams)
         finals = await self._collect(streams)
+        as_ids = bool(request.return_tokens_as_token_ids)
         choices = []
         num_generated = 0
         for i, output in enumerate(finals):
@@ -235,9 +238,10 @@ class OpenAIServing:
                     offset = 0
                     if request.echo:
                         offset = self._add_prompt_logprobs(logprobs, prompts[i],
-                                                           getattr(output, "prompt_logprobs", None))
+                                                           getattr(output, "prompt_logprobs", None),
+                                                           as_ids)
                     self._add_completion_logprobs(logprobs, completion.token_ids,
-                                                  completion.logprobs, offset)
+                                                  completion.logprobs, offset, as_ids)
                 choices.append(CompletionResponseChoice(
                     index=i * request.n + completion.index, text=prompt_text + completion.text,
                     logprobs=logprobs, finish_reason=completion.finish_reason,
@@ -246,12 +250,13 @@ class OpenAIServing:
                                   choices=choices,
                                   usage=usage(sum(map(len, prompts)), num_generated)).model_dump()
 
-    def _add_prompt_logprobs(self, out: CompletionLogProbs, prompt_ids, prompt_logprobs) -> int:
+    def _add_prompt_logprobs(self, out: CompletionLogProbs, prompt_ids, prompt_logprobs,
+                             as_ids: bool = False) -> int:
         offset = 0
         for j, token in enumerate(prompt_ids):
             entry = prompt_logprobs[j] if prompt_logprobs is not None and j < len(
                 prompt_logprobs) else None
-            text = self._token_str(token, entry.get(token) if entry else None)
+            text = self._token_str(as_ids, token, entry.get(token) if entry else None)
             out.tokens.append(text)
             out.text_offset.append(offset)
             offset += len(text)
@@ -260,19 +265,19 @@ class OpenAIServing:
                 out.top_logprobs.append(None)
             else:
                 out.token_logprobs.append(max(entry[token].logprob, -9999.0))
-                out.top_logprobs.append({self._token_str(t, lp): max(lp.logprob, -9999.0)
+                out.top_logprobs.append({self._token_str(as_ids, t, lp): max(lp.logprob, -9999.0)
                                          for t, lp in entry.items()})
         return offset
 
     def _add_completion_logprobs(self, out: CompletionLogProbs, token_ids, logprobs,
-                                 offset: int) -> int:
+                                 offset: int, as_ids: bool = False) -> int:
         for token, entry in zip(token_ids, logprobs or ()):
-            text = self._token_str(token, entry.get(token))
+            text = self._token_str(as_ids, token, entry.get(token))
             out.tokens.append(text)
             out.text_offset.append(offset)
             offset += len(text)
             out.token_logprobs.append(max(entry[token].logprob, -9999.0))
-            out.top_logprobs.append({self._token_str(t, lp): max(lp.logprob, -9999.0)
+            out.top_logprobs.append({self._token_str(as_ids, t, lp): max(lp.logprob, -9999.0)
                                      for t, lp in entry.items()})
         return offset
 
@@ -309,7 +314,8 @@ class OpenAIServing:
                     if request.logprobs is not None and completion.logprobs is not None:
                         logprobs = CompletionLogProbs()
                         self._add_completion_logprobs(logprobs, completion.token_ids[start:],
-                                                      completion.logprobs[start:], len(prev))
+                                                      completion.logprobs[start:], len(prev),
+                                                      bool(request.return_tokens_as_token_ids))
                     sent_tokens[index] = len(completion.token_ids)
                     reason = completion.finish_reason
                     if reason is not None:
@@ -344,13 +350,14 @@ class OpenAIServing:
             raise APIError(str(error), 400, "messages") from error
         return encode(self.tokenizer, prompt_text)
 
-    def _chat_logprobs(self, token_ids, logprobs, top_k: int) -> ChatCompletionLogProbs:
+    def _chat_logprobs(self, token_ids, logprobs, top_k: int,
+                       as_ids: bool = False) -> ChatCompletionLogProbs:
         content = []
         for token, entry in zip(token_ids, logprobs or ()):
-            text = self._token_str(token, entry.get(token))
-            top = [ChatCompletionLogProb(token=self._token_str(t, lp),
+            text = self._token_str(as_ids, token, entry.get(token))
+            top = [ChatCompletionLogProb(token=self._token_str(as_ids, t, lp),
                                          logprob=max(lp.logprob, -9999.0),
-                                         bytes=list(self._token_str(t, lp).encode()))
+                                         bytes=list(self._token_str(as_ids, t, lp).encode()))
                    for t, lp in entry.items() if lp.rank is not None and lp.rank <= top_k][:top_k]
             content.append(ChatCompletionLogProbsContent(
                 token=text, logprob=max(entry[token].logprob, -9999.0),
@@ -375,7 +382,8 @@ class OpenAIServing:
         output = (await self._collect(streams))[0]
         choices = [ChatCompletionResponseChoice(
             index=c.index, message=ChatResponseMessage(content=c.text),
-            logprobs=(self._chat_logprobs(c.token_ids, c.logprobs, top_k)
+            logprobs=(self._chat_logprobs(c.token_ids, c.logprobs, top_k,
+                                          bool(request.return_tokens_as_token_ids))
                       if top_k is not None else None),
             finish_reason=c.finish_reason, stop_reason=getattr(c, "stop_reason", None))
             for c in output.outputs]
@@ -411,7 +419,8 @@ class OpenAIServing:
                     logprobs = None
                     if top_k is not None and c.logprobs is not None and len(c.token_ids) > start:
                         logprobs = self._chat_logprobs(c.token_ids[start:], c.logprobs[start:],
-                                                       top_k)
+                                                       top_k,
+                                                       bool(request.return_tokens_as_token_ids))
                     if delta or logprobs is not None:
                         yield chunk(c.index, DeltaMessage(content=delta), logprobs=logprobs)
                     if c.finish_reason is not None:

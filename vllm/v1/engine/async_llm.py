@@ -187,6 +187,7 @@ class AsyncLLM:
         if self._dead_error is not None or not self.engine.has_unfinished_requests():
             return
         outputs = self.engine.step()
+        self.metrics.record_iteration(int(getattr(self.engine, "last_iteration_tokens", 0) or 0))
         self._dispatch(outputs, time.perf_counter())
         self._refresh_snapshot()
 
@@ -249,7 +250,7 @@ class AsyncLLM:
             if output.finished:
                 del self._streams[output.request_id]
                 reason = output.outputs[0].finish_reason if output.outputs else None
-                self.metrics.record_finished(stream.timer, reason)
+                self.metrics.record_finished(stream.timer, reason, getattr(output, "metrics", None))
             stream._deliver(output)
 
     def _fail_all(self, error: BaseException) -> None:

@@ -115,6 +115,7 @@ class LLMEngine:
 
         self._states: dict[str, _RequestState] = {}
         self._parents: dict[str, _ParentState] = {}
+        self.last_iteration_tokens = 0
         self._request_index = itertools.count()
         self._ttft_samples: deque[float] = deque(maxlen=_MAX_LATENCY_SAMPLES)
         self._tpot_samples: deque[float] = deque(maxlen=_MAX_LATENCY_SAMPLES)
@@ -248,6 +249,13 @@ class LLMEngine:
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
+        scheduled_at = time.perf_counter()
+        num_prompt_tokens = 0
+        for new in scheduler_output.scheduled_new_reqs:
+            new_state = self._states.get(new.req_id)
+            if new_state is not None and new_state.timer.first_scheduled_time is None:
+                new_state.timer.first_scheduled_time = scheduled_at
+                num_prompt_tokens += len(new_state.prompt_token_ids)
         runner_output = self.executor.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         now = time.perf_counter()
@@ -285,6 +293,9 @@ class LLMEngine:
                 if output is None:
                     continue
             outputs.append(output)
+        # Prompt tokens prefilled + tokens generated this step (vllm:iteration_tokens_total).
+        self.last_iteration_tokens = num_prompt_tokens + sum(
+            len(core.new_token_ids) for core in core_outputs)
         return self._dedupe_parents(outputs)
 
     def _merge_child(self, state: _RequestState, output: RequestOutput) -> RequestOutput | None:
@@ -339,7 +350,8 @@ class LLMEngine:
         # upstream does) instead of copying the whole prompt for every request at every step.
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,
                              prompt_token_ids=state.prompt_token_ids, outputs=[completion],
-                             finished=finished, prompt_logprobs=state.prompt_logprobs)
+                             finished=finished, prompt_logprobs=state.prompt_logprobs,
+                             metrics=state.timer.phases() if finished else None)
 
     def _record_finished(self, state: _RequestState) -> None:
         self._num_finished += 1
