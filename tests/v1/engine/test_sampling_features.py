@@ -164,3 +164,40 @@ def test_bad_input_is_refused(plain):
         plain.generate([PROMPT], SamplingParams(logit_bias={10**7: 1.0}), use_tqdm=False)
     with pytest.raises(ValueError, match="unsupported key"):
         plain.generate([{"prompt_token_ids": PROMPT, "foo": 1}], use_tqdm=False)
+
+
+def test_llm_chat_equals_generate_of_the_rendered_template(plain):
+    from vllm.entrypoints.openai.chat_template import apply_chat_template
+    messages = [{"role": "user", "content": "Hi there"}]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    chat = plain.chat(messages, params, use_tqdm=False)[0]
+    text = apply_chat_template(plain.get_tokenizer(), messages)
+    ids = plain.get_tokenizer().encode(text, add_special_tokens=False)
+    direct = plain.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+    assert chat.prompt == text and chat.prompt_token_ids == ids
+    assert chat.outputs[0].token_ids == direct.outputs[0].token_ids
+    two = plain.chat([messages, messages + [{"role": "assistant", "content": "x"},
+                                            {"role": "user", "content": "again"}]],
+                     params, use_tqdm=False)
+    assert len(two) == 2 and two[0].outputs[0].token_ids == chat.outputs[0].token_ids
+
+
+def test_get_metrics_returns_upstream_metric_objects(plain):
+    from prometheus_client import generate_latest
+
+    from vllm.v1.metrics.reader import Counter, Gauge, Histogram
+    plain.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+                   use_tqdm=False)
+    metrics = plain.get_metrics()
+    by_name = {m.name: m for m in metrics}
+    assert isinstance(by_name["vllm:generation_tokens"], Counter)
+    assert isinstance(by_name["vllm:num_requests_running"], Gauge)
+    ttft = by_name["vllm:time_to_first_token_seconds"]
+    assert isinstance(ttft, Histogram) and ttft.count >= 1
+    assert by_name["vllm:generation_tokens"].labels == {"model_name": by_name[
+        "vllm:generation_tokens"].labels["model_name"], "engine": "0"}
+    # Same registry as the Prometheus text: the counter value agrees.
+    text = generate_latest(plain.metrics.registry).decode()
+    line = [l for l in text.splitlines() if l.startswith("vllm:generation_tokens_total{")][0]
+    assert float(line.split()[-1]) == by_name["vllm:generation_tokens"].value
+    assert by_name["vllm:request_queue_time_seconds"].count >= 1
