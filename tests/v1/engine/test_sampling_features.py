@@ -201,3 +201,19 @@ def test_get_metrics_returns_upstream_metric_objects(plain):
     line = [l for l in text.splitlines() if l.startswith("vllm:generation_tokens_total{")][0]
     assert float(line.split()[-1]) == by_name["vllm:generation_tokens"].value
     assert by_name["vllm:request_queue_time_seconds"].count >= 1
+
+
+def test_penalties_and_min_tokens_survive_preemption(tiny):
+    """KV pressure preempts (recompute) requests mid-generation: the runner re-admits them with
+    prompt + outputs as the "prompt"; output counts and min_tokens must still count only the
+    outputs, so the tokens equal an unpressured run."""
+    prompts = [[5 + i, 17, 29, 41, 53, 65, 77, 89] for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, presence_penalty=1.0,
+                            frequency_penalty=0.5, repetition_penalty=1.2, logit_bias={3: 8.0})
+    with LLM(max_model_len=40, max_num_seqs=4, device="cpu") as free:
+        expected = [o.outputs[0].token_ids for o in free.generate(prompts, params, use_tqdm=False)]
+    with LLM(max_model_len=40, max_num_seqs=4, device="cpu", num_gpu_blocks_override=12,
+             block_size=4) as tight:
+        got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
+        assert tight.llm_engine.get_metrics()["num_preemptions"] > 0
+    assert got == expected

@@ -177,7 +177,7 @@ def run_server(llm: AsyncLLM, args: argparse.Namespace, model_dir: str, tokenize
     names = list(served_model_names or [llm.model_name])
     app = build_app(llm, tokenizer=tokenizer, model_name=names[0],
                     model_aliases=(*names[1:], model_dir), api_key=getattr(args, "api_key", None),
-                    log_requests=not getattr(args, "disable_log_requests", False))
+                    log_requests=not getattr(args, "disable_uvicorn_access_log", False))
     if not getattr(args, "disable_log_stats", False):
         stat_logger = LoggingStatLogger(llm.get_metrics)
 

@@ -12,8 +12,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--api-key", default=None,
                        help="require `Authorization: Bearer KEY` on every /v1 route (default: the "
                             "VLLM_API_KEY environment variable; unset = no key)")
-    group.add_argument("--disable-log-requests", action="store_true", default=False,
-                       help="no access log line per request")
+    group.add_argument("--disable-uvicorn-access-log", action="store_true", default=False,
+                       help="no access log line per HTTP request")
     group.add_argument("--disable-log-stats", action="store_true", default=False,
                        help="no periodic throughput / queue / KV-usage / spec-decode log lines")
     group.add_argument("--uvicorn-log-level", default="warning",

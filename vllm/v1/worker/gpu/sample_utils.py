@@ -238,10 +238,17 @@ class SamplingStates:
         """Count the emitted tokens (penalties, min_tokens) and return the logprobs of requests
         that asked for them: req_id -> one entry per emitted token (emitted token k of a request
         is scored at its k-th row, where the target produced it)."""
-        slots, counts_per_req = rows.slots, rows.row_counts()
+        slots = rows.slots
+        wanted = [(i, p.logprobs) for i, p in
+                  enumerate(self._params.get(s) for s in slots)
+                  if p is not None and p.logprobs is not None]
+        active = self.any_active(rows)
+        if not active and not wanted:
+            return None  # the common case: nothing to count, nothing to score
+        counts_per_req = rows.row_counts()
         n_emitted = [len(s) for s in sampled]
         emitted = _ids([t for s in sampled for t in s], self.device)
-        if self.any_active(rows):
+        if active:
             slot_of_token = _repeat(slots, n_emitted, self.device)
             self.num_output.index_add_(0, _ids(slots, self.device),
                                        _ids(n_emitted, self.device))
@@ -249,9 +256,6 @@ class SamplingStates:
                 self.output_counts.index_put_(
                     (slot_of_token, emitted),
                     torch.ones_like(emitted, dtype=torch.int32), accumulate=True)
-        wanted = [(i, p.logprobs) for i, p in
-                  enumerate(self._params.get(s) for s in slots)
-                  if p is not None and p.logprobs is not None]
         if not wanted:
             return None
         starts = _starts(counts_per_req)
