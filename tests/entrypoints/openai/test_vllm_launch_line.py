@@ -131,6 +131,25 @@ def test_completion_logprobs_equal_the_plain_engine(client, reference):
             assert math.isclose(lp.top_logprobs[j][key], value, abs_tol=1e-3)
 
 
+def test_echo_and_prompt_logprobs(client, server):
+    out = client.completions.create(model="a", prompt=PROMPT, max_tokens=3, temperature=0.0,
+                                    echo=True, logprobs=1,
+                                    extra_body={"return_tokens_as_token_ids": True,
+                                                "prompt_logprobs": 1})
+    choice = out.choices[0]
+    prompt_ids = httpx.post(f"{server.base_url}/tokenize", json={"prompt": PROMPT},
+                            headers={"Authorization": f"Bearer {API_KEY}"}).json()["tokens"]
+    assert choice.text.startswith(PROMPT)
+    lp = choice.logprobs
+    assert lp.tokens[:len(prompt_ids)] == [f"token_id:{t}" for t in prompt_ids]
+    assert lp.token_logprobs[0] is None and len(lp.tokens) == len(prompt_ids) + 3
+    prompt_lps = choice.model_extra["prompt_logprobs"]
+    assert prompt_lps[0] is None and len(prompt_lps) == len(prompt_ids)
+    for j in range(1, len(prompt_ids)):
+        entry = prompt_lps[j][str(prompt_ids[j])]
+        assert math.isclose(entry["logprob"], lp.token_logprobs[j], abs_tol=1e-6)
+
+
 def test_penalties_under_speculation_equal_plain_greedy(client, reference):
     out = client.completions.create(model="a", prompt=PROMPT, max_tokens=MAX_TOKENS,
                                     temperature=0.0, presence_penalty=1.5, frequency_penalty=1.0,

@@ -126,12 +126,20 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionResponseChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: Union[int, str, None] = None
+    # vLLM extension (request field prompt_logprobs): one entry per prompt token, first None.
+    prompt_logprobs: list[Optional[dict[int, PromptLogprob]]] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -21,7 +21,7 @@ from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice,
     ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse, ChatResponseMessage,
     CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice,
-    CompletionStreamResponse, DeltaMessage, DetokenizeRequest, DetokenizeResponse,
+    CompletionStreamResponse, DeltaMessage, DetokenizeRequest, DetokenizeResponse, PromptLogprob,
     TokenizeRequest, TokenizeResponse, error_body, new_id, now_s, usage)
 from vllm.v1.engine.async_llm import AsyncLLM, EngineDeadError
 
@@ -123,6 +123,9 @@ class OpenAIServing:
         if tools and getattr(request, "tool_choice", None) != "none":
             raise APIError("tools are not supported (no tool-call parser); leave `tools` unset or "
                            "pass tool_choice='none'", 400, "tools")
+        if getattr(request, "prompt_logprobs", None) is not None and request.stream:
+            raise APIError("prompt_logprobs is only supported without streaming; drop one of "
+                           "prompt_logprobs or stream", 400, "prompt_logprobs")
         if getattr(request, "echo", False) and request.stream and request.logprobs is not None:
             raise APIError("echo with logprobs is only supported without streaming; drop one of "
                            "echo, logprobs or stream", 400, "echo")
@@ -242,10 +245,18 @@ class OpenAIServing:
                                                            as_ids)
                     self._add_completion_logprobs(logprobs, completion.token_ids,
                                                   completion.logprobs, offset, as_ids)
+                prompt_lp = None
+                if request.prompt_logprobs is not None:
+                    prompt_lp = [None if entry is None else
+                                 {t: PromptLogprob(logprob=lp.logprob, rank=lp.rank,
+                                                   decoded_token=self._token_str(as_ids, t, lp))
+                                  for t, lp in entry.items()}
+                                 for entry in (getattr(output, "prompt_logprobs", None) or [])]
                 choices.append(CompletionResponseChoice(
                     index=i * request.n + completion.index, text=prompt_text + completion.text,
                     logprobs=logprobs, finish_reason=completion.finish_reason,
-                    stop_reason=getattr(completion, "stop_reason", None)))
+                    stop_reason=getattr(completion, "stop_reason", None),
+                    prompt_logprobs=prompt_lp))
         return CompletionResponse(id=request_id, created=created, model=self.model_name,
                                   choices=choices,
                                   usage=usage(sum(map(len, prompts)), num_generated)).model_dump()
