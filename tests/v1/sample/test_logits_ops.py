@@ -132,3 +132,30 @@ def test_logprobs_topk_and_rank(k):
 def test_gather_logprobs_rejects_bad_k():
     with pytest.raises(ValueError, match="num_logprobs=99"):
         gather_logprobs(torch.zeros(1, V), 99, torch.tensor([0]))
+
+
+def test_sampling_states_host_and_device_drafts_agree():
+    """The runner may hand drafts as host lists or as (num_draft, flat device tensor)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.worker.gpu.sample_utils import BatchRows, SamplingStates
+
+    def run(rows):
+        states = SamplingStates(max_num_reqs=3, vocab_size=V, device=torch.device("cpu"))
+        p = SamplingParams(temperature=0.0, presence_penalty=0.7, repetition_penalty=1.5,
+                           min_tokens=3, bad_words=["x"])
+        p.update_from_tokenizer(eos_token_id=1)
+        p._bad_words_token_ids = [[4, 5]]  # a two-token word: 5 is banned right after 4
+        states.add_request("r0", 0, [2, 3], p)
+        states.add_request("r1", 2, [6], p)
+        return states.process_logits(_rows(5, r=5).float(), rows)
+
+    host = BatchRows(["r0", "r1"], [0, 2], [[4, 4, 7], []], [[2, 3], [6]])
+    device = BatchRows(["r0", "r1"], [0, 2], None, [[2, 3], [6]], num_draft=[3, 0],
+                       draft_tokens=torch.tensor([4, 4, 7]))
+    a, b = run(host), run(device)
+    assert torch.equal(a, b)
+    # Row 1 and 2 of r0 follow a draft 4: token 5 is banned there. EOS (1) is held back while
+    # fewer than 3 tokens precede the row: r0's rows 0-2 and r1's row; r0's bonus row (after 3
+    # drafts) may end the request.
+    assert torch.isinf(a[1, 5]) and torch.isinf(a[2, 5]) and not torch.isinf(a[0, 5])
+    assert torch.isinf(a[[0, 1, 2, 4], 1]).all() and not torch.isinf(a[3, 1])

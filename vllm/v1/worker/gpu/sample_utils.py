@@ -34,12 +34,38 @@ class BatchRows:
 
     req_ids: list[str]
     slots: list[int]
-    drafts: list[list[int]]
+    # Drafts verified per request: host lists, or (a runner that keeps drafts on the device)
+    # `num_draft` per request plus the flat device tensor `draft_tokens` [sum(num_draft)].
+    drafts: list[list[int]] | None = None
     # Host token history of each request (prompt + outputs), read only for multi-token bad words.
     token_ids: list[list[int]] | None = None
+    num_draft: list[int] | None = None
+    draft_tokens: torch.Tensor | None = None
+
+    def draft_counts(self) -> list[int]:
+        if self.drafts is not None:
+            return [len(d) for d in self.drafts]
+        return [int(n) for n in (self.num_draft if self.num_draft is not None
+                                 else [0] * len(self.slots))]
 
     def row_counts(self) -> list[int]:
-        return [len(d) + 1 for d in self.drafts]
+        return [n + 1 for n in self.draft_counts()]
+
+    def flat_drafts(self, device) -> torch.Tensor:
+        if self.draft_tokens is not None:
+            return self.draft_tokens.to(device=device, dtype=torch.int64)
+        return _ids([t for d in (self.drafts or ()) for t in d], device)
+
+    def host_drafts(self) -> list[list[int]]:
+        """Host drafts (multi-token bad words only; a device-draft runner pays one D2H here)."""
+        if self.drafts is not None:
+            return self.drafts
+        flat = self.draft_tokens.tolist() if self.draft_tokens is not None else []
+        out, pos = [], 0
+        for n in self.draft_counts():
+            out.append(flat[pos:pos + n])
+            pos += n
+        return out
 
 
 class SamplingStates:
@@ -170,16 +196,17 @@ class SamplingStates:
         history is the runner's host copy plus the row's drafts: no device data is read."""
         out_rows, out_tokens = [], []
         row = 0
+        drafts = rows.host_drafts()
         for i, slot in enumerate(rows.slots):
             params = self._params.get(slot)
             words = [w for w in (getattr(params, "_bad_words_token_ids", None) or ())
                      if len(w) > 1]
-            n_rows = len(rows.drafts[i]) + 1
+            n_rows = len(drafts[i]) + 1
             if words and rows.token_ids is not None:
                 # Upstream matches against the output only (not the prompt).
                 history = rows.token_ids[i][self._num_prompt_tokens.get(rows.req_ids[i], 0):]
                 for j in range(n_rows):
-                    seen = history + rows.drafts[i][:j]
+                    seen = history + drafts[i][:j]
                     for word in words:
                         prefix = word[:-1]
                         if len(seen) >= len(prefix) and seen[len(seen) - len(prefix):] == prefix:
@@ -218,13 +245,14 @@ class SamplingStates:
             out = apply_logit_bias(out, self.logit_bias[row_slot])
         if self._active(rows, "penalties"):
             counts = self.output_counts[row_slot]
-            if any(rows.drafts):
+            num_draft = rows.draft_counts()
+            if any(num_draft):
                 # Verification row j has also "generated" drafts 0..j-1 (greedy speculative
                 # output with penalties must equal plain greedy with them).
                 row_start = _repeat(_starts(counts_per_req), counts_per_req, self.device)
-                draft_rows = _ids([s + j for s, d in zip(_starts(counts_per_req), rows.drafts)
-                                   for j in range(len(d))], self.device)
-                draft_tokens = _ids([t for d in rows.drafts for t in d], self.device)
+                draft_rows = _ids([s + j for s, n in zip(_starts(counts_per_req), num_draft)
+                                   for j in range(n)], self.device)
+                draft_tokens = rows.flat_drafts(self.device)
                 counts = counts + segment_draft_counts(row_start, draft_rows, draft_tokens,
                                                        int(row_slot.shape[0]), self.vocab_size)
             out = apply_penalties(out, counts, self.prompt_mask[row_slot], self.presence[row_slot],
