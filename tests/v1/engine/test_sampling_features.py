@@ -162,6 +162,9 @@ def test_allowed_token_ids_and_bad_words(plain):
 def test_bad_input_is_refused(plain):
     with pytest.raises(ValueError, match="logit_bias has token ids"):
         plain.generate([PROMPT], SamplingParams(logit_bias={10**7: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="stop_token_ids has token ids"):
+        plain.generate([PROMPT], SamplingParams(stop_token_ids=[10**6], min_tokens=2),
+                       use_tqdm=False)
     with pytest.raises(ValueError, match="unsupported key"):
         plain.generate([{"prompt_token_ids": PROMPT, "foo": 1}], use_tqdm=False)
 

@@ -186,7 +186,8 @@ class LLMEngine:
         params = copy.copy(params)
         params.update_from_tokenizer(self.eos_token_id, self.tokenizer)
         for name, ids in (("logit_bias", list(params.logit_bias or ())),
-                          ("allowed_token_ids", params.allowed_token_ids or ())):
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("stop_token_ids", params.stop_token_ids or ())):
             out = [t for t in ids if t >= self.vocab_size]
             if out:
                 raise ValueError(f"{name} has token ids {out[:5]} outside the vocabulary "
