@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vllm.sampling_params import SamplingParams
@@ -227,9 +228,11 @@ class SamplingStates:
         if not self.any_active(rows):
             return logits
         counts_per_req = rows.row_counts()
-        row_slot = _repeat(rows.slots, counts_per_req, self.device)
-        # Position of each row inside its request and the request's first row.
-        row_offset = torch.cat([torch.arange(c) for c in counts_per_req]).to(self.device)
+        # Per logits row: its request's slot, its position inside the request, the request's
+        # first row, and (for drafts) the row of each draft. Built on the host with numpy and
+        # sent in one copy.
+        row_slot, row_offset, row_start, draft_rows = _row_index(rows.slots, counts_per_req,
+                                                                 self.device)
         out = logits.float()
         if self._active(rows, "banned"):
             out = apply_token_mask(out, self.banned[row_slot])
@@ -245,13 +248,9 @@ class SamplingStates:
             out = apply_logit_bias(out, self.logit_bias[row_slot])
         if self._active(rows, "penalties"):
             counts = self.output_counts[row_slot]
-            num_draft = rows.draft_counts()
-            if any(num_draft):
+            if draft_rows.numel():
                 # Verification row j has also "generated" drafts 0..j-1 (greedy speculative
                 # output with penalties must equal plain greedy with them).
-                row_start = _repeat(_starts(counts_per_req), counts_per_req, self.device)
-                draft_rows = _ids([s + j for s, n in zip(_starts(counts_per_req), num_draft)
-                                   for j in range(n)], self.device)
                 draft_tokens = rows.flat_drafts(self.device)
                 counts = counts + segment_draft_counts(row_start, draft_rows, draft_tokens,
                                                        int(row_slot.shape[0]), self.vocab_size)
@@ -347,6 +346,24 @@ def _starts(counts: list[int]) -> list[int]:
         starts.append(total)
         total += c
     return starts
+
+
+def _row_index(slots: list[int], counts: list[int], device):
+    """(row_slot [R], row_offset [R], row_start [R], draft_rows [D]) for requests owning
+    `counts` consecutive rows each (the last row of a request is its bonus row, the others
+    verify drafts)."""
+    counts_np = np.asarray(counts, dtype=np.int64)
+    starts = np.concatenate(([0], np.cumsum(counts_np)[:-1])).astype(np.int64)
+    total = int(counts_np.sum())
+    row_start = np.repeat(starts, counts_np)
+    row_offset = np.arange(total, dtype=np.int64) - row_start
+    row_slot = np.repeat(np.asarray(slots, dtype=np.int64), counts_np)
+    is_draft = row_offset < np.repeat(counts_np - 1, counts_np)
+    draft_rows = np.nonzero(is_draft)[0].astype(np.int64)
+    packed = torch.from_numpy(np.concatenate([row_slot, row_offset, row_start, draft_rows]))
+    packed = packed.to(device, non_blocking=True)
+    return (packed[:total], packed[total:2 * total], packed[2 * total:3 * total],
+            packed[3 * total:])
 
 
 def _repeat(values: list[int], counts: list[int], device) -> torch.Tensor:
