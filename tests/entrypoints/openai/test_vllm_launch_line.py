@@ -199,6 +199,14 @@ def test_chat_streaming_and_not_with_logprobs_and_n(client):
     two = client.chat.completions.create(model="b", messages=messages, max_completion_tokens=8,
                                          temperature=1.0, seed=5, n=2)
     assert sorted(c.index for c in two.choices) == [0, 1]
+    # Streaming n=2 with the same seed: per-choice deltas rebuild the same two texts.
+    texts = {0: "", 1: ""}
+    for chunk in client.chat.completions.create(model="b", messages=messages,
+                                                max_completion_tokens=8, temperature=1.0,
+                                                seed=5, n=2, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == {c.index: c.message.content for c in two.choices}
 
 
 def test_tokenize_detokenize(server):
