@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vllm.logprobs import PromptLogprobs, SampleLogprobs
+
 
 @dataclass
 class CompletionOutput:
@@ -11,6 +13,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None  # the stop string / token id that ended it
+    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs (logprobs set)
+    logprobs: SampleLogprobs | None = None  # one dict per token (SamplingParams.logprobs set)
 
     @property
     def finished(self) -> bool:
@@ -25,3 +29,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: dict | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # SamplingParams.prompt_logprobs set

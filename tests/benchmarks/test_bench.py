@@ -80,17 +80,38 @@ def test_bench_latency_tiny_dspark(tmp_path, capsys):
                 "--output-png", str(out_png)], capsys)
     for label in ("TTFT", "TPOT", "ITL", "mean acceptance length", "batch latency"):
         assert label in out
+    # Upstream's lines (vllm/benchmarks/latency.py): "Avg latency: X seconds" and percentiles.
+    lines = out.splitlines()
+    assert any(line.startswith("Avg latency: ") and line.endswith(" seconds") for line in lines)
+    for p in (10, 25, 50, 75, 90, 99):
+        assert any(line.startswith(f"{p}% percentile latency: ") for line in lines), p
     result = json.loads(out_json.read_text())
     _check_sane(result, num_requests=4, output_len=8)
     assert result["latency"]["count"] == 2 and result["latency"]["mean_ms"] > 0
+    # Upstream's JSON keys: avg_latency, latencies, percentiles{"10".."99"} (seconds).
+    assert len(result["latencies"]) == 2
+    assert result["avg_latency"] == pytest.approx(sum(result["latencies"]) / 2)
+    assert set(result["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
+    assert result["avg_latency"] * 1000 == pytest.approx(result["latency"]["mean_ms"])
     assert out_png.read_bytes()[:8] == PNG_MAGIC
 
 
 @pytest.mark.slow
 def test_bench_throughput_tiny_dspark(tmp_path, capsys):
     out_json = tmp_path / "throughput.json"
-    out = _run(["bench", "throughput", "--num-prompts", "6", "--input-len", "8", "--output-len",
-                "8", "--max-model-len", "128", "--device", "cpu", "--no-progress",
+    out = _run(["bench", "throughput", "--backend", "vllm", "--dataset-name", "random",
+                "--num-prompts", "6", "--random-input-len", "8", "--output-len",
+                "8", "--max-model-len", "128", "--device", "cpu", "--disable-tqdm",
                 "--output-json", str(out_json)], capsys)
     assert "output tok/s" in out
-    _check_sane(json.loads(out_json.read_text()), num_requests=6, output_len=8)
+    result = json.loads(out_json.read_text())
+    _check_sane(result, num_requests=6, output_len=8)
+    # Upstream's line and JSON keys (vllm/benchmarks/throughput.py).
+    assert any(line.startswith("Throughput: ") and "requests/s" in line and
+               "total tokens/s" in line and "output tokens/s" in line for line in out.splitlines())
+    assert "Total num prompt tokens:  48" in out and "Total num output tokens:  48" in out
+    for key in ("elapsed_time", "num_requests", "total_num_tokens", "requests_per_second",
+                "tokens_per_second"):
+        assert key in result, key
+    assert result["num_requests"] == 6 and result["total_num_tokens"] == 6 * (8 + 8)
+    assert result["tokens_per_second"] == pytest.approx(96 / result["elapsed_time"])

@@ -34,6 +34,18 @@ SUBPROCESS_CASES = {
     "bench_bad_len": (["bench", "latency", "--input-len", "0"], ["--input-len", ">= 1"]),
     "bad_attention_backend": (["generate", "--attention-backend", "FAST_MLA"],
                               ["attention_backend='FAST_MLA'", "TORCH_MLA"]),
+    # Upstream flags this engine cannot honour: refused in one line naming the option.
+    "prefix_caching": (["generate", "--enable-prefix-caching"], ["--enable-prefix-caching"]),
+    "pipeline_parallel": (["serve", "-pp", "2"], ["pipeline_parallel_size=2", "-pp"]),
+    "fp8_kv_cache": (["generate", "--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp8"]),
+    "max_model_len_above_model": (["generate", "--max-model-len", "32k"],
+                                  ["max_model_len=32000", "max_position_embeddings"]),
+    "dotted_spec_missing_value": (["generate", "--speculative-config.method"],
+                                  ["--speculative-config.method needs a value"]),
+    "draft_tp": (["generate", "-tp", "2", "--speculative-config.method", "dspark",
+                  "--speculative-config.num_speculative_tokens", "2",
+                  "--speculative-config.draft_tensor_parallel_size", "1"],
+                 ["draft_tensor_parallel_size", "decoupled draft TP is not supported yet"]),
 }
 
 

@@ -7,6 +7,7 @@ import json
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.utils.fake_engine import FakeEngine, FakeTokenizer, expected_text
 from vllm.entrypoints.openai.api_server import build_app
@@ -109,7 +110,9 @@ def test_role_prefixed_template_is_documented_format():
     ({"prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-    ({"prompt": "x", "n": 2}, 400, "n=2"),
+    ({"prompt": "x", "n": 0}, 400, "n=0"),
+    ({"prompt": "x", "best_of": 3}, 400, "best_of=3"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}}, 400, "json_object"),
     ({"prompt": "x", "max_tokens": "lots"}, 400, "max_tokens"),
     ({"max_tokens": 3}, 400, "prompt"),
     ({"prompt": ""}, 400, "empty"),
@@ -147,14 +150,22 @@ def test_models_health_metrics(app):
     assert call(app, "GET", "/health").status_code == 200
     call(app, "POST", "/v1/completions", json={"prompt": "abc", "max_tokens": 4})
     text = call(app, "GET", "/metrics").text
-    assert 'vllm:request_success_total{finished_reason="length",model_name="fake"} 1.0' in text
-    assert 'vllm:generation_tokens_total{model_name="fake"} 4.0' in text
-    assert 'vllm:time_to_first_token_seconds_count{model_name="fake"} 1.0' in text
-    assert 'vllm:request_time_per_output_token_seconds_count{model_name="fake"} 1.0' in text
-    assert 'vllm:kv_cache_usage_perc{model_name="fake"} 0.0' in text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            assert labels.pop("model_name") == "fake" and labels.pop("engine") == "0", sample
+            samples[(sample.name, tuple(sorted(labels.items())))] = sample.value
+    assert samples[("vllm:request_success_total", (("finished_reason", "length"),))] == 1.0
+    assert samples[("vllm:generation_tokens_total", ())] == 4.0
+    assert samples[("vllm:time_to_first_token_seconds_count", ())] == 1.0
+    assert samples[("vllm:request_time_per_output_token_seconds_count", ())] == 1.0
+    assert samples[("vllm:kv_cache_usage_perc", ())] == 0.0
     # the fake engine reports 4 drafts with 6 accepted tokens: 1 + 6/4
-    assert 'vllm:spec_decode_mean_acceptance_length{model_name="fake"} 2.5' in text
-    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="fake",position="2"} 1.0' in text
+    assert samples[("vllm:spec_decode_mean_acceptance_length", ())] == 2.5
+    assert samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                    (("position", "2"),))] == 1.0
+    assert not [name for name, _ in samples if name.endswith("_created")]
 
 
 def test_engine_crash_gives_500_and_unhealthy():

@@ -202,12 +202,39 @@ def test_bench_serve_against_running_server(server, tmp_path, capsys):
 
     out_json = tmp_path / "serve.json"
     with pytest.raises(SystemExit) as excinfo:
-        main(["bench", "serve", "--base-url", server.base_url, "--num-prompts", "6",
-              "--input-len", "10", "--output-len", "6", "--max-concurrency", "3",
-              "--output-json", str(out_json)])
+        main(["bench", "serve", "--backend", "vllm", "--base-url", server.base_url,
+              "--dataset-name", "random", "--num-prompts", "6", "--random-input-len", "10",
+              "--random-output-len", "6", "--max-concurrency", "3", "--ignore-eos",
+              "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+              "--save-result", "--result-dir", str(tmp_path / "results"),
+              "--result-filename", "upstream.json", "--output-json", str(out_json)])
     assert excinfo.value.code == 0
     out = capsys.readouterr().out
     assert "TTFT" in out and "mean acceptance length" in out
+    # Upstream's printed lines and JSON keys (vllm/benchmarks/serve.py), listed here by name.
+    for label in ("Successful requests:", "Benchmark duration (s):", "Total input tokens:",
+                  "Total generated tokens:", "Request throughput (req/s):",
+                  "Output token throughput (tok/s):", "Total token throughput (tok/s):",
+                  "Mean TTFT (ms):", "Median TTFT (ms):", "P99 TTFT (ms):", "P50 TPOT (ms):",
+                  "Mean ITL (ms):", "Mean E2EL (ms):", "Acceptance rate (%):",
+                  "Acceptance length:", "Drafts:", "Draft tokens:", "Accepted tokens:",
+                  "Per-position acceptance (%):"):
+        assert any(line.startswith(label) for line in out.splitlines()), label
+    assert "{:<40} {:<10}".format("Successful requests:", 6) in out
+    upstream = json.loads((tmp_path / "results" / "upstream.json").read_text())
+    for key in ("date", "backend", "model_id", "tokenizer_id", "num_prompts", "request_rate",
+                "burstiness", "max_concurrency", "duration", "completed", "failed",
+                "total_input_tokens", "total_output_tokens", "request_throughput",
+                "request_goodput", "output_throughput", "total_token_throughput", "input_lens",
+                "output_lens", "ttfts", "itls", "generated_texts", "errors", "mean_ttft_ms",
+                "median_ttft_ms", "std_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "mean_itl_ms",
+                "mean_e2el_ms", "spec_decode_acceptance_rate", "spec_decode_acceptance_length",
+                "spec_decode_num_drafts", "spec_decode_draft_tokens",
+                "spec_decode_accepted_tokens", "spec_decode_per_position_acceptance_rates"):
+        assert key in upstream, key
+    assert upstream["completed"] == 6 and upstream["total_output_tokens"] == 36
+    assert upstream["output_lens"] == [6] * 6 and len(upstream["itls"]) == 6
+    assert upstream["mean_ttft_ms"] > 0 and upstream["spec_decode_acceptance_length"] >= 1.0
     result = json.loads(out_json.read_text())
     assert result["num_failed"] == 0 and result["num_requests"] == 6
     assert result["total_output_tokens"] == 6 * 6

@@ -50,7 +50,7 @@ def run_requests(engine, prompts: Sequence[str | list[int]], params, *, progress
             for output in outputs:
                 if output.request_id not in timers:
                     continue
-                num_tokens = len(output.outputs[0].token_ids)
+                num_tokens = sum(len(c.token_ids) for c in output.outputs)  # all n samples
                 timers[output.request_id].record_tokens(num_tokens - seen[output.request_id], now)
                 seen[output.request_id] = num_tokens
                 if output.finished:

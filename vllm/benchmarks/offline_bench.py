@@ -15,19 +15,32 @@ import time
 from vllm.benchmarks.datasets import random_token_prompts
 from vllm.benchmarks.offline import run_requests, spec_decode_delta
 from vllm.benchmarks.results import describe_ms, format_summary, save_json, save_png, summarize_requests
+from vllm.benchmarks.upstream_format import (latency_lines, latency_result, throughput_lines,
+                                             throughput_result)
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("benchmark")
-    group.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
-    group.add_argument("--output-len", type=int, default=32, help="generated tokens per request")
-    group.add_argument("--output-json", default=None, metavar="PATH", help="save results as JSON")
+    group.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=32,
+                       help="prompt tokens per request")
+    group.add_argument("--output-len", "--random-output-len", dest="output_len", type=int,
+                       default=32, help="generated tokens per request")
+    group.add_argument("--output-json", default=None, metavar="PATH",
+                       help="save results as JSON (upstream's keys plus ours)")
     group.add_argument("--output-png", default=None, metavar="PATH", help="save a PNG plot")
-    group.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    group.add_argument("--no-progress", "--disable-tqdm", dest="no_progress",
+                       action="store_true", help="hide progress bars")
+
+
+def add_offline_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--n", type=int, default=1, help="samples per prompt (SamplingParams.n)")
+    parser.add_argument("--disable-detokenize", action="store_true",
+                        help="skip detokenization (time the engine only)")
 
 
 def add_latency_args(parser: argparse.ArgumentParser) -> None:
     add_common_args(parser)
+    add_offline_args(parser)
     parser.add_argument("--batch-size", type=int, default=4, help="requests per batch")
     parser.add_argument("--num-iters-warmup", type=int, default=1, help="unmeasured iterations")
     parser.add_argument("--num-iters", type=int, default=3, help="measured iterations")
@@ -35,7 +48,12 @@ def add_latency_args(parser: argparse.ArgumentParser) -> None:
 
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     add_common_args(parser)
+    add_offline_args(parser)
     parser.add_argument("--num-prompts", type=int, default=32, help="requests in total")
+    parser.add_argument("--backend", default="vllm", choices=["vllm"],
+                        help="only the in-process engine (upstream's default)")
+    parser.add_argument("--dataset-name", default="random", choices=["random"],
+                        help="random token prompts of --input-len (no dataset downloads)")
 
 
 def _check_positive(args, *names) -> None:
@@ -56,7 +74,10 @@ def _setup(args):
         raise ValueError(f"--input-len {args.input_len} + --output-len {args.output_len} exceeds "
                          f"max_model_len {max_len}; shorten them or raise --max-model-len")
     engine = LLMEngine.from_vllm_config(config)
-    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    n = int(getattr(args, "n", 1) or 1)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0 if n == 1 else 1.0,
+                            ignore_eos=True, n=n, seed=0 if n > 1 else None,
+                            detokenize=not getattr(args, "disable_detokenize", False))
     return config, display, engine, params
 
 
@@ -64,7 +85,10 @@ def _spec(engine):
     return (engine.get_metrics() or {}).get("spec_decode")
 
 
-def finish_report(args, title: str, summary: dict) -> dict:
+def finish_report(args, title: str, summary: dict, upstream_lines: list[str] = ()) -> dict:
+    """Upstream's lines first (scripts grep them), then our summary."""
+    for line in upstream_lines:
+        print(line)
     print(format_summary(title, summary))
     if args.output_json:
         save_json(args.output_json, summary, vars(args))
@@ -76,7 +100,7 @@ def finish_report(args, title: str, summary: dict) -> dict:
 
 
 def run_latency(args: argparse.Namespace) -> dict:
-    _check_positive(args, "input_len", "output_len", "batch_size", "num_iters")
+    _check_positive(args, "input_len", "output_len", "batch_size", "num_iters", "n")
     if args.num_iters_warmup < 0:
         raise ValueError(f"--num-iters-warmup must be >= 0, got {args.num_iters_warmup}")
     config, display, engine, params = _setup(args)
@@ -99,11 +123,14 @@ def run_latency(args: argparse.Namespace) -> dict:
     summary["_raw"]["latency_s"] = latencies
     summary["spec_decode"] = spec_decode_delta(before, _spec(engine))
     summary["model"] = display
-    return finish_report(args, f"latency: {display}, batch {args.batch_size}", summary)
+    upstream = latency_result(latencies)
+    summary.update(upstream)
+    return finish_report(args, f"latency: {display}, batch {args.batch_size}", summary,
+                         latency_lines(upstream))
 
 
 def run_throughput(args: argparse.Namespace) -> dict:
-    _check_positive(args, "input_len", "output_len", "num_prompts")
+    _check_positive(args, "input_len", "output_len", "num_prompts", "n")
     config, display, engine, params = _setup(args)
     prompts = random_token_prompts(engine.tokenizer, args.num_prompts, args.input_len,
                                    seed=int(getattr(args, "seed", 0) or 0))
@@ -116,4 +143,8 @@ def run_throughput(args: argparse.Namespace) -> dict:
                                  args.input_len * len(results))
     summary["spec_decode"] = spec_decode_delta(before, _spec(engine))
     summary["model"] = display
-    return finish_report(args, f"throughput: {display}, {args.num_prompts} prompts", summary)
+    upstream = throughput_result(duration, len(results), summary["total_prompt_tokens"],
+                                 summary["total_output_tokens"])
+    summary.update(upstream)
+    return finish_report(args, f"throughput: {display}, {args.num_prompts} prompts", summary,
+                         throughput_lines(upstream))

@@ -101,6 +101,8 @@ def save_png(path: str, title: str, summary: dict[str, Any]) -> None:
     spec = summary.get("spec_decode")
     panels = [("TTFT", raw.get("ttft_s", [])), ("TPOT", raw.get("tpot_s", [])),
               ("ITL", raw.get("itl_s", []))]
+    if raw.get("latency_s"):
+        panels.append(("batch latency", raw["latency_s"]))
     ncols = len(panels) + (1 if spec else 0)
     fig, axes = plt.subplots(1, ncols, figsize=(4 * ncols, 3.4))
     for ax, (name, values) in zip(axes, panels):
@@ -110,7 +112,8 @@ def save_png(path: str, title: str, summary: dict[str, Any]) -> None:
             ax.axvline(float(np.median(ms)), color="#d62728", linestyle="--", label="median")
             ax.legend(fontsize=8)
         ax.set_title(f"{name} ({ms.size} samples)")
-        ax.set_xlabel("ms")
+        ax.set_xlabel(f"{name} (ms)")
+        ax.set_ylabel("count")
     if spec:
         ax = axes[-1]
         rates = spec["acceptance_rate_per_position"]
@@ -118,6 +121,7 @@ def save_png(path: str, title: str, summary: dict[str, Any]) -> None:
         ax.set_ylim(0, 1)
         ax.set_title(f"acceptance (mean len {spec['mean_acceptance_length']:.2f})")
         ax.set_xlabel("draft position")
+        ax.set_ylabel("acceptance rate")
     fig.suptitle(title)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import time
 
@@ -18,21 +19,45 @@ from vllm.benchmarks.datasets import random_text_prompts
 from vllm.benchmarks.offline import spec_decode_delta
 from vllm.benchmarks.offline_bench import add_common_args, finish_report
 from vllm.benchmarks.results import summarize_requests
+from vllm.benchmarks.upstream_format import (SERVE_METRICS, serve_lines, serve_result,
+                                             serve_result_filename)
 from vllm.v1.metrics.stats import RequestTimer
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_common_args(parser)
+    parser.add_argument("--backend", default="vllm", choices=["vllm", "openai"],
+                        help="both stream /v1/completions (upstream names)")
+    parser.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions"])
     parser.add_argument("--base-url", default=None,
                         help="server URL (default http://HOST:PORT)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="name sent as `model` (default: --model)")
+    parser.add_argument("--tokenizer", default=None, help="recorded as tokenizer_id")
+    parser.add_argument("--dataset-name", default="random", choices=["random"],
+                        help="random word prompts of --random-input-len (no dataset downloads)")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-concurrency", type=int, default=16)
     parser.add_argument("--request-rate", type=float, default=float("inf"),
-                        help="requests per second, Poisson arrivals (default inf)")
+                        help="requests per second (default inf = all at once)")
+    parser.add_argument("--burstiness", type=float, default=1.0,
+                        help="gamma shape of the inter-arrival times (1 = Poisson)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="generate exactly --random-output-len tokens")
+    parser.add_argument("--percentile-metrics", default="ttft,tpot,itl",
+                        help="comma list of ttft, tpot, itl, e2el")
+    parser.add_argument("--metric-percentiles", default="99", help="comma list, e.g. 50,90,99")
+    parser.add_argument("--save-result", action="store_true",
+                        help="write the upstream-format JSON to --result-dir/--result-filename")
+    parser.add_argument("--result-dir", default=None, help="directory for --save-result")
+    parser.add_argument("--result-filename", default=None,
+                        help="file name for --save-result (default: upstream's pattern)")
+    parser.add_argument("--label", default=None, help="prefix of the default result file name")
     parser.add_argument("--timeout", type=float, default=300.0, help="per-request timeout (s)")
 
 
@@ -55,11 +80,14 @@ def parse_spec_counters(metrics_text: str) -> dict | None:
     return found
 
 
-async def _one_request(client, url, model, prompt, output_len, timeout):
+async def _one_request(client, url, model, prompt, output_len, timeout, temperature=0.0,
+                       ignore_eos=True):
     timer = RequestTimer()
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len,
+            "temperature": temperature, "ignore_eos": ignore_eos, "stream": True,
+            "stream_options": {"include_usage": True}}
     usage = None
+    texts = []
     async with client.stream("POST", url, json=body, timeout=timeout) as response:
         if response.status_code != 200:
             text = (await response.aread()).decode(errors="replace")
@@ -78,11 +106,13 @@ async def _one_request(client, url, model, prompt, output_len, timeout):
             for choice in chunk.get("choices", []):
                 if choice.get("text"):
                     timer.record_tokens(1)
+                    texts.append(choice["text"])
     if usage is None:
         raise RuntimeError("the server sent no usage chunk; cannot count tokens")
     # chunks were counted as 1 token each; the true token count comes from usage
     timer.num_generation_tokens = int(usage["completion_tokens"])
     timer.num_prompt_tokens = int(usage["prompt_tokens"])
+    timer.generated_text = "".join(texts)
     return timer
 
 
@@ -92,7 +122,8 @@ async def _benchmark(args) -> dict:
     base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     async with httpx.AsyncClient(timeout=args.timeout) as client:
         try:
-            model = args.model or (await client.get(f"{base}/v1/models")).json()["data"][0]["id"]
+            model = (args.served_model_name or args.model
+                     or (await client.get(f"{base}/v1/models")).json()["data"][0]["id"])
             before = parse_spec_counters((await client.get(f"{base}/metrics")).text)
         except httpx.HTTPError as error:
             raise ValueError(f"cannot reach the server at {base} ({error!r}); start it with "
@@ -106,8 +137,9 @@ async def _benchmark(args) -> dict:
             await asyncio.sleep(delay)
             async with semaphore:
                 try:
-                    return await _one_request(client, f"{base}/v1/completions", model, prompt,
-                                              args.output_len, args.timeout)
+                    return await _one_request(client, f"{base}{args.endpoint}", model, prompt,
+                                              args.output_len, args.timeout, args.temperature,
+                                              args.ignore_eos)
                 except Exception as error:  # noqa: BLE001 - counted and reported
                     failures.append(repr(error))
                     return None
@@ -116,7 +148,8 @@ async def _benchmark(args) -> dict:
         for _ in prompts:
             delays.append(t)
             if args.request_rate != float("inf"):
-                t += rng.expovariate(args.request_rate)
+                # Gamma inter-arrivals with mean 1/rate; shape = burstiness (1 = Poisson).
+                t += rng.gammavariate(args.burstiness, 1.0 / (args.request_rate * args.burstiness))
         start = time.perf_counter()
         timers = await asyncio.gather(*(limited(p, d) for p, d in zip(prompts, delays)))
         duration = time.perf_counter() - start
@@ -127,6 +160,7 @@ async def _benchmark(args) -> dict:
     summary["failures"] = failures[:10]
     summary["spec_decode"] = spec_decode_delta(before, after)
     summary["model"] = model
+    summary["_done"] = done
     return summary
 
 
@@ -136,8 +170,42 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.request_rate <= 0:
         raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
+    metrics = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
+    unknown = [m for m in metrics if m not in SERVE_METRICS]
+    if unknown:
+        raise ValueError(f"--percentile-metrics has unknown metric(s) {unknown}; use "
+                         f"{list(SERVE_METRICS)}")
+    try:
+        percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+    except ValueError:
+        raise ValueError(f"--metric-percentiles {args.metric_percentiles!r} must be a comma "
+                         "list of numbers, e.g. 50,90,99") from None
+    if args.burstiness <= 0:
+        raise ValueError(f"--burstiness must be > 0, got {args.burstiness}")
     summary = asyncio.run(_benchmark(args))
-    summary = finish_report(args, f"serve: {summary['model']}, {args.num_prompts} prompts", summary)
+    done = summary.pop("_done")
+    upstream = serve_result(
+        summary, backend=args.backend, model_id=args.model or summary["model"],
+        tokenizer_id=args.tokenizer or args.model or summary["model"],
+        num_prompts=args.num_prompts, request_rate=args.request_rate,
+        burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+        percentile_metrics=metrics, metric_percentiles=percentiles,
+        input_lens=[t.num_prompt_tokens for t in done],
+        output_lens=[t.num_generation_tokens for t in done],
+        ttfts=[t.ttft for t in done], itls=[t.inter_token_latencies() for t in done],
+        generated_texts=[getattr(t, "generated_text", "") for t in done],
+        errors=summary["failures"], failed=summary["num_failed"])
+    summary.update({k: v for k, v in upstream.items() if k not in summary})
+    summary = finish_report(args, f"serve: {summary['model']}, {args.num_prompts} prompts", summary,
+                            serve_lines(upstream, metrics, percentiles))
+    if args.save_result:
+        name = args.result_filename or serve_result_filename(
+            args.backend, args.request_rate, args.max_concurrency, upstream["model_id"], args.label)
+        path = os.path.join(args.result_dir or ".", name)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(upstream, f, indent=2)
+        print(f"saved {path}")
     if summary["num_failed"]:
         print(f"{summary['num_failed']} requests failed, e.g. {summary['failures'][0]}")
     return summary

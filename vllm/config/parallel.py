@@ -6,6 +6,9 @@ from dataclasses import dataclass
 from vllm.config._checks import check_choice, check_positive_int
 
 DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
+# Upstream names: mp = one worker process per rank on this host, uni = in-process (TP=1),
+# external_launcher = every process was started by torchrun and is one rank (multi-node).
+EXECUTOR_BACKENDS = ("mp", "uni", "external_launcher")
 
 
 @dataclass
@@ -14,6 +17,7 @@ class ParallelConfig:
     decode_context_parallel_size: int = 1  # DCP reuses TP ranks: consecutive blocks of TP ranks
     cp_kv_cache_interleave_size: int = 1  # tokens per run handed to one DCP rank
     distributed_backend: str = "auto"  # torch.distributed backend: auto = nccl on CUDA, else gloo
+    distributed_executor_backend: str | None = None  # None = uni for TP=1, else mp
 
     def __post_init__(self):
         check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
@@ -26,6 +30,18 @@ class ParallelConfig:
                 "tensor_parallel_size must be a multiple of decode_context_parallel_size.")
         self.distributed_backend = check_choice("distributed_backend", self.distributed_backend,
                                                 DISTRIBUTED_BACKENDS)
+        backend = self.distributed_executor_backend
+        if backend is not None:
+            if backend == "ray":
+                raise ValueError("distributed_executor_backend='ray' is not supported: Ray is not "
+                                 "available here; use mp on one host or external_launcher "
+                                 "(torchrun) across hosts.")
+            self.distributed_executor_backend = check_choice(
+                "distributed_executor_backend", backend, EXECUTOR_BACKENDS)
+            if self.distributed_executor_backend == "uni" and self.tensor_parallel_size != 1:
+                raise ValueError(f"distributed_executor_backend='uni' runs one process, but "
+                                 f"tensor_parallel_size={self.tensor_parallel_size}; use 'mp' "
+                                 "or 'external_launcher'.")
 
     @property
     def world_size(self) -> int:

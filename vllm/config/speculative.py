@@ -11,6 +11,15 @@ SPECULATIVE_METHODS = ("eagle", "mtp", "dflash", "dspark")
 METHOD_ALIASES = {"deepseek_mtp": "mtp"}  # upstream's name for DeepSeek's MTP
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 REJECTION_SAMPLE_METHODS = ("strict", "probabilistic")
+# Upstream spellings of the rejection methods -> ours. Upstream's "standard" is speculative
+# (probabilistic) rejection sampling; "strict" was upstream's earlier name for exact matching of
+# the target's own sample and stays as is.
+_REJECTION_ALIASES = {"standard": "probabilistic"}
+# Upstream methods this engine does not implement: refused with the reason.
+_UNSUPPORTED_REJECTION = {
+    "synthetic": "it fakes the acceptance rate for benchmarking and changes the output",
+    "block": "block verification is not implemented",
+}
 
 
 @dataclass
@@ -40,8 +49,16 @@ class SpeculativeConfig:
         check_positive_int("num_speculative_tokens", self.num_speculative_tokens, optional=True)
         self.draft_sample_method = check_choice("draft_sample_method", self.draft_sample_method,
                                                 DRAFT_SAMPLE_METHODS)
+        method = self.rejection_sample_method
+        if isinstance(method, str) and method.lower() in _UNSUPPORTED_REJECTION:
+            raise ValueError(f"rejection_sample_method={method!r} is not supported: "
+                             f"{_UNSUPPORTED_REJECTION[method.lower()]}; use 'standard' "
+                             "(= 'probabilistic') or 'strict'.")
+        if isinstance(method, str):
+            method = _REJECTION_ALIASES.get(method.lower(), method)
         self.rejection_sample_method = check_choice(
-            "rejection_sample_method", self.rejection_sample_method, REJECTION_SAMPLE_METHODS)
+            "rejection_sample_method", method,
+            REJECTION_SAMPLE_METHODS + tuple(_REJECTION_ALIASES))
 
     @property
     def uses_block_drafter(self) -> bool:

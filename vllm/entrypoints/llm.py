@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from vllm.v1.metrics.stats import RequestTimer
+
 
 class LLM:
     """LLM(model=None, **EngineArgs fields). model None serves the built-in tiny checkpoint."""
@@ -23,6 +25,11 @@ class LLM:
         engine_args = EngineArgs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(engine_args)
         self._request_counter = itertools.count()
+        from vllm.v1.metrics.prometheus import PrometheusMetrics
+        names = engine_args.served_model_names()
+        model_name = names[0] if names else self.llm_engine.vllm_config.model_config.model
+        # The same exporter the server uses; get_metrics() reads its registry.
+        self.metrics = PrometheusMetrics(str(model_name), self.llm_engine.get_metrics)
 
     @property
     def tokenizer(self):
@@ -52,18 +59,24 @@ class LLM:
         engine = self.llm_engine
         order: dict[str, int] = {}
         added: list[str] = []
+        timers: dict[str, tuple] = {}
         try:
             for index, (prompt, params) in enumerate(zip(prompt_list, params_list)):
                 request_id = str(next(self._request_counter))
+                timer = RequestTimer()
                 engine.add_request(request_id, prompt, params)
                 order[request_id] = index
                 added.append(request_id)
+                timers[request_id] = (timer, 0)
             results: list = [None] * len(prompt_list)
             num_pending = len(prompt_list)
             progress = tqdm(total=len(prompt_list), desc="Processed prompts", disable=not use_tqdm)
             with progress:
                 while num_pending and engine.has_unfinished_requests():
-                    for output in engine.step():
+                    outputs = engine.step()
+                    self.metrics.record_iteration(engine.last_iteration_tokens)
+                    for output in outputs:
+                        self._record(output, timers)
                         if output.finished and output.request_id in order:
                             results[order[output.request_id]] = output
                             num_pending -= 1
@@ -98,8 +111,28 @@ class LLM:
             for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def get_metrics(self) -> dict:
-        return self.llm_engine.get_metrics()
+    def _record(self, output, timers: dict) -> None:
+        """Feed the Prometheus exporter as the server's AsyncLLM does."""
+        entry = timers.get(output.request_id)
+        if entry is None:
+            return
+        timer, seen = entry
+        if timer.num_prompt_tokens == 0:
+            timer.num_prompt_tokens = len(output.prompt_token_ids)
+            self.metrics.record_admitted(timer.num_prompt_tokens)
+        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        timer.record_tokens(num_tokens - seen)
+        self.metrics.record_tokens(timer, num_tokens - seen)
+        timers[output.request_id] = (timer, num_tokens)
+        if output.finished:
+            reason = output.outputs[0].finish_reason if output.outputs else None
+            self.metrics.record_finished(timer, reason, output.metrics)
+
+    def get_metrics(self) -> list:
+        """Upstream-shaped metrics (vllm.v1.metrics.reader Counter / Gauge / Histogram / Vector),
+        read from the same Prometheus registry a server of this engine exports at /metrics."""
+        from vllm.v1.metrics.reader import get_metrics_snapshot
+        return get_metrics_snapshot(self.metrics.registry)
 
     def shutdown(self) -> None:
         self.llm_engine.shutdown()
@@ -112,7 +145,7 @@ class LLM:
 
 
 def _normalize_prompts(prompts) -> list:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     prompts = list(prompts)
     if not prompts:
@@ -120,7 +153,8 @@ def _normalize_prompts(prompts) -> list:
     if all(isinstance(t, int) for t in prompts):
         return [prompts]  # a single token-id prompt
     for prompt in prompts:
-        if not (isinstance(prompt, str) or (isinstance(prompt, (list, tuple))
-                                             and all(isinstance(t, int) for t in prompt))):
-            raise ValueError(f"prompt {prompt!r} is neither a string nor a list of token ids")
-    return [p if isinstance(p, str) else list(p) for p in prompts]
+        if not (isinstance(prompt, (str, dict)) or (isinstance(prompt, (list, tuple))
+                                                    and all(isinstance(t, int) for t in prompt))):
+            raise ValueError(f"prompt {prompt!r} is neither a string nor a list of token ids (nor "
+                             "a TextPrompt / TokensPrompt dict)")
+    return [p if isinstance(p, (str, dict)) else list(p) for p in prompts]

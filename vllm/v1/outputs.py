@@ -20,6 +20,11 @@ class ModelRunnerOutput:
     spec_token_ids: list[list[int]] | None = None
     num_draft_tokens: list[int] = field(default_factory=list)
     num_accepted_tokens: list[int] = field(default_factory=list)
+    # req_id -> LogprobsLists (vllm.v1.sample.logprobs), one entry per token in
+    # sampled_token_ids[i], for requests that asked for logprobs; None when none did.
+    logprobs: dict | None = None
+    # req_id -> LogprobsLists of prompt tokens 1.. (prefill step only), for prompt_logprobs.
+    prompt_logprobs: dict | None = None
 
     @classmethod
     def make_empty(cls) -> ModelRunnerOutput:

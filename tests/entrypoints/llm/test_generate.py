@@ -67,7 +67,7 @@ def test_llm_greedy_matches_transformers_and_seeded_sampling_reproduces(llm, hf_
     first = _token_ids(llm.generate(PROMPTS[1], SEEDED, use_tqdm=False))
     second = _token_ids(llm.generate(PROMPTS[1], SEEDED, use_tqdm=False))
     assert first == second
-    assert llm.get_metrics()["spec_decode"] is None
+    assert llm.llm_engine.get_metrics()["spec_decode"] is None
 
 
 def test_llm_spec_decode_under_kv_pressure_matches_transformers(hf_greedy):
@@ -77,7 +77,7 @@ def test_llm_spec_decode_under_kv_pressure_matches_transformers(hf_greedy):
              device="cpu",
              speculative_config={"method": "dspark", "num_speculative_tokens": 3}) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        metrics = llm.get_metrics()
+        metrics = llm.llm_engine.get_metrics()
     assert _token_ids(outputs) == hf_greedy
     assert metrics["num_preemptions"] > 0
     spec = metrics["spec_decode"]
@@ -106,7 +106,7 @@ def test_llm_tp2_dcp2_gloo_workers_match_transformers(hf_greedy):
         seeded_single_rank = _token_ids(single.generate(PROMPTS, SEEDED, use_tqdm=False))
     with LLM(tensor_parallel_size=2, decode_context_parallel_size=2, **config) as tp_llm:
         outputs = tp_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert tp_llm.get_metrics()["spec_decode"]["num_drafts"] > 0
+        assert tp_llm.llm_engine.get_metrics()["spec_decode"]["num_drafts"] > 0
         # Both ranks draw the same random numbers (per-request generators), so seeded sampling
         # gives what one rank gives; a rank drifting apart would change the tokens.
         seeded = _token_ids(tp_llm.generate(PROMPTS, SEEDED, use_tqdm=False))

@@ -17,7 +17,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 def _generate(max_model_len=256, **kwargs):
     with LLM(max_model_len=max_model_len, max_num_seqs=8, **kwargs) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        metrics = llm.get_metrics()
+        metrics = llm.llm_engine.get_metrics()
     return [o.outputs[0].token_ids for o in outputs], metrics
 
 

@@ -66,7 +66,7 @@ def test_sampled_drafts_keep_the_target_distribution(tiny, second_token_conditio
               for seed in range(NUM_REQUESTS)]
     with LLM(device="cpu", max_model_len=64, max_num_seqs=64, speculative_config=spec) as llm:
         outputs = llm.generate([PROMPT] * NUM_REQUESTS, params, use_tqdm=False)
-        spec_stats = llm.get_metrics()["spec_decode"]
+        spec_stats = llm.llm_engine.get_metrics()["spec_decode"]
     tokens = torch.tensor([o.outputs[0].token_ids[:2] for o in outputs])
     first, second = tokens[:, 0], tokens[:, 1]
 

@@ -108,8 +108,9 @@ def test_string_prompts_abort_and_bad_input(model_dir):
             engine.add_request("c", [1, 99999], SamplingParams())
         with pytest.raises(ValueError, match="max_model_len=64"):
             engine.add_request("d", [5] * 65, SamplingParams())
-        with pytest.raises(ValueError, match="n=2"):
-            engine.add_request("e", [5], SamplingParams(n=2))
+        with pytest.raises(ValueError, match="max_model_len=64"):  # n=2: both children refused
+            engine.add_request("e", [5] * 65, SamplingParams(n=2))
+        assert "e" not in engine._parents and "0_e" not in engine._states
         assert not engine.has_unfinished_requests()
         assert engine.get_metrics()["kv_cache_usage"] == 0.0
 

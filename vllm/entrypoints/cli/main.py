@@ -23,7 +23,15 @@ def build_parser() -> OneLineArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from vllm.engine.arg_utils import expand_dotted_args
+
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        # --speculative-config.method dspark ... -> one --speculative-config JSON.
+        argv = expand_dotted_args(argv)
+    except ValueError as error:
+        report_and_exit("vllm", error, code=2)
     args = parser.parse_args(argv)
     prog = f"vllm {args.subcommand}"
     if getattr(args, "bench_type", None):

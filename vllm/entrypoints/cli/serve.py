@@ -24,9 +24,11 @@ def run(args: argparse.Namespace) -> int:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     config, display = create_vllm_config(args)
-    llm = AsyncLLM.from_vllm_config(config, model_name=args.served_model_name or display)
+    names = args.served_model_name
+    names = ([names] if isinstance(names, str) else list(names)) if names else [display]
+    llm = AsyncLLM.from_vllm_config(config, model_name=names[0])
     # The HTTP thread tokenizes with its own instance: tokenizer objects are not shared across
     # threads (the engine thread detokenizes concurrently).
     run_server(llm, args, model_dir=config.model_config.model,
-               tokenizer=get_tokenizer_for(config.model_config))
+               tokenizer=get_tokenizer_for(config.model_config), served_model_names=names)
     return 0

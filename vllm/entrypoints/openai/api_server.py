@@ -1,14 +1,20 @@
 """FastAPI app of the OpenAI-compatible server and the `vllm serve` runner.
 
-Endpoints: /v1/completions, /v1/chat/completions (JSON or SSE), /v1/models, /health (503 once
-the engine died), /metrics (Prometheus text), /version and /debug/engine_state (the engine's
-metrics snapshot as JSON: queue sizes, KV cache usage, speculative-decoding counters).
-Errors always use the OpenAI shape {"error": {"message", "type", "param", "code"}}; request
-bodies that fail validation get HTTP 400 (upstream vLLM's choice) instead of FastAPI's 422.
+Endpoints: /v1/completions, /v1/chat/completions (JSON or SSE), /v1/models, /tokenize,
+/detokenize, /ping, /health (503 once the engine died), /metrics (Prometheus text), /version and
+/debug/engine_state (the engine's metrics snapshot as JSON).
+Errors always use the OpenAI shape {"error": {"message", "type", "param", "code"}}, rendered in
+one place (the APIError handler); request bodies that fail validation get HTTP 400 (upstream
+vLLM's choice) instead of FastAPI's 422. With an API key (--api-key or VLLM_API_KEY) every /v1
+route answers 401 unless `Authorization: Bearer KEY` matches (constant-time compare).
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import os
+import secrets
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -17,7 +23,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import vllm
 from vllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                              error_body, now_s)
+                                              DetokenizeRequest, ModelCard, ModelList,
+                                              TokenizeRequest, error_body, now_s)
 from vllm.entrypoints.openai.serving import OpenAIServing
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.prometheus import CONTENT_TYPE
@@ -33,15 +40,38 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     return "invalid request: " + "; ".join(problems), first_param
 
 
+logger = logging.getLogger("vllm.entrypoints.openai.api_server")
+
+
 def build_app(llm: AsyncLLM, tokenizer=None, model_name: str | None = None,
-              model_aliases: tuple[str, ...] = ()) -> FastAPI:
-    """`model_aliases`: other names accepted in the `model` field (e.g. the model directory)."""
+              model_aliases: tuple[str, ...] = (), api_key: str | None = None,
+              log_requests: bool = True) -> FastAPI:
+    """`model_aliases`: other names accepted in the `model` field (more served names, the model
+    directory). `api_key`: None reads VLLM_API_KEY; empty / unset = no key required."""
     model_name = model_name or llm.model_name
     serving = OpenAIServing(llm, tokenizer if tokenizer is not None else llm.tokenizer, model_name,
                             llm.max_model_len)
     app = FastAPI(title="vllm-dspark-dcp OpenAI-compatible server", version=vllm.__version__)
     app.state.llm = llm
     app.state.serving = serving
+    key = api_key if api_key is not None else os.environ.get("VLLM_API_KEY")
+    expected = f"Bearer {key}".encode() if key else None
+
+    @app.middleware("http")
+    async def _auth_and_access_log(request: Request, call_next):
+        if (expected is not None and request.url.path.startswith("/v1")
+                and request.method != "OPTIONS"):
+            given = request.headers.get("Authorization", "").encode()
+            if not secrets.compare_digest(given, expected):
+                response = JSONResponse(APIError("invalid or missing API key: send "
+                                                 "`Authorization: Bearer <key>`", 401).body(),
+                                        status_code=401)
+                _access_log(request, response.status_code)
+                return response
+        response = await call_next(request)
+        if log_requests:
+            _access_log(request, response.status_code)
+        return response
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError):
@@ -72,10 +102,27 @@ def build_app(llm: AsyncLLM, tokenizer=None, model_name: str | None = None,
 
     @app.get("/v1/models")
     async def models():
-        card: dict[str, Any] = {"id": model_name, "object": "model", "created": now_s(),
-                                "owned_by": "vllm", "root": model_aliases[0] if model_aliases else
-                                model_name, "max_model_len": llm.max_model_len}
-        return {"object": "list", "data": [card]}
+        root = model_aliases[-1] if model_aliases else model_name
+        names = [model_name, *[a for a in model_aliases[:-1]]] if model_aliases else [model_name]
+        cards = [ModelCard(id=name, created=now_s(), root=root, max_model_len=llm.max_model_len)
+                 for name in names]
+        return ModelList(data=cards).model_dump()
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest):
+        serving.check_model(request.model, model_aliases)
+        request.model = None
+        return JSONResponse(serving.tokenize(request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest):
+        serving.check_model(request.model, model_aliases)
+        request.model = None
+        return JSONResponse(serving.detokenize(request))
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        return await health()
 
     @app.get("/health")
     async def health():
@@ -100,11 +147,45 @@ def build_app(llm: AsyncLLM, tokenizer=None, model_name: str | None = None,
     return app
 
 
-def run_server(llm: AsyncLLM, args: argparse.Namespace, model_dir: str, tokenizer=None) -> None:
+def _access_log(request: Request, status: int) -> None:
+    client = request.client
+    where = f"{client.host}:{client.port}" if client else "-"
+    logger.info('%s - "%s %s HTTP/%s" %d', where, request.method, request.url.path,
+                request.scope.get("http_version", "1.1"), status)
+
+
+def configure_logging() -> None:
+    """vLLM-style lines on stdout: `INFO 12-01 08:00:00 [api_server.py:42] message`."""
+    root = logging.getLogger("vllm")
+    if root.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] "
+                                           "%(message)s", datefmt="%m-%d %H:%M:%S"))
+    root.addHandler(handler)
+    root.setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
+    root.propagate = False
+
+
+def run_server(llm: AsyncLLM, args: argparse.Namespace, model_dir: str, tokenizer=None,
+               served_model_names: list[str] | None = None) -> None:
     import uvicorn
 
-    app = build_app(llm, tokenizer=tokenizer, model_name=llm.model_name, model_aliases=(model_dir,))
-    print(f"vllm serve: model `{llm.model_name}` on http://{args.host}:{args.port}/v1 "
+    from vllm.v1.metrics.loggers import LoggingStatLogger
+
+    configure_logging()
+    names = list(served_model_names or [llm.model_name])
+    app = build_app(llm, tokenizer=tokenizer, model_name=names[0],
+                    model_aliases=(*names[1:], model_dir), api_key=getattr(args, "api_key", None),
+                    log_requests=not getattr(args, "disable_uvicorn_access_log", False))
+    if not getattr(args, "disable_log_stats", False):
+        stat_logger = LoggingStatLogger(llm.get_metrics)
+
+        @app.on_event("startup")
+        async def _start_stat_logger():
+            app.state.stat_logger_task = asyncio.create_task(stat_logger.run())
+
+    print(f"vllm serve: model `{names[0]}` on http://{args.host}:{args.port}/v1 "
           f"(health: /health, metrics: /metrics)", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,

@@ -1,10 +1,13 @@
-"""Request handling of /v1/completions and /v1/chat/completions, independent of FastAPI.
+"""Request handling of /v1/completions, /v1/chat/completions, /tokenize and /detokenize,
+independent of FastAPI.
 
-Flow of one request: validate what we cannot serve (HTTP 400), tokenize, check the prompt against
-max_model_len (HTTP 400 stating both numbers), build SamplingParams (its ValueError becomes HTTP
-400), admit every prompt into AsyncLLM *before* answering, so admission errors are real HTTP errors
-even for streaming requests; then either collect the final outputs or stream SSE chunks.
-The engine emits cumulative text; deltas are cut here.
+Flow of one request: refuse what we cannot serve (HTTP 400 naming the field), tokenize, check the
+prompt against max_model_len (HTTP 400 stating both numbers), build SamplingParams (its ValueError
+becomes HTTP 400), admit every prompt into AsyncLLM *before* answering, so admission errors are
+real HTTP errors even for streaming requests; then either collect the final outputs or stream SSE
+chunks. The engine emits cumulative text / tokens / logprobs per sample (n > 1 lives in the
+engine: one RequestOutput carries all n samples); deltas are cut here. Choice index of sample j
+of prompt i is i * n + j (upstream).
 """
 from __future__ import annotations
 
@@ -12,21 +15,39 @@ import asyncio
 import json
 from typing import Any, AsyncIterator
 
-from vllm.entrypoints.openai.chat_template import apply_chat_template, encode_chat_prompt, has_chat_template
-from vllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                              error_body, new_id, now_s, usage)
+from vllm.entrypoints.openai.chat_template import (apply_chat_template, encode_chat_prompt,
+                                                   has_chat_template)
+from vllm.entrypoints.openai.protocol import (
+    APIError, ChatCompletionLogProb, ChatCompletionLogProbs, ChatCompletionLogProbsContent,
+    ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse, ChatResponseMessage,
+    CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice,
+    CompletionStreamResponse, DeltaMessage, DetokenizeRequest, DetokenizeResponse, PromptLogprob,
+    TokenizeRequest, TokenizeResponse, error_body, new_id, now_s, usage)
 from vllm.v1.engine.async_llm import AsyncLLM, EngineDeadError
 
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_tokens", "seed", "stop", "stop_token_ids",
-                    "ignore_eos")
+# Request fields copied into SamplingParams as they are (upstream names on both sides).
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "min_tokens", "seed", "stop",
+                    "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "logit_bias", "bad_words", "allowed_token_ids",
+                    "skip_special_tokens", "include_stop_str_in_output")
 
 
-def encode(tokenizer, text: str) -> list[int]:
-    ids = tokenizer.encode(text)
+def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    try:
+        ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except TypeError:  # tokenizers without the keyword
+        ids = tokenizer.encode(text)
     return list(getattr(ids, "ids", ids))  # tokenizers.Tokenizer returns an Encoding
 
 
-def sse(payload: dict[str, Any] | str) -> str:
+def sse(payload) -> str:
+    if hasattr(payload, "model_dump"):
+        payload = payload.model_dump()
+        for choice in payload.get("choices", ()):
+            if isinstance(choice.get("delta"), dict):
+                # Upstream sends only the delta fields that are set ({} on the final chunk).
+                choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n"
 
@@ -79,16 +100,36 @@ class OpenAIServing:
 
     @staticmethod
     def check_supported(request) -> None:
-        if request.n != 1:
-            raise APIError(f"n={request.n} is not supported; this server returns one choice per "
-                           "prompt, use n=1", 400, "n")
-        if request.logprobs:
-            raise APIError("logprobs are not supported by this server; leave `logprobs` unset", 400,
-                           "logprobs")
-        if getattr(request, "echo", False):
-            raise APIError("echo=true is not supported; leave `echo` unset", 400, "echo")
+        """HTTP 400 naming each field we would otherwise have to drop silently."""
+        if request.n < 1:
+            raise APIError(f"n={request.n} is invalid: it must be >= 1", 400, "n")
+        if request.best_of is not None and request.best_of != request.n:
+            raise APIError(f"best_of={request.best_of} is not supported (beam-free best-of-n "
+                           "ranking is not implemented); leave it unset or equal to n", 400,
+                           "best_of")
+        if request.use_beam_search:
+            raise APIError("use_beam_search is not supported; leave it unset", 400,
+                           "use_beam_search")
+        if request.response_format is not None and request.response_format.type != "text":
+            raise APIError(f"response_format type {request.response_format.type!r} is not "
+                           "supported (no structured output); use {'type': 'text'} or leave it "
+                           "unset", 400, "response_format")
+        for name in ("guided_json", "guided_regex", "guided_choice", "structured_outputs"):
+            if getattr(request, name, None) is not None:
+                raise APIError(f"{name} is not supported (no structured output); leave it unset",
+                               400, name)
         if getattr(request, "suffix", None):
             raise APIError("suffix is not supported; leave `suffix` unset", 400, "suffix")
+        tools = getattr(request, "tools", None)
+        if tools and getattr(request, "tool_choice", None) != "none":
+            raise APIError("tools are not supported (no tool-call parser); leave `tools` unset or "
+                           "pass tool_choice='none'", 400, "tools")
+        if getattr(request, "prompt_logprobs", None) is not None and request.stream:
+            raise APIError("prompt_logprobs is only supported without streaming; drop one of "
+                           "prompt_logprobs or stream", 400, "prompt_logprobs")
+        if getattr(request, "echo", False) and request.stream and request.logprobs is not None:
+            raise APIError("echo with logprobs is only supported without streaming; drop one of "
+                           "echo, logprobs or stream", 400, "echo")
 
     def check_length(self, prompt_ids: list[int], max_tokens: int | None, index: int = 0) -> int:
         """Returns the max_tokens to use; HTTP 400 if the prompt (plus completion) cannot fit."""
@@ -114,13 +155,19 @@ class OpenAIServing:
                 "max_tokens")
         return max_tokens
 
-    def sampling_params(self, request, max_tokens: int | None):
+    def sampling_params(self, request, max_tokens: int | None, logprobs: int | None = None,
+                        prompt_logprobs: int | None = None):
         from vllm.sampling_params import SamplingParams
 
         kwargs = {name: getattr(request, name) for name in _SAMPLING_FIELDS
                   if getattr(request, name, None) is not None}
+        kwargs["n"] = request.n
         if max_tokens is not None:
             kwargs["max_tokens"] = max_tokens
+        if logprobs is not None:
+            kwargs["logprobs"] = logprobs
+        if prompt_logprobs is not None:
+            kwargs["prompt_logprobs"] = prompt_logprobs
         try:
             return SamplingParams(**kwargs)
         except (ValueError, TypeError) as error:
@@ -146,6 +193,14 @@ class OpenAIServing:
     def _abort_unfinished(self, streams) -> None:
         self._abort([stream for stream in streams if not stream.finished])
 
+    def _token_str(self, as_ids: bool, token_id: int, entry=None) -> str:
+        if as_ids:
+            return f"token_id:{token_id}"
+        decoded = getattr(entry, "decoded_token", None) if entry is not None else None
+        if decoded is not None:
+            return decoded
+        return self.tokenizer.decode([token_id])
+
     # ---- /v1/completions ---------------------------------------------------------------------
     def _completion_prompts(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -162,49 +217,133 @@ class OpenAIServing:
         self.check_model(request.model)
         self.check_supported(request)
         prompts = self._completion_prompts(request.prompt)
-        params = [self.sampling_params(request, self.check_length(ids, request.max_tokens, i))
+        # echo + logprobs also scores the prompt (upstream: prompt_logprobs = logprobs).
+        prompt_lps = request.prompt_logprobs
+        if request.echo and request.logprobs is not None:
+            prompt_lps = request.logprobs
+        params = [self.sampling_params(request, self.check_length(ids, request.max_tokens, i),
+                                       request.logprobs, prompt_lps)
                   for i, ids in enumerate(prompts)]
         streams = await self.admit(prompts, params)
         request_id, created = new_id("cmpl"), now_s()
         if request.stream:
             return self._stream_completion(request, request_id, created, prompts, streams)
-        texts, reasons, counts = await self._collect(streams)
-        choices = [{"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i],
-                    "stop_reason": None} for i in range(len(streams))]
-        return {"id": request_id, "object": "text_completion", "created": created,
-                "model": self.model_name, "choices": choices,
-                "usage": usage(sum(map(len, prompts)), sum(counts))}
+        finals = await self._collect(streams)
+        as_ids = bool(request.return_tokens_as_token_ids)
+        choices = []
+        num_generated = 0
+        for i, output in enumerate(finals):
+            prompt_text = self.tokenizer.decode(prompts[i]) if request.echo else ""
+            for completion in output.outputs:
+                num_generated += len(completion.token_ids)
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = CompletionLogProbs()
+                    offset = 0
+                    if request.echo:
+                        offset = self._add_prompt_logprobs(logprobs, prompts[i],
+                                                           getattr(output, "prompt_logprobs", None),
+                                                           as_ids)
+                    self._add_completion_logprobs(logprobs, completion.token_ids,
+                                                  completion.logprobs, offset, as_ids)
+                prompt_lp = None
+                if request.prompt_logprobs is not None:
+                    prompt_lp = [None if entry is None else
+                                 {t: PromptLogprob(logprob=lp.logprob, rank=lp.rank,
+                                                   decoded_token=self._token_str(as_ids, t, lp))
+                                  for t, lp in entry.items()}
+                                 for entry in (getattr(output, "prompt_logprobs", None) or [])]
+                choices.append(CompletionResponseChoice(
+                    index=i * request.n + completion.index, text=prompt_text + completion.text,
+                    logprobs=logprobs, finish_reason=completion.finish_reason,
+                    stop_reason=getattr(completion, "stop_reason", None),
+                    prompt_logprobs=prompt_lp))
+        return CompletionResponse(id=request_id, created=created, model=self.model_name,
+                                  choices=choices,
+                                  usage=usage(sum(map(len, prompts)), num_generated)).model_dump()
 
-    async def _collect(self, streams):
-        texts = [""] * len(streams)
-        reasons: list[str | None] = [None] * len(streams)
-        counts = [0] * len(streams)
+    def _add_prompt_logprobs(self, out: CompletionLogProbs, prompt_ids, prompt_logprobs,
+                             as_ids: bool = False) -> int:
+        offset = 0
+        for j, token in enumerate(prompt_ids):
+            entry = prompt_logprobs[j] if prompt_logprobs is not None and j < len(
+                prompt_logprobs) else None
+            text = self._token_str(as_ids, token, entry.get(token) if entry else None)
+            out.tokens.append(text)
+            out.text_offset.append(offset)
+            offset += len(text)
+            if entry is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+            else:
+                out.token_logprobs.append(max(entry[token].logprob, -9999.0))
+                out.top_logprobs.append({self._token_str(as_ids, t, lp): max(lp.logprob, -9999.0)
+                                         for t, lp in entry.items()})
+        return offset
+
+    def _add_completion_logprobs(self, out: CompletionLogProbs, token_ids, logprobs,
+                                 offset: int, as_ids: bool = False) -> int:
+        for token, entry in zip(token_ids, logprobs or ()):
+            text = self._token_str(as_ids, token, entry.get(token))
+            out.tokens.append(text)
+            out.text_offset.append(offset)
+            offset += len(text)
+            out.token_logprobs.append(max(entry[token].logprob, -9999.0))
+            out.top_logprobs.append({self._token_str(as_ids, t, lp): max(lp.logprob, -9999.0)
+                                     for t, lp in entry.items()})
+        return offset
+
+    async def _collect(self, streams) -> list:
+        finals: list = [None] * len(streams)
         try:
             async for index, output in merge_streams(streams):
-                completion = output.outputs[0]
-                texts[index], reasons[index] = completion.text, completion.finish_reason
-                counts[index] = len(completion.token_ids)
+                finals[index] = output
         except EngineDeadError as error:
             raise APIError(f"the engine failed while generating: {error}", 500) from error
-        return texts, reasons, counts
+        return finals
 
     async def _stream_completion(self, request, request_id, created, prompts, streams):
-        base = {"id": request_id, "object": "text_completion", "created": created,
-                "model": self.model_name}
-        sent = [""] * len(streams)
-        counts = [0] * len(streams)
+        n = request.n
+        sent_text: dict[int, str] = {}
+        sent_tokens: dict[int, int] = {}
+        counts: dict[int, int] = {}
+        finished: set[int] = set()
         try:
-            async for index, output in merge_streams(streams):
-                completion = output.outputs[0]
-                delta = completion.text[len(sent[index]):]
-                sent[index] = completion.text
-                counts[index] = len(completion.token_ids)
-                reason = completion.finish_reason if output.finished else None
-                if delta or reason is not None:
-                    yield sse({**base, "choices": [{"index": index, "text": delta, "logprobs": None,
-                                                    "finish_reason": reason, "stop_reason": None}]})
+            async for i, output in merge_streams(streams):
+                for completion in output.outputs:
+                    index = i * n + completion.index
+                    if index in finished:
+                        continue
+                    first = index not in sent_text
+                    prev = sent_text.get(index, "")
+                    delta = completion.text[len(prev):]
+                    sent_text[index] = completion.text
+                    counts[index] = len(completion.token_ids)
+                    if first and request.echo:
+                        delta = self.tokenizer.decode(prompts[i]) + delta
+                    logprobs = None
+                    start = sent_tokens.get(index, 0)
+                    if request.logprobs is not None and completion.logprobs is not None:
+                        logprobs = CompletionLogProbs()
+                        self._add_completion_logprobs(logprobs, completion.token_ids[start:],
+                                                      completion.logprobs[start:], len(prev),
+                                                      bool(request.return_tokens_as_token_ids))
+                    sent_tokens[index] = len(completion.token_ids)
+                    reason = completion.finish_reason
+                    if reason is not None:
+                        finished.add(index)
+                    if delta or reason is not None or (logprobs and logprobs.tokens):
+                        choice = CompletionResponseChoice(
+                            index=index, text=delta, logprobs=logprobs, finish_reason=reason,
+                            stop_reason=getattr(completion, "stop_reason", None)
+                            if reason else None)
+                        yield sse(CompletionStreamResponse(id=request_id, created=created,
+                                                           model=self.model_name,
+                                                           choices=[choice]))
             if request.stream_options and request.stream_options.include_usage:
-                yield sse({**base, "choices": [], "usage": usage(sum(map(len, prompts)), sum(counts))})
+                yield sse(CompletionStreamResponse(
+                    id=request_id, created=created, model=self.model_name, choices=[],
+                    usage=usage(sum(map(len, prompts)), sum(counts.values()))))
         except EngineDeadError as error:
             yield sse(error_body(f"the engine failed while generating: {error}",
                                  "InternalServerError", 500))
@@ -215,53 +354,125 @@ class OpenAIServing:
         yield sse("[DONE]")
 
     # ---- /v1/chat/completions ----------------------------------------------------------------
-    async def create_chat_completion(self, request: ChatCompletionRequest):
-        self.check_model(request.model)
-        self.check_supported(request)
+    def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
         messages = [m.model_dump() for m in request.messages]
         try:
             prompt_text = apply_chat_template(self.tokenizer, messages)
         except ValueError as error:
             raise APIError(str(error), 400, "messages") from error
-        prompt_ids = encode_chat_prompt(self.tokenizer, prompt_text, has_chat_template(self.tokenizer))
-        max_tokens = request.max_completion_tokens or request.max_tokens
-        params = self.sampling_params(request, self.check_length(prompt_ids, max_tokens))
+        return encode_chat_prompt(self.tokenizer, prompt_text, has_chat_template(self.tokenizer))
+
+    def _chat_logprobs(self, token_ids, logprobs, top_k: int,
+                       as_ids: bool = False) -> ChatCompletionLogProbs:
+        content = []
+        for token, entry in zip(token_ids, logprobs or ()):
+            text = self._token_str(as_ids, token, entry.get(token))
+            top = [ChatCompletionLogProb(token=self._token_str(as_ids, t, lp),
+                                         logprob=max(lp.logprob, -9999.0),
+                                         bytes=list(self._token_str(as_ids, t, lp).encode()))
+                   for t, lp in entry.items() if lp.rank is not None and lp.rank <= top_k][:top_k]
+            content.append(ChatCompletionLogProbsContent(
+                token=text, logprob=max(entry[token].logprob, -9999.0),
+                bytes=list(text.encode()), top_logprobs=top))
+        return ChatCompletionLogProbs(content=content)
+
+    async def create_chat_completion(self, request: ChatCompletionRequest):
+        self.check_model(request.model)
+        self.check_supported(request)
+        if request.top_logprobs is not None and not request.logprobs:
+            raise APIError("top_logprobs needs logprobs=true", 400, "top_logprobs")
+        prompt_ids = self._chat_prompt(request)
+        # `is not None`: an explicit max_completion_tokens of 0 must not fall back to max_tokens.
+        max_tokens = (request.max_completion_tokens if request.max_completion_tokens is not None
+                      else request.max_tokens)
+        top_k = (request.top_logprobs or 0) if request.logprobs else None
+        params = self.sampling_params(request, self.check_length(prompt_ids, max_tokens), top_k)
         streams = await self.admit([prompt_ids], [params])
         request_id, created = new_id("chatcmpl"), now_s()
         if request.stream:
-            return self._stream_chat(request, request_id, created, prompt_ids, streams[0])
-        texts, reasons, counts = await self._collect(streams)
-        message = {"role": "assistant", "content": texts[0]}
-        return {"id": request_id, "object": "chat.completion", "created": created,
-                "model": self.model_name,
-                "choices": [{"index": 0, "message": message, "logprobs": None,
-                             "finish_reason": reasons[0], "stop_reason": None}],
-                "usage": usage(len(prompt_ids), counts[0])}
+            return self._stream_chat(request, request_id, created, prompt_ids, streams[0], top_k)
+        output = (await self._collect(streams))[0]
+        choices = [ChatCompletionResponseChoice(
+            index=c.index, message=ChatResponseMessage(content=c.text),
+            logprobs=(self._chat_logprobs(c.token_ids, c.logprobs, top_k,
+                                          bool(request.return_tokens_as_token_ids))
+                      if top_k is not None else None),
+            finish_reason=c.finish_reason, stop_reason=getattr(c, "stop_reason", None))
+            for c in output.outputs]
+        return ChatCompletionResponse(
+            id=request_id, created=created, model=self.model_name, choices=choices,
+            usage=usage(len(prompt_ids), sum(len(c.token_ids) for c in output.outputs))
+        ).model_dump()
 
-    async def _stream_chat(self, request, request_id, created, prompt_ids, stream):
-        base = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                "model": self.model_name}
+    async def _stream_chat(self, request, request_id, created, prompt_ids, stream, top_k):
+        def chunk(index: int, delta: DeltaMessage, reason=None, logprobs=None, stop_reason=None):
+            choice = ChatCompletionResponseStreamChoice(index=index, delta=delta,
+                                                        logprobs=logprobs, finish_reason=reason,
+                                                        stop_reason=stop_reason)
+            return sse(ChatCompletionStreamResponse(id=request_id, created=created,
+                                                    model=self.model_name, choices=[choice]))
 
-        def chunk(delta: dict, reason=None):
-            return sse({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                             "finish_reason": reason}]})
-
-        sent, count = "", 0
+        sent_text: dict[int, str] = {}
+        sent_tokens: dict[int, int] = {}
+        counts: dict[int, int] = {}
+        finished: set[int] = set()
         try:
-            yield chunk({"role": "assistant", "content": ""})
+            for index in range(request.n):
+                yield chunk(index, DeltaMessage(role="assistant", content=""))
             async for output in stream:
-                completion = output.outputs[0]
-                delta = completion.text[len(sent):]
-                sent, count = completion.text, len(completion.token_ids)
-                if delta:
-                    yield chunk({"content": delta})
-                if output.finished:
-                    yield chunk({}, completion.finish_reason)
+                for c in output.outputs:
+                    if c.index in finished:
+                        continue
+                    delta = c.text[len(sent_text.get(c.index, "")):]
+                    sent_text[c.index] = c.text
+                    counts[c.index] = len(c.token_ids)
+                    start = sent_tokens.get(c.index, 0)
+                    sent_tokens[c.index] = len(c.token_ids)
+                    logprobs = None
+                    if top_k is not None and c.logprobs is not None and len(c.token_ids) > start:
+                        logprobs = self._chat_logprobs(c.token_ids[start:], c.logprobs[start:],
+                                                       top_k,
+                                                       bool(request.return_tokens_as_token_ids))
+                    if delta or logprobs is not None:
+                        yield chunk(c.index, DeltaMessage(content=delta), logprobs=logprobs)
+                    if c.finish_reason is not None:
+                        finished.add(c.index)
+                        yield chunk(c.index, DeltaMessage(), c.finish_reason,
+                                    stop_reason=getattr(c, "stop_reason", None))
             if request.stream_options and request.stream_options.include_usage:
-                yield sse({**base, "choices": [], "usage": usage(len(prompt_ids), count)})
+                yield sse(ChatCompletionStreamResponse(
+                    id=request_id, created=created, model=self.model_name, choices=[],
+                    usage=usage(len(prompt_ids), sum(counts.values()))))
         except EngineDeadError as error:
             yield sse(error_body(f"the engine failed while generating: {error}",
                                  "InternalServerError", 500))
         finally:
             self._abort_unfinished([stream])
         yield sse("[DONE]")
+
+    # ---- /tokenize, /detokenize --------------------------------------------------------------
+    def tokenize(self, request: TokenizeRequest) -> dict:
+        self.check_model(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise APIError("send exactly one of `prompt` or `messages`", 400, "prompt")
+        if request.messages is not None:
+            messages = [m.model_dump() for m in request.messages]
+            try:
+                text = apply_chat_template(self.tokenizer, messages)
+            except ValueError as error:
+                raise APIError(str(error), 400, "messages") from error
+        else:
+            text = request.prompt
+        ids = encode(self.tokenizer, text, request.add_special_tokens)
+        strs = [self.tokenizer.decode([t]) for t in ids] if request.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids,
+                                token_strs=strs).model_dump()
+
+    def detokenize(self, request: DetokenizeRequest) -> dict:
+        self.check_model(request.model)
+        vocab = getattr(self.tokenizer, "vocab_size", None)
+        bad = [t for t in request.tokens if t < 0 or (isinstance(vocab, int) and t >= vocab)]
+        if bad:
+            raise APIError(f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})", 400,
+                           "tokens")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(request.tokens)).model_dump()

@@ -36,7 +36,8 @@ _request_counter = itertools.count()
 
 
 def _num_output_tokens(output) -> int:
-    return len(output.outputs[0].token_ids) if output.outputs else 0
+    """All samples' tokens (n > 1: one RequestOutput carries every sample)."""
+    return sum(len(c.token_ids) for c in output.outputs)
 
 
 class RequestStream:
@@ -186,6 +187,7 @@ class AsyncLLM:
         if self._dead_error is not None or not self.engine.has_unfinished_requests():
             return
         outputs = self.engine.step()
+        self.metrics.record_iteration(int(getattr(self.engine, "last_iteration_tokens", 0) or 0))
         self._dispatch(outputs, time.perf_counter())
         self._refresh_snapshot()
 
@@ -248,7 +250,7 @@ class AsyncLLM:
             if output.finished:
                 del self._streams[output.request_id]
                 reason = output.outputs[0].finish_reason if output.outputs else None
-                self.metrics.record_finished(stream.timer, reason)
+                self.metrics.record_finished(stream.timer, reason, getattr(output, "metrics", None))
             stream._deliver(output)
 
     def _fail_all(self, error: BaseException) -> None:

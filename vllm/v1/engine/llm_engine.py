@@ -15,6 +15,8 @@ import weakref
 from collections import deque
 from dataclasses import dataclass
 
+from vllm.inputs import parse_prompt
+from vllm.logprobs import logprobs_row_to_dict
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.request import Request, RequestStatus
@@ -61,6 +63,27 @@ class _RequestState:
     output_token_ids: list[int]
     detokenizer: IncrementalDetokenizer | None
     timer: RequestTimer
+    params: SamplingParams | None = None
+    parent_id: str | None = None  # n > 1: the user's request id (this is one child)
+    index: int = 0  # CompletionOutput.index
+    logprobs: list | None = None  # SampleLogprobs when params.logprobs is set
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list | None = None
+
+
+@dataclass
+class _ParentState:
+    """n > 1 (upstream's ParentRequest): one user request fanned out into n child requests that
+    schedule, draft and verify on their own; their outputs are merged back into one
+    RequestOutput with n CompletionOutputs (cumulative)."""
+
+    request_id: str
+    child_ids: list[str]
+    completions: list[CompletionOutput]
+    finished: list[bool]
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list | None = None
 
 
 class LLMEngine:
@@ -94,6 +117,8 @@ class LLMEngine:
                     self.scheduler.kv_cache_manager.tokens_per_block)
 
         self._states: dict[str, _RequestState] = {}
+        self._parents: dict[str, _ParentState] = {}
+        self.last_iteration_tokens = 0
         self._request_index = itertools.count()
         self._ttft_samples: deque[float] = deque(maxlen=_MAX_LATENCY_SAMPLES)
         self._tpot_samples: deque[float] = deque(maxlen=_MAX_LATENCY_SAMPLES)
@@ -115,28 +140,74 @@ class LLMEngine:
         return cls(engine_args.create_engine_config(), **kwargs)
 
     # ---- requests ----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params=None) -> None:
+    def add_request(self, request_id: str, prompt, params=None) -> None:
+        """prompt: a string, token ids, or a TextPrompt / TokensPrompt dict (vllm.inputs)."""
         if params is None:
             params = SamplingParams()
-        if request_id in self._states:
+        if request_id in self._states or request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use; use a unique request id")
-        if getattr(params, "n", 1) != 1:
-            raise ValueError(f"SamplingParams.n={params.n} is not supported; send n separate requests")
-        if isinstance(prompt, str):
-            prompt_text = prompt
-            prompt_token_ids = self.tokenizer.encode(prompt)
-        else:
-            prompt_text = None
-            prompt_token_ids = [int(t) for t in prompt]
-            bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+        prompt_text, prompt_token_ids = parse_prompt(prompt)
+        if prompt_token_ids is None:
+            prompt_token_ids = self.tokenizer.encode(prompt_text)
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {self.vocab_size}); pass valid token ids")
+        params = self._prepare_params(params)
+        n = int(getattr(params, "n", 1))
+        if n == 1:
+            self._add_one(request_id, prompt_text, prompt_token_ids, params)
+            return
+        # Upstream's fan-out: child i is "{i}_{parent}", with seed + i when a seed is given.
+        child_ids = [f"{i}_{request_id}" for i in range(n)]
+        parent = _ParentState(request_id, child_ids,
+                              [CompletionOutput(i, "", [], None) for i in range(n)],
+                              [False] * n, prompt_text, prompt_token_ids)
+        added = []
+        try:
+            for i, child_id in enumerate(child_ids):
+                child = copy.copy(params)
+                child.n = 1
+                if params.seed is not None:
+                    child.seed = params.seed + i
+                self._add_one(child_id, prompt_text, prompt_token_ids, child, parent_id=request_id,
+                              index=i)
+                added.append(child_id)
+        except BaseException:
+            if added:
+                self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+                for child_id in added:
+                    self._states.pop(child_id, None)
+            raise
+        self._parents[request_id] = parent
+
+    def _prepare_params(self, params):
+        """A private copy with the engine's facts (EOS for min_tokens, tokenized bad words)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a vllm.SamplingParams, got "
+                             f"{type(params).__name__}")
+        params = copy.copy(params)
+        params.update_from_tokenizer(self.eos_token_id, self.tokenizer)
+        for name, ids in (("logit_bias", list(params.logit_bias or ())),
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("stop_token_ids", params.stop_token_ids or ())):
+            out = [t for t in ids if t >= self.vocab_size]
+            if out:
+                raise ValueError(f"{name} has token ids {out[:5]} outside the vocabulary "
                                  f"[0, {self.vocab_size}); pass valid token ids")
-        index = next(self._request_index)
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.vocab_size:
+                raise ValueError(f"{name}={k} is larger than the vocabulary ({self.vocab_size}); "
+                                 "ask for fewer (or -1 for all)")
+        return params
+
+    def _add_one(self, request_id: str, prompt_text, prompt_token_ids: list[int], params,
+                 parent_id: str | None = None, index: int = 0) -> None:
+        request_index = next(self._request_index)
         if not is_greedy(params) and getattr(params, "seed", None) is None:
             # Every rank must draw the same numbers: give the request a definite seed.
-            params = copy.copy(params)
-            params.seed = self.seed + index
+            params.seed = self.seed + request_index
         max_tokens = getattr(params, "max_tokens", None)
         if max_tokens is None:
             max_tokens = max(1, self.max_model_len - len(prompt_token_ids))
@@ -151,14 +222,22 @@ class LLMEngine:
                 skip_special_tokens=getattr(params, "skip_special_tokens", True),
                 stop=_as_list(getattr(params, "stop", None)),
                 include_stop_str_in_output=getattr(params, "include_stop_str_in_output", False))
-        self._states[request_id] = _RequestState(request_id, prompt_text, prompt_token_ids, [],
-                                                 detokenizer,
-                                                 RequestTimer(num_prompt_tokens=len(prompt_token_ids)))
+        self._states[request_id] = _RequestState(
+            request_id, prompt_text, prompt_token_ids, [], detokenizer,
+            RequestTimer(num_prompt_tokens=len(prompt_token_ids)), params=params,
+            parent_id=parent_id, index=index,
+            logprobs=[] if params.logprobs is not None else None,
+            cumulative_logprob=0.0 if params.logprobs is not None else None)
         self._num_prompt_tokens += len(prompt_token_ids)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
+        expanded = []
+        for req_id in request_ids:
+            parent = self._parents.pop(req_id, None)
+            expanded.extend(parent.child_ids if parent is not None else [req_id])
+        request_ids = expanded
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         for req_id in request_ids:
             self._states.pop(req_id, None)
@@ -174,14 +253,29 @@ class LLMEngine:
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
+        scheduled_at = time.perf_counter()
+        num_prompt_tokens = 0
+        for new in scheduler_output.scheduled_new_reqs:
+            new_state = self._states.get(new.req_id)
+            if new_state is not None and new_state.timer.first_scheduled_time is None:
+                new_state.timer.first_scheduled_time = scheduled_at
+                num_prompt_tokens += len(new_state.prompt_token_ids)
         runner_output = self.executor.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         now = time.perf_counter()
         outputs = []
+        step_logprobs = runner_output.logprobs or {}
+        step_prompt_logprobs = runner_output.prompt_logprobs or {}
         for core in core_outputs:
             state = self._states.get(core.request_id)
             if state is None:
                 continue
+            if core.request_id in step_prompt_logprobs and state.prompt_logprobs is None:
+                state.prompt_logprobs = self._prompt_logprobs(
+                    step_prompt_logprobs[core.request_id])
+            if state.logprobs is not None and core.request_id in step_logprobs:
+                self._append_logprobs(state, step_logprobs[core.request_id],
+                                      len(core.new_token_ids))
             state.output_token_ids.extend(core.new_token_ids)
             finish_reason, stop_reason = core.finish_reason, core.stop_reason
             if state.detokenizer is not None:
@@ -194,22 +288,74 @@ class LLMEngine:
             state.timer.record_tokens(len(core.new_token_ids), now)
             self._num_generation_tokens += len(core.new_token_ids)
             finished = finish_reason is not None
-            outputs.append(self._make_output(state, finished, finish_reason, stop_reason))
+            output = self._make_output(state, finished, finish_reason, stop_reason)
             if finished:
                 self._record_finished(state)
                 del self._states[core.request_id]
-        return outputs
+            if state.parent_id is not None:
+                output = self._merge_child(state, output)
+                if output is None:
+                    continue
+            outputs.append(output)
+        # Prompt tokens prefilled + tokens generated this step (vllm:iteration_tokens_total).
+        self.last_iteration_tokens = num_prompt_tokens + sum(
+            len(core.new_token_ids) for core in core_outputs)
+        return self._dedupe_parents(outputs)
+
+    def _merge_child(self, state: _RequestState, output: RequestOutput) -> RequestOutput | None:
+        parent = self._parents.get(state.parent_id)
+        if parent is None:
+            return None  # aborted
+        parent.completions[state.index] = output.outputs[0]
+        parent.finished[state.index] = output.finished
+        if parent.prompt_logprobs is None and output.prompt_logprobs is not None:
+            parent.prompt_logprobs = output.prompt_logprobs
+        finished = all(parent.finished)
+        if finished:
+            del self._parents[parent.request_id]
+        return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
+                             prompt_token_ids=parent.prompt_token_ids,
+                             outputs=list(parent.completions), finished=finished,
+                             prompt_logprobs=parent.prompt_logprobs)
+
+    @staticmethod
+    def _dedupe_parents(outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Several children of one parent in a step: keep the parent's last (newest) output."""
+        last = {o.request_id: i for i, o in enumerate(outputs)}
+        return [o for i, o in enumerate(outputs) if last[o.request_id] == i]
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _append_logprobs(self, state: _RequestState, lists, num_tokens: int) -> None:
+        # The scheduler may cut a step's tokens at a stop token: keep the matching prefix.
+        for j in range(min(num_tokens, len(lists))):
+            entry = logprobs_row_to_dict(lists.logprob_token_ids[j], lists.logprobs[j],
+                                         lists.sampled_token_ranks[j], self._decode_token)
+            state.logprobs.append(entry)
+            state.cumulative_logprob += float(lists.logprobs[j][0])
+
+    def _prompt_logprobs(self, lists) -> list:
+        rows = [logprobs_row_to_dict(lists.logprob_token_ids[j], lists.logprobs[j],
+                                     lists.sampled_token_ranks[j], self._decode_token)
+                for j in range(len(lists))]
+        return [None, *rows]
 
     def _make_output(self, state: _RequestState, finished: bool, finish_reason,
                      stop_reason) -> RequestOutput:
         text = state.detokenizer.output_text if state.detokenizer is not None else ""
-        completion = CompletionOutput(index=0, text=text, token_ids=list(state.output_token_ids),
-                                      finish_reason=finish_reason, stop_reason=stop_reason)
+        completion = CompletionOutput(index=state.index, text=text,
+                                      token_ids=list(state.output_token_ids),
+                                      finish_reason=finish_reason, stop_reason=stop_reason,
+                                      cumulative_logprob=state.cumulative_logprob,
+                                      logprobs=list(state.logprobs)
+                                      if state.logprobs is not None else None)
         # The prompt ids never change after add_request, so every output shares one list (as
         # upstream does) instead of copying the whole prompt for every request at every step.
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,
                              prompt_token_ids=state.prompt_token_ids, outputs=[completion],
-                             finished=finished)
+                             finished=finished, prompt_logprobs=state.prompt_logprobs,
+                             metrics=state.timer.phases() if finished else None)
 
     def _record_finished(self, state: _RequestState) -> None:
         self._num_finished += 1

@@ -27,7 +27,16 @@ class Executor(ABC):
 
     @staticmethod
     def get_class(vllm_config) -> type[Executor]:
-        if int(vllm_config.parallel_config.tensor_parallel_size) == 1:
+        """parallel_config.distributed_executor_backend (upstream names): None = uni for TP=1,
+        else mp; external_launcher = this process is one torchrun rank."""
+        parallel = vllm_config.parallel_config
+        backend = getattr(parallel, "distributed_executor_backend", None)
+        if backend is None:
+            backend = "uni" if int(parallel.tensor_parallel_size) == 1 else "mp"
+        if backend == "external_launcher":
+            from vllm.v1.executor.external_launcher import ExternalLauncherExecutor
+            return ExternalLauncherExecutor
+        if backend == "uni":
             from vllm.v1.executor.uniproc_executor import UniProcExecutor
             return UniProcExecutor
         from vllm.v1.executor.multiproc_executor import MultiprocExecutor

@@ -7,15 +7,21 @@ Two sources feed it:
   custom collector, so the exporter never touches the engine from the HTTP thread.
 
 Each exporter owns a private CollectorRegistry so several servers (or tests) can live in one process.
+Every series carries upstream's labels `model_name` and `engine` (the engine index, "0"); like
+upstream, the `*_created` series are off.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from vllm.v1.metrics.stats import RequestTimer, mean_acceptance_length
+
+# Upstream vLLM turns the `*_created` samples off (they double every counter / histogram).
+prometheus_client.disable_created_metrics()
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -24,6 +30,12 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
                  7.5, 10.0, 20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                  0.75, 1.0, 2.5, 5.0)
+# Request phase times (queue / prefill / decode / inference), upstream's bucket shape.
+_PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
+                  20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Tokens per engine step and per request: 1-2-5 steps up to 1M (upstream's build_1_2_5_buckets).
+_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5) if m * 10**e <= 10**6)
+ENGINE_INDEX = "0"
 
 
 class _EngineStateCollector:
@@ -35,8 +47,8 @@ class _EngineStateCollector:
 
     def collect(self):
         snapshot = self._snapshot_fn() or {}
-        labels = ["model_name"]
-        values = [self._model_name]
+        labels = ["model_name", "engine"]
+        values = [self._model_name, ENGINE_INDEX]
 
         def gauge(name, doc, value):
             family = GaugeMetricFamily(name, doc, labels=labels)
@@ -54,14 +66,16 @@ class _EngineStateCollector:
         if "num_total_blocks" in snapshot:
             yield gauge("vllm:kv_cache_total_blocks", "Total KV cache blocks.", snapshot["num_total_blocks"])
 
-        spec = snapshot.get("spec_decode")
-        if not spec:
-            return
-
         def counter(name, doc, value):
             family = CounterMetricFamily(name, doc, labels=labels)
             family.add_metric(values, float(value))
             return family
+
+        yield counter("vllm:num_preemptions", "Cumulative number of preemptions (recompute).",
+                      snapshot.get("num_preemptions", 0))
+        spec = snapshot.get("spec_decode")
+        if not spec:
+            return
 
         num_drafts = int(spec.get("num_drafts", 0))
         num_accepted = int(spec.get("num_accepted_tokens", 0))
@@ -84,7 +98,33 @@ class PrometheusMetrics:
     def __init__(self, model_name: str, engine_snapshot_fn: Callable[[], dict[str, Any]]):
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
+        labels = ["model_name", "engine"]
+        self._labels = (model_name, ENGINE_INDEX)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, labelnames=labels, buckets=buckets, registry=self.registry)
+
+        self._queue = histogram("vllm:request_queue_time_seconds",
+                                "Time in the WAITING phase (arrival to first scheduled).",
+                                _PHASE_BUCKETS)
+        self._prefill = histogram("vllm:request_prefill_time_seconds",
+                                  "Time in the PREFILL phase (first scheduled to first token).",
+                                  _PHASE_BUCKETS)
+        self._decode = histogram("vllm:request_decode_time_seconds",
+                                 "Time in the DECODE phase (first token to last token).",
+                                 _PHASE_BUCKETS)
+        self._inference = histogram("vllm:request_inference_time_seconds",
+                                    "Time in the RUNNING phase (first scheduled to last token).",
+                                    _PHASE_BUCKETS)
+        self._iteration_tokens = histogram("vllm:iteration_tokens_total",
+                                           "Prompt + generation tokens per engine step.",
+                                           _TOKEN_BUCKETS)
+        self._request_prompt_tokens = histogram("vllm:request_prompt_tokens",
+                                                "Prompt tokens per finished request.",
+                                                _TOKEN_BUCKETS)
+        self._request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                    "Generated tokens per finished request.",
+                                                    _TOKEN_BUCKETS)
         self._request_success = Counter(
             "vllm:request_success", "Finished requests by finish reason.",
             labelnames=labels + ["finished_reason"], registry=self.registry)
@@ -107,30 +147,54 @@ class PrometheusMetrics:
         self.registry.register(_EngineStateCollector(engine_snapshot_fn, model_name))
 
     def record_admitted(self, num_prompt_tokens: int) -> None:
-        self._prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
+        self._prompt_tokens.labels(*self._labels).inc(num_prompt_tokens)
 
     def record_tokens(self, timer: RequestTimer, num_new_tokens: int) -> None:
         """Call after `timer.record_tokens(...)` for the same burst."""
         if num_new_tokens <= 0:
             return
-        self._generation_tokens.labels(self.model_name).inc(num_new_tokens)
+        self._generation_tokens.labels(*self._labels).inc(num_new_tokens)
         if not timer.bursts:
-            self._ttft.labels(self.model_name).observe(timer.ttft)
+            self._ttft.labels(*self._labels).observe(timer.ttft)
         else:
             gap, count = timer.bursts[-1]
-            itl = self._itl.labels(self.model_name)
+            itl = self._itl.labels(*self._labels)
             for _ in range(count):
                 itl.observe(gap / count)
 
-    def record_finished(self, timer: RequestTimer, finish_reason: str | None) -> None:
-        self._request_success.labels(self.model_name, finish_reason or "unknown").inc()
+    def record_iteration(self, num_tokens: int) -> None:
+        """Tokens one engine step processed (prompt tokens prefilled + tokens generated)."""
+        if num_tokens > 0:
+            self._iteration_tokens.labels(*self._labels).observe(num_tokens)
+
+    def record_phases(self, phases: dict | None) -> None:
+        """Engine-side timestamps of a finished request (RequestOutput.metrics)."""
+        if not phases:
+            return
+        arrival, scheduled = phases.get("arrival_time"), phases.get("first_scheduled_time")
+        first, last = phases.get("first_token_time"), phases.get("last_token_time")
+        if arrival is not None and scheduled is not None:
+            self._queue.labels(*self._labels).observe(max(scheduled - arrival, 0.0))
+        if scheduled is not None and first is not None:
+            self._prefill.labels(*self._labels).observe(max(first - scheduled, 0.0))
+        if first is not None and last is not None:
+            self._decode.labels(*self._labels).observe(max(last - first, 0.0))
+        if scheduled is not None and last is not None:
+            self._inference.labels(*self._labels).observe(max(last - scheduled, 0.0))
+
+    def record_finished(self, timer: RequestTimer, finish_reason: str | None,
+                        phases: dict | None = None) -> None:
+        self._request_success.labels(*self._labels, finish_reason or "unknown").inc()
+        self._request_prompt_tokens.labels(*self._labels).observe(timer.num_prompt_tokens)
+        self._request_generation_tokens.labels(*self._labels).observe(timer.num_generation_tokens)
+        self.record_phases(phases)
         if timer.tpot is not None:
-            self._tpot.labels(self.model_name).observe(timer.tpot)
+            self._tpot.labels(*self._labels).observe(timer.tpot)
         if timer.e2e_latency is not None:
-            self._e2e.labels(self.model_name).observe(timer.e2e_latency)
+            self._e2e.labels(*self._labels).observe(timer.e2e_latency)
 
     def record_aborted(self) -> None:
-        self._requests_aborted.labels(self.model_name).inc()
+        self._requests_aborted.labels(*self._labels).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,6 +15,7 @@ class RequestTimer:
     arrival_time: float = field(default_factory=time.perf_counter)
     num_prompt_tokens: int = 0
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None  # set by the engine when it first schedules it
     last_token_time: float | None = None
     num_generation_tokens: int = 0
     # One entry per output burst after the first: (seconds since previous burst, tokens in burst).
@@ -50,6 +51,12 @@ class RequestTimer:
         if self.last_token_time is None:
             return None
         return self.last_token_time - self.arrival_time
+
+    def phases(self) -> dict[str, float | None]:
+        """Timestamps (perf_counter) for queue / prefill / decode / inference times."""
+        return {"arrival_time": self.arrival_time,
+                "first_scheduled_time": self.first_scheduled_time,
+                "first_token_time": self.first_token_time, "last_token_time": self.last_token_time}
 
     def inter_token_latencies(self) -> list[float]:
         """Per-token gaps: a burst of k tokens after a gap g contributes k gaps of g/k."""

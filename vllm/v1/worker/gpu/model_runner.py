@@ -30,6 +30,7 @@ from vllm.v1.worker.gpu.block_table import BlockTables
 from vllm.v1.worker.gpu.buffer_utils import CpuGpuBuffer
 from vllm.v1.worker.gpu.input_batch import InputBatch, InputBatchBuilder
 from vllm.v1.worker.gpu.request_states import RequestStates
+from vllm.v1.worker.gpu.sample_utils import BatchRows, SamplingStates
 from vllm.v1.worker.gpu.spec_decode import get_speculator_cls
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftInputs
 
@@ -88,6 +89,8 @@ class GPUModelRunner:
         self._num_computed_new = CpuGpuBuffer(self.max_num_reqs, dtype=torch.int64,
                                               device=self.device)
         self._last_drafts: tuple[list[str], torch.Tensor] | None = None
+        # Penalties, logits processors and logprobs (sample_utils.py); sized once the model is known.
+        self.sampling_states: SamplingStates | None = None
         # CUDA graphs of uniform decode/verify steps (never on CPU, never with enforce_eager).
         self.cudagraphs = None
         if (self.device.type == "cuda" and not getattr(model_config, "enforce_eager", False)):
@@ -115,6 +118,8 @@ class GPUModelRunner:
     def load_model(self) -> None:
         from vllm.model_executor.model_loader import get_draft_model, get_model
         self.model = get_model(self.vllm_config)
+        vocab_size = int(self.vllm_config.model_config.hf_config.vocab_size)
+        self.sampling_states = SamplingStates(self.max_num_reqs, vocab_size, self.device)
         if self.spec_config is not None:
             self.draft_model = get_draft_model(self.vllm_config, self.model)
 
@@ -239,6 +244,9 @@ class GPUModelRunner:
         for req_id in set(scheduler_output.finished_req_ids) | set(
                 scheduler_output.preempted_req_ids):
             state = self.requests.remove(req_id)
+            self.sampling_states.remove_request(
+                req_id, state.slot if state is not None else None,
+                finished=req_id in scheduler_output.finished_req_ids)
             if state is not None:
                 self._has_draft_probs[state.slot] = False
                 self.block_tables.remove_request(state.slot)
@@ -254,6 +262,8 @@ class GPUModelRunner:
                                                overwrite=True)
             # Idempotent per request id: a preempted request keeps its generator and its draws.
             self.generators.add_request(new.req_id, new.sampling_params)
+            self.sampling_states.add_request(new.req_id, state.slot, new.prompt_token_ids,
+                                             new.sampling_params)
             params = new.sampling_params
             greedy = is_greedy(params)
             self._temperature.np[state.slot] = 0.0 if greedy else float(params.temperature)
@@ -294,7 +304,14 @@ class GPUModelRunner:
             hidden, aux_hidden, logits_all = self._forward(batch)
             logits = logits_all
 
-        sampled, num_sampled, num_draft, sample_rows = self._sample(batch, logits)
+        prompt_logprobs = None
+        if not batch.cudagraph:  # prefill rows (never in a graph) may ask for prompt logprobs
+            prompt_logprobs = self.sampling_states.prompt_logprobs(
+                self.model.compute_logits, hidden, batch.req_ids,
+                batch.query_start_loc_np[: num_reqs + 1].tolist(),
+                [self.requests[r].token_ids for r in batch.req_ids],
+                (batch.num_computed_np == 0).tolist())
+        sampled, num_sampled, num_draft, sample_rows, rows_info = self._sample(batch, logits)
         # The step's one device->host transfer.
         host = self._copy_step_output(sampled, num_sampled, len(sample_rows))
 
@@ -309,6 +326,10 @@ class GPUModelRunner:
             num_draft_list[row] = int(num_draft[j])
             num_accepted[row] = n - 1
             num_computed_new[row] -= int(num_draft[j]) - (n - 1)
+        # Counts for penalties / min_tokens, and logprobs of requests that asked (computed from
+        # the raw logits; a step with none of these features does nothing here).
+        logprobs = self.sampling_states.after_sampling(
+            logits, rows_info, [out_tokens[r] for r in sample_rows]) if sample_rows else None
         for i, req_id in enumerate(req_ids):
             state = self.requests[req_id]
             state.token_ids.extend(out_tokens[i])
@@ -320,7 +341,8 @@ class GPUModelRunner:
                                            num_computed_new, out_tokens)
         return ModelRunnerOutput(req_ids=list(req_ids), sampled_token_ids=out_tokens,
                                  spec_token_ids=spec_token_ids, num_draft_tokens=num_draft_list,
-                                 num_accepted_tokens=num_accepted)
+                                 num_accepted_tokens=num_accepted, logprobs=logprobs,
+                                 prompt_logprobs=prompt_logprobs)
 
     def _forward(self, batch: InputBatch) -> tuple:
         """Target forward (+ block drafters' context KV) and the LM head of the logit rows.
@@ -390,8 +412,14 @@ class GPUModelRunner:
         metadata = self._sampling_metadata(batch, rows)
         self._step_sampling_metadata = metadata
         num_draft = batch.num_draft_np[rows] if rows else np.zeros(0, dtype=np.int64)
+        drafts = self._verified_drafts(batch, rows, num_draft)
+        req_ids = [batch.req_ids[r] for r in rows]
+        rows_info = BatchRows(req_ids, batch.idx_mapping_np[rows].tolist(),
+                              num_draft=num_draft.tolist(), draft_tokens=drafts,
+                              token_ids=[self.requests[r].token_ids for r in req_ids])
+        raw_logits = logits
+        logits = self.sampling_states.process_logits(raw_logits, rows_info)
         if self.rejection_sampler is not None:
-            drafts = self._verified_drafts(batch, rows, num_draft)
             result = self.rejection_sampler.verify(
                 logits, drafts, num_draft, metadata,
                 self._draft_probs_for(batch, rows, num_draft, drafts, logits.shape[-1]),
@@ -405,7 +433,7 @@ class GPUModelRunner:
             slots = self._pinned_index(batch.idx_mapping_np[rows], "sampled_slots")
             emitted = sampled.gather(1, (num_sampled - 1).unsqueeze(1)).squeeze(1)
             self.requests.last_sampled[slots] = emitted
-        return sampled, num_sampled, num_draft, rows
+        return sampled, num_sampled, num_draft, rows, rows_info
 
     def _verified_drafts(self, batch: InputBatch, rows: list[int],
                          num_draft: np.ndarray) -> torch.Tensor:
