@@ -106,9 +106,14 @@ class LLM:
         template = load_chat_template(chat_template)
         tokenizer = self.get_tokenizer()
         templated = template is not None or has_chat_template(tokenizer)
-        prompts = [encode_chat_prompt(tokenizer, apply_chat_template(
-            tokenizer, conv, add_generation_prompt=add_generation_prompt, chat_template=template), templated)
-            for conv in conversations]
+        prompts = []
+        for conv in conversations:
+            text = apply_chat_template(tokenizer, list(conv),
+                                       add_generation_prompt=add_generation_prompt,
+                                       chat_template=template)
+            # A template's output already holds its special tokens: no second BOS.
+            prompts.append({"prompt_token_ids": encode_chat_prompt(tokenizer, text, templated),
+                            "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _record(self, output, timers: dict) -> None:
