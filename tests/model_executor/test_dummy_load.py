@@ -155,7 +155,7 @@ def test_engine_with_dummy_target_and_drafter(tmp_path):
         plain = [o.outputs[0].token_ids for o in llm.generate([[5, 6, 7], [100, 3]], params, use_tqdm=False)]
     with LLM(model=str(target), speculative_config={"model": str(draft)}, **common) as llm:
         spec = [o.outputs[0].token_ids for o in llm.generate([[5, 6, 7], [100, 3]], params, use_tqdm=False)]
-        assert llm.get_metrics()["spec_decode"]["num_drafts"] > 0
+        assert llm.llm_engine.get_metrics()["spec_decode"]["num_drafts"] > 0
     assert spec == plain
     with pytest.raises(ValueError, match="no \\*.safetensors weights .*--load-format dummy"):
         get_model(VllmConfig(model_config=ModelConfig(model=str(target), device="cpu"),
