@@ -27,6 +27,7 @@ class EngineArgs:
     device: str = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
+    enable_chunked_prefill: bool = True
     distributed_backend: str = "auto"
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
@@ -70,7 +71,12 @@ class EngineArgs:
                            help="auto, TORCH_MLA or FLASHINFER_MLA")
         group.add_argument("--device", type=str, default=d.device, help="auto, cpu or cuda")
         group.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-        group.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+        group.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                           help="token budget of one engine step (prefill chunks + decodes)")
+        group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                           default=d.enable_chunked_prefill,
+                           help="prefill prompts longer than --max-num-batched-tokens in chunks "
+                                "(default on; --no-enable-chunked-prefill prefills prompts whole)")
         group.add_argument("--distributed-backend", type=str, default=d.distributed_backend,
                            help="torch.distributed backend: auto, gloo or nccl")
         group.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
@@ -122,6 +128,7 @@ class EngineArgs:
             speculative_config=self.create_speculative_config(),
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill,
             compilation_config=self.create_compilation_config(),
         )
 

@@ -50,6 +50,10 @@ class StepBatch:
     drafts: list[list[int]]               # drafts verified per row (empty for prefills)
     logits_indices: torch.Tensor          # token rows whose logits are sampled / verified
     attn_metadata: dict[str, Any]         # layer name -> metadata
+    # Rows that sample this step (decodes, and prefills whose last chunk this is); a row whose
+    # chunked prefill is unfinished samples nothing and is absent here.
+    sample_rows: list[int]
+    next_prompt_tokens: dict[int, int]    # unfinished prefill row -> its next prompt token
 
     @property
     def num_reqs(self) -> int:
@@ -166,6 +170,10 @@ class GPUModelRunner:
         self.attn_metadata_builders = [
             builder_cls(g.kv_cache_spec, g.layer_names, self.vllm_config, self.device)
             for g in groups]
+        for builder in self.attn_metadata_builders:
+            # Verification rows (1 + k tokens) are decode rows; longer rows (prefill chunks,
+            # with or without cached context) take the prefill path.
+            builder.reorder_batch_threshold = 1 + self.num_spec_tokens
         validate_dspark_dcp_backends(
             self.spec_config.method if self.spec_config is not None else None, self.dcp_size,
             [(g.kv_cache_spec, builder_cls) for g in groups])
@@ -206,7 +214,13 @@ class GPUModelRunner:
         for req_id, new_block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
                                                        cached.num_computed_tokens):
             state = self.requests[req_id]
-            state.num_computed_tokens = int(num_computed)
+            if int(num_computed) != state.num_computed_tokens:
+                # Both sides advance the count the same way (rejected drafts and unfinished
+                # prefill chunks included); a mismatch means the two views diverged.
+                raise ValueError(
+                    f"request {req_id!r}: scheduler says {int(num_computed)} computed tokens but "
+                    f"the runner has computed {state.num_computed_tokens}; the scheduler must "
+                    "advance num_computed_tokens by what the runner reported")
             if new_block_ids:
                 self.block_tables.append_block_ids(state.slot, (list(new_block_ids),) * num_groups,
                                                    overwrite=False)
@@ -240,20 +254,31 @@ class GPUModelRunner:
                 # group's slot mapping of this very step.
                 self.speculator.precompute_context(aux_hidden, positions)
 
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
         req_ids = batch.req_ids
-        params = [self.requests[r].sampling_params for r in req_ids]
-        sampling_metadata = SamplingMetadata.from_sampling_params(
-            params, self.device, self.generators.for_batch(req_ids))
-        drafts = batch.drafts
-        if self.rejection_sampler is not None:
-            result = self.rejection_sampler(logits, drafts, sampling_metadata,
-                                            self._draft_probs_for(req_ids, drafts, logits))
-            sampled, num_draft, num_accepted = (result.sampled_token_ids, result.num_draft_tokens,
-                                                result.num_accepted_tokens)
-        else:
-            sampled = [[t] for t in self.sampler(logits, sampling_metadata).tolist()]
-            num_draft, num_accepted = [0] * num_reqs, [0] * num_reqs
+        # Only rows that finish their prefill (or decode) sample; the others get [] (chunked
+        # prefill: the scheduler just advances their computed count).
+        rows = batch.sample_rows
+        sample_ids = [req_ids[i] for i in rows]
+        sampled: list[list[int]] = [[] for _ in range(num_reqs)]
+        num_draft, num_accepted = [0] * num_reqs, [0] * num_reqs
+        sampling_metadata = None
+        if rows:
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            params = [self.requests[r].sampling_params for r in sample_ids]
+            sampling_metadata = SamplingMetadata.from_sampling_params(
+                params, self.device, self.generators.for_batch(sample_ids))
+            drafts = [batch.drafts[i] for i in rows]
+            if self.rejection_sampler is not None:
+                result = self.rejection_sampler(logits, drafts, sampling_metadata,
+                                                self._draft_probs_for(sample_ids, drafts, logits))
+                row_sampled, row_draft, row_accepted = (
+                    result.sampled_token_ids, result.num_draft_tokens, result.num_accepted_tokens)
+            else:
+                row_sampled = [[t] for t in self.sampler(logits, sampling_metadata).tolist()]
+                row_draft = row_accepted = [0] * len(rows)
+            for j, i in enumerate(rows):
+                sampled[i] = list(row_sampled[j])
+                num_draft[i], num_accepted[i] = int(row_draft[j]), int(row_accepted[j])
 
         num_computed_old = batch.num_computed
         num_scheduled = batch.num_scheduled
@@ -268,6 +293,20 @@ class GPUModelRunner:
         if self.speculator is not None:
             qsl = batch.query_start_loc_np
             last_accepted = qsl[:num_reqs] + (num_computed_new - num_computed_old) - 1
+            # An unfinished prefill row still runs through the drafter (EAGLE/MTP write their
+            # draft KV for the chunk's positions, anchored on the next prompt token); its
+            # drafts are discarded below and the next chunk overwrites what they wrote.
+            anchors = [t[-1] if t else batch.next_prompt_tokens[i] for i, t in enumerate(sampled)]
+            if len(rows) == num_reqs:
+                draft_sampling = sampling_metadata
+            else:
+                # Unfinished rows draft greedily: they must not draw from their generators.
+                sampling = set(rows)
+                draft_sampling = SamplingMetadata.from_sampling_params(
+                    [self.requests[r].sampling_params if i in sampling else None
+                     for i, r in enumerate(req_ids)], self.device,
+                    {i: g for i, g in self.generators.for_batch(req_ids).items()
+                     if i in sampling})
             draft_inputs = DraftInputs(
                 num_reqs=num_reqs,
                 query_start_loc_np=qsl,
@@ -278,15 +317,17 @@ class GPUModelRunner:
                 num_computed_new=num_computed_new,
                 last_accepted_index=torch.as_tensor(last_accepted, dtype=torch.int64,
                                                     device=self.device),
-                next_token_ids=torch.tensor([t[-1] for t in sampled], dtype=torch.int64,
-                                            device=self.device),
+                next_token_ids=torch.tensor(anchors, dtype=torch.int64, device=self.device),
                 aux_hidden_states=aux_hidden,
-                sampling_metadata=sampling_metadata,
+                sampling_metadata=draft_sampling,
             )
             spec_token_ids = self.speculator.propose(draft_inputs).tolist()
             probs = self.speculator.draft_probs
             for i, req_id in enumerate(req_ids):
-                if probs is None:
+                if not sampled[i]:  # prefill unfinished: no drafts until it completes
+                    spec_token_ids[i] = []
+                    self.pending_draft_probs.pop(req_id, None)
+                elif probs is None:
                     self.pending_draft_probs.pop(req_id, None)
                 else:
                     self.pending_draft_probs[req_id] = probs[i]
@@ -316,11 +357,14 @@ class GPUModelRunner:
 
     def _prepare_inputs(self, scheduler_output: Any) -> StepBatch:
         """Write this step's batch into the persistent buffers and build its metadata."""
-        new_set = {n.req_id for n in scheduler_output.scheduled_new_reqs}
-        # Decode rows (prior context) first, prefills after: the MLA builder requires it.
+        # Decode rows (query <= 1 + k tokens, the builders' reorder_batch_threshold) first,
+        # prefill rows (chunks with or without cached context) after: the MLA builder's split.
+        threshold = 1 + self.num_spec_tokens
         decode_ids, prefill_ids = [], []
-        for r in scheduler_output.num_scheduled_tokens:
-            is_decode = r not in new_set and self.requests[r].num_computed_tokens > 0
+        new_set = {n.req_id for n in scheduler_output.scheduled_new_reqs}
+        for r, count in scheduler_output.num_scheduled_tokens.items():
+            is_decode = (int(count) <= threshold and r not in new_set
+                         and self.requests[r].num_computed_tokens > 0)
             (decode_ids if is_decode else prefill_ids).append(r)
         req_ids = decode_ids + prefill_ids
         num_reqs = len(req_ids)
@@ -332,39 +376,42 @@ class GPUModelRunner:
         positions: list[np.ndarray] = []
         drafts: list[list[int]] = []
         logits_indices: list[int] = []
+        sample_rows: list[int] = []
+        next_prompt_tokens: dict[int, int] = {}
         num_computed = np.zeros(num_reqs, dtype=np.int64)
         num_scheduled = np.zeros(num_reqs, dtype=np.int64)
         for i, req_id in enumerate(req_ids):
             state = self.requests[req_id]
             count = int(scheduler_output.num_scheduled_tokens[req_id])
             start = state.num_computed_tokens
-            if start == 0:
-                req_drafts: list[int] = []
-                tokens = state.token_ids[:count]
-                if count != len(state.token_ids):
-                    raise ValueError(
-                        f"request {req_id!r}: prefill must cover all {len(state.token_ids)} "
-                        f"known tokens (chunked prefill is not supported), got {count}")
-            else:
-                req_drafts = list(scheduler_output.scheduled_spec_decode_tokens.get(req_id, []))
-                if start + 1 != len(state.token_ids):
-                    raise ValueError(
-                        f"request {req_id!r}: scheduler says {start} computed tokens but the "
-                        f"runner holds {len(state.token_ids)} tokens (expected computed + 1)")
-                tokens = [state.token_ids[start]] + req_drafts
-                if count != len(tokens):
-                    raise ValueError(
-                        f"request {req_id!r}: {count} tokens scheduled but 1 + {len(req_drafts)} "
-                        "drafts given; num_scheduled_tokens must be 1 + len(drafts)")
+            req_drafts = list(scheduler_output.scheduled_spec_decode_tokens.get(req_id, []))
+            # Known tokens processed this step: [start, end); drafts follow the last one.
+            end = start + count - len(req_drafts)
+            known = len(state.token_ids)
+            if end > known or end <= start:
+                raise ValueError(
+                    f"request {req_id!r}: {count} tokens scheduled ({len(req_drafts)} drafts) "
+                    f"from {start} computed tokens, but the runner holds {known} tokens; "
+                    "num_scheduled_tokens must be 1..(known - computed) tokens (a decode: "
+                    "1 + len(drafts))")
+            if req_drafts and end != known:
+                raise ValueError(
+                    f"request {req_id!r}: drafts scheduled while its prefill is unfinished "
+                    f"({end} of {known} tokens); drafts follow only the last known token")
+            tokens = state.token_ids[start:end] + req_drafts
             if start + count > self.max_model_len:
                 raise ValueError(f"request {req_id!r} would reach {start + count} tokens, past "
                                  f"max_model_len={self.max_model_len}")
             token_ids.extend(tokens)
             positions.append(np.arange(start, start + count, dtype=np.int64))
             qsl_np[i + 1] = qsl_np[i] + count
-            # Decode rows verify every position; a prefill samples from its last one only.
-            first_logit = int(qsl_np[i]) if req_drafts else int(qsl_np[i + 1]) - 1
-            logits_indices.extend(range(first_logit, int(qsl_np[i + 1])))
+            if end == known:
+                # Decode rows verify every position; a prefill samples from its last one only.
+                first_logit = int(qsl_np[i]) if req_drafts else int(qsl_np[i + 1]) - 1
+                logits_indices.extend(range(first_logit, int(qsl_np[i + 1])))
+                sample_rows.append(i)
+            else:
+                next_prompt_tokens[i] = state.token_ids[end]
             drafts.append(req_drafts)
             num_computed[i] = start
             num_scheduled[i] = count
@@ -389,6 +436,7 @@ class GPUModelRunner:
             prepare_dcp_local_seq_lens(buffers.dcp_local_seq_lens, buffers.seq_lens, num_reqs,
                                        self.dcp_size, self.dcp_rank, self.dcp_interleave)
             dcp_local_seq_lens = buffers.dcp_local_seq_lens[:num_reqs]
+        num_computed_cpu = torch.from_numpy(num_computed.astype(np.int32))
         attn_metadata = build_attn_metadata(
             attn_metadata_builders=self.attn_metadata_builders,
             kv_cache_config=self.kv_cache_config,
@@ -404,10 +452,13 @@ class GPUModelRunner:
             causal=True,
             dcp_local_seq_lens=dcp_local_seq_lens,
             seq_lens_cpu_upper_bound=seq_lens_cpu,
+            seq_lens_cpu=seq_lens_cpu,
+            num_computed_tokens_cpu=num_computed_cpu,
         )
         return StepBatch(
             req_ids=req_ids, num_tokens=num_tokens,
             query_start_loc_np=qsl_np[: num_reqs + 1].copy(), num_computed=num_computed,
             num_scheduled=num_scheduled, seq_lens_cpu=seq_lens_cpu, drafts=drafts,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
-            attn_metadata=attn_metadata)
+            attn_metadata=attn_metadata, sample_rows=sample_rows,
+            next_prompt_tokens=next_prompt_tokens)

@@ -142,6 +142,7 @@ class Speculator:
         causal: bool | Mapping[int, bool] = True,
         query_start_loc_np: np.ndarray | None = None,
         dcp_local_seq_lens: torch.Tensor | None = None,
+        seq_lens_cpu: torch.Tensor | None = None,
     ) -> dict[str, Any]:
         """Attention metadata of one draft forward, described by the draft's own buffers.
 
@@ -150,6 +151,8 @@ class Speculator:
         `num_query_per_req` tokens (row i starts at min(i, num_reqs) * Q, so padding rows are
         empty) unless `query_start_loc_np` gives explicit starts. `step` is what the draft has
         advanced past the target's upper bound: the AR step index, or Q for a block drafter.
+        `seq_lens_cpu`: the exact host twin of the draft's seq_lens when the caller knows it
+        (needed when the batch has prefill rows: their metadata is planned on the host).
         """
         if not 0 <= num_reqs <= num_reqs_padded <= self.max_num_reqs:
             raise ValueError(
@@ -214,6 +217,7 @@ class Speculator:
             dcp_local_seq_lens=dcp_local_seq_lens,
             seq_lens_cpu_upper_bound=upper_bound,
             group_ids=self.group_ids,
+            seq_lens_cpu=seq_lens_cpu,
         )
 
     def _run_forward(self, attn_metadata: dict[str, Any], fn, *args, **kwargs):

@@ -34,7 +34,8 @@ class EagleSpeculator(Speculator):
         buffers.seq_lens[:num_reqs].copy_(inputs.target_seq_lens_cpu[:num_reqs])
         attn_metadata = self._build_draft_attn_metadata(
             num_reqs, num_reqs, num_tokens, inputs.target_seq_lens_cpu, step=0, causal=True,
-            query_start_loc_np=inputs.query_start_loc_np)
+            query_start_loc_np=inputs.query_start_loc_np,
+            seq_lens_cpu=inputs.target_seq_lens_cpu)  # same rows and lengths as the target
         hidden_for_logits, hidden_for_next = self._run_forward(
             attn_metadata, self.model, buffers.input_ids[:num_tokens],
             buffers.positions[:num_tokens], inputs.target_hidden_states[:num_tokens])
