@@ -58,6 +58,10 @@ class MLAContextChunk:
     cu_lens_cpu: torch.Tensor  # [P + 1] int32
     num_tokens: int
     slots: torch.Tensor        # [num_tokens] int64 device: rows of the flattened latent cache
+    # [T_prefill] bool device, True where the query token's row reads >= 1 token in this pass;
+    # None when every row does. Kernels given kv_len = 0 rows are not trusted to return
+    # O = 0 / LSE = -inf, so those rows are pinned explicitly.
+    token_has_kv: torch.Tensor | None = None
 
 
 @dataclass
@@ -137,7 +141,8 @@ def build_prefill_metadata(cm: CommonAttentionMetadata, num_decodes: int, num_pr
     if has_context:
         if block_size is None:
             raise ValueError("MLA prefill metadata with cached context needs the KV block size")
-        chunks = _plan_context_chunks(local, context_chunk_tokens, block_table, block_size, device)
+        chunks = _plan_context_chunks(local, context_chunk_tokens, block_table, block_size,
+                                      device, query_lens)
     return MLACommonPrefillMetadata(
         query_start_loc=rel.to(device=device, dtype=torch.int32),
         seq_lens=cm.seq_lens[rows],
@@ -151,7 +156,8 @@ def build_prefill_metadata(cm: CommonAttentionMetadata, num_decodes: int, num_pr
 
 
 def _plan_context_chunks(local: torch.Tensor, chunk: int, block_table: torch.Tensor,
-                         block_size: int, device: torch.device) -> list[MLAContextChunk]:
+                         block_size: int, device: torch.device,
+                         query_lens: torch.Tensor) -> list[MLAContextChunk]:
     """Cut the rows' local contexts, laid end to end, into passes of at most `chunk` tokens.
 
     Under DCP some rank may store nothing (e.g. a 1-token context on rank 1): it still plans one
@@ -184,7 +190,10 @@ def _plan_context_chunks(local: torch.Tensor, chunk: int, block_table: torch.Ten
             slots = pages * block_size + local_pos % block_size
         else:
             slots = torch.zeros(0, dtype=torch.int64, device=device)
-        chunks.append(MLAContextChunk(starts, lens, cu, n, slots))
+        token_has_kv = None
+        if n and bool((lens == 0).any()):
+            token_has_kv = torch.repeat_interleave(lens > 0, query_lens).to(device)
+        chunks.append(MLAContextChunk(starts, lens, cu, n, slots, token_has_kv))
     return chunks
 
 
@@ -300,7 +309,7 @@ class FlashInferPrefillState:
         self._meta = meta
 
     def _wrapper(self) -> Any:
-        import flashinfer
+        import flashinfer.prefill
         if self._workspace is None:
             self._workspace = torch.zeros(FLASHINFER_PREFILL_WORKSPACE_BYTES, dtype=torch.uint8,
                                           device=self.device)
@@ -360,6 +369,10 @@ def context_attention_flashinfer(q, kv_cache, w_kv_b, meta: MLACommonPrefillMeta
         wrapper = state.planned("context", j, meta.query_start_loc_cpu, chunk.cu_lens_cpu,
                                 q.shape[1], q.shape[2], v_dim, False, scale, q.dtype)
         out_c, lse_c = _run_flashinfer(wrapper, q, k, v)
+        if chunk.token_has_kv is not None:
+            keep = chunk.token_has_kv[:, None]
+            lse_c = torch.where(keep, lse_c, torch.full_like(lse_c, float("-inf")))
+            out_c = torch.where(keep[..., None], out_c, torch.zeros_like(out_c))
         merged = _merge(merged, out_c, lse_c)
     if merged is None:
         return (q.new_zeros(q.shape[0], q.shape[1], v_dim, dtype=torch.float32),
