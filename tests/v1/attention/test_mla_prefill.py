@@ -196,3 +196,21 @@ def test_flashinfer_path_plans_and_masks_on_a_recording_fake(monkeypatch, n, int
     # the LSEs travel in float32 (as FlashInfer's do): float32-level agreement
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_path_tiles_queries_and_keys(monkeypatch):
+    """With a small torch tile every score tensor is at most tile x tile per head, whatever the
+    context pass size, and the result is unchanged."""
+    monkeypatch.setattr(prefill_mod, "TORCH_TILE_TOKENS", 3)
+    tiles = []
+    real_attend = prefill_mod._attend
+
+    def recording_attend(q, k, v, scale, mask=None):
+        tiles.append((q.shape[0], k.shape[0]))
+        return real_attend(q, k, v, scale, mask)
+
+    monkeypatch.setattr(prefill_mod, "_attend", recording_attend)
+    case = make_prefill_case([0, 13, 40, 1], [7, 3, 12, 2], seed=8)
+    out, _ = run_dcp1(case, chunk=1000)
+    torch.testing.assert_close(out, reference_prefill(case)[0], rtol=1e-10, atol=1e-10)
+    assert max(q for q, _ in tiles) <= 3 and max(k for _, k in tiles) <= 3

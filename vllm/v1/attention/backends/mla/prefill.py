@@ -12,7 +12,7 @@ each returning (O, LSE), merged by LSE:
              `context_chunk_tokens` tokens (c_kv and k_pe gathered, kv_b_proj -> K_nope and V).
 
 Nothing larger than (query tokens x chunk) scores per head is ever formed: the self part is
-tiled by key chunks of the same size. The torch path (any device, float64 capable) is the
+tiled by key chunks of the same size (the torch path tiles queries too, see TORCH_TILE_TOKENS). The torch path (any device, float64 capable) is the
 reference; on CUDA with FlashInfer the same decomposition runs through
 `BatchPrefillWithRaggedKVCacheWrapper` (causal for self, non-causal for context chunks).
 
@@ -43,6 +43,9 @@ LN2 = math.log(2.0)
 # gathered c_kv / expanded K, V and every score tile; the runner may set it on the builder.
 DEFAULT_CONTEXT_CHUNK_TOKENS = 8192
 FLASHINFER_PREFILL_WORKSPACE_BYTES = 128 * 1024 * 1024
+# The torch path also tiles queries and keys by this many tokens, so its score tensors stay
+# at tile x tile per head even with a large context pass (it runs the CPU 32k-token prompt).
+TORCH_TILE_TOKENS = 1024
 
 
 @dataclass
@@ -202,16 +205,22 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
             mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [Tq, H, D], k [Tk, H, D], v [Tk, H, Dv] -> (O [Tq, H, Dv], LSE [Tq, H] natural log).
 
-    The only score tensor is [H, Tq, Tk]; callers keep Tk <= the chunk size. Rows that see no
-    key give O = 0, LSE = -inf (the merge then ignores them)."""
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    The only score tensor is [H, Tq, Tk] (callers keep Tk <= the chunk size), updated in place
+    (max, subtract, exp, sum: the elementwise passes dominate on CPU). Rows that see no key give
+    O = 0, LSE = -inf (the merge then ignores them)."""
+    scores = torch.matmul(q.transpose(0, 1), k.permute(1, 2, 0))   # [H, Tq, Tk]
+    scores.mul_(scale)
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)                       # [H, Tq]
-    shift = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    probs = torch.exp(scores - shift.unsqueeze(-1))
-    out = torch.einsum("hqk,khd->qhd", probs, v)
-    return out, lse.transpose(0, 1)
+        scores.masked_fill_(~mask, float("-inf"))
+    peak = scores.amax(dim=-1, keepdim=True)
+    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    probs = scores.sub_(peak).exp_()
+    total = probs.sum(dim=-1, keepdim=True)
+    empty = total == 0
+    out = torch.matmul(probs, v.transpose(0, 1))                   # [H, Tq, Dv]
+    out = out / torch.where(empty, torch.ones_like(total), total)
+    lse = torch.where(empty, torch.full_like(total, float("-inf")), peak + torch.log(total))
+    return out.transpose(0, 1), lse.squeeze(-1).transpose(0, 1)
 
 
 def _merge(state, out, lse):
@@ -226,28 +235,49 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _attend_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  causal: bool, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """_attend over query and key tiles of at most `tile` tokens, merged by LSE (scores per head
+    never exceed tile x tile). causal: q and k are the same tokens; query i sees keys <= i, and
+    key tiles past a query tile's last row are skipped."""
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    lse = q.new_empty(q.shape[0], q.shape[1])
+    for qa in range(0, q.shape[0], tile):
+        qb = min(qa + tile, q.shape[0])
+        key_end = qb if causal else k.shape[0]
+        state = None
+        for ka in range(0, key_end, tile):
+            kb = min(ka + tile, key_end)
+            mask = None
+            if causal and kb > qa + 1:  # the tile reaches past some query row's diagonal
+                mask = (torch.arange(ka, kb, device=q.device)[None, :]
+                        <= torch.arange(qa, qb, device=q.device)[:, None]).unsqueeze(0)
+            state = _merge(state, *_attend(q[qa:qb], k[ka:kb], v[ka:kb], scale, mask))
+        out[qa:qb], lse[qa:qb] = state
+    return out, lse
+
+
+def _torch_tile(meta: MLACommonPrefillMetadata) -> int:
+    return max(1, min(meta.context_chunk_tokens, TORCH_TILE_TOKENS))
+
+
 def self_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          meta: MLACommonPrefillMetadata, scale: float
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of each prefill row's new tokens over themselves, by key tiles of at
-    most `context_chunk_tokens`. q, k [T, H, Dqk], v [T, H, Dv] -> (O [T, H, Dv], LSE [T, H])."""
+    """Causal attention of each prefill row's new tokens over themselves, in tiles of at most
+    min(context_chunk_tokens, TORCH_TILE_TOKENS) tokens.
+    q, k [T, H, Dqk], v [T, H, Dv] -> (O [T, H, Dv], LSE [T, H])."""
     compute = _compute_dtype(q.dtype)
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2], dtype=compute)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=compute, device=q.device)
     bounds = meta.query_start_loc_cpu.tolist()
-    tile = meta.context_chunk_tokens
+    tile = _torch_tile(meta)
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end == start:
             continue
-        qs = q[start:end].to(compute)
-        state = None
-        q_idx = torch.arange(end - start, device=q.device)
-        for a in range(0, end - start, tile):
-            b = min(a + tile, end - start)
-            mask = (torch.arange(a, b, device=q.device)[None, :] <= q_idx[:, None]).unsqueeze(0)
-            state = _merge(state, *_attend(qs, k[start + a:start + b].to(compute),
-                                           v[start + a:start + b].to(compute), scale, mask))
-        out[start:end], lse[start:end] = state
+        out[start:end], lse[start:end] = _attend_tiled(
+            q[start:end].to(compute), k[start:end].to(compute), v[start:end].to(compute),
+            scale, causal=True, tile=tile)
     return out, lse
 
 
@@ -285,8 +315,9 @@ def context_attention_torch(q: torch.Tensor, kv_cache: torch.Tensor, w_kv_b: tor
         for row, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
             if end == start or cu[row + 1] == cu[row]:
                 continue
-            o_c, lse_c = _attend(q[start:end].to(compute), k[cu[row]:cu[row + 1]],
-                                 v[cu[row]:cu[row + 1]], scale)
+            o_c, lse_c = _attend_tiled(q[start:end].to(compute), k[cu[row]:cu[row + 1]],
+                                       v[cu[row]:cu[row + 1]], scale, causal=False,
+                                       tile=_torch_tile(meta))
             out[start:end], lse[start:end] = _merge((out[start:end], lse[start:end]), o_c, lse_c)
     return out, lse
 
