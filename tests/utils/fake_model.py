@@ -99,6 +99,8 @@ class FakeRunner:
             for offset, tok in enumerate(inputs):
                 self.kv[self._slot(state, start + offset)] = (rid, start + offset, tok)
             self._check_context(rid, state, end)
+            # The drafter writes up to k + 1 positions past the processed tokens, on every row.
+            self._slot(state, start + num_new + self.num_spec_tokens)
             if end < len(state["tokens"]):
                 # Chunked prefill, prompt not finished: KV written, nothing sampled or drafted.
                 self.num_partial_prefill_rows += 1

@@ -210,6 +210,7 @@ def test_drafts_are_trimmed_at_max_model_len():
     sched.update_from_output(so, runner.execute_model(so))
     so = sched.schedule()  # 10 tokens: the last sits at 9, room for 2 drafts up to position 11
     assert len(so.scheduled_spec_decode_tokens["r"]) == 2
+    sched.update_from_output(so, runner.execute_model(so))  # the runner must see its new blocks
     outputs, reasons = run_to_completion(sched, runner)
     assert reasons["r"] == "length"
 

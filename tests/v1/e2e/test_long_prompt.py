@@ -65,3 +65,24 @@ def test_32k_prompt_completes_with_bounded_memory(yarn_model):
     assert len(result["token_ids"]) == 4
     growth_gb = (result["peak_rss_kb"] - result["rss_before_kb"]) / 2**20
     assert growth_gb < 2.0, f"peak RSS grew by {growth_gb:.2f} GB during the 32k prefill"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,k", [("eagle", 3), ("mtp", 3), ("dflash", 3), ("dspark", 4)])
+def test_engine_chunked_prefill_with_drafters_equals_plain_whole_prefill(method, k):
+    """The real scheduler + runner + drafter with a 16-token budget (prompts of 37 and 23 tokens
+    are prefilled over several steps while the other request decodes): greedy output equals
+    plain greedy with whole-prompt prefill."""
+    prompts = [_prompt(37), _prompt(23)[::-1], [9, 8]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with LLM(max_model_len=128, device="cpu", enable_chunked_prefill=False,
+             max_num_batched_tokens=256) as llm:
+        expected = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,
+                                                                          use_tqdm=False)]
+    with LLM(max_model_len=128, device="cpu", max_num_batched_tokens=16, max_num_seqs=3,
+             speculative_config={"method": method, "num_speculative_tokens": k}) as llm:
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,
+                                                                     use_tqdm=False)]
+        stats = llm.get_metrics()
+    assert got == expected
+    assert stats["spec_decode"]["num_drafts"] > 0

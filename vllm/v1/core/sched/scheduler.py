@@ -191,7 +191,7 @@ class Scheduler:
                 drafts = request.spec_token_ids[:max(0, self.max_model_len - request.num_tokens)]
                 num_new = 1 + len(drafts)
                 assert num_new <= token_budget, "max_num_running_reqs keeps decode steps in budget"
-            need = self._slots_needed(request, num_new, len(drafts))
+            need = self._slots_needed(request, num_new)
             new_blocks = self.kv_cache_manager.allocate_slots(request.request_id, need)
             while new_blocks is None:
                 victim = self._pick_victim(request, num_scheduled)
@@ -233,7 +233,7 @@ class Scheduler:
             else:
                 num_new = num_tokens
             request.num_computed_tokens = 0
-            need = self._slots_needed(request, num_new, 0)
+            need = self._slots_needed(request, num_new)
             new_blocks = self.kv_cache_manager.allocate_slots(request.request_id, need)
             if new_blocks is None:
                 break
@@ -265,13 +265,11 @@ class Scheduler:
         prefill); a decoding request has exactly one uncomputed token, its last sampled one."""
         return request.num_tokens - request.num_computed_tokens > 1
 
-    def _slots_needed(self, request: Request, num_new: int, num_drafts: int) -> int:
-        """Tokens the request's blocks must cover after this step. A step that samples (the
-        prefill ends, or a decode) reserves k + 1 tokens of headroom for the next drafts; an
-        intermediate prefill chunk needs only its own tokens."""
-        end = request.num_computed_tokens + num_new
-        samples = end - num_drafts >= request.num_tokens
-        return end + (self.num_spec_tokens + 1 if samples else 0)
+    def _slots_needed(self, request: Request, num_new: int) -> int:
+        """Tokens the request's blocks must cover after this step: its tokens plus k + 1 of
+        headroom. The headroom is needed even by an unfinished prefill chunk: the drafter
+        still runs over that row (its drafts are discarded) and writes draft KV just past it."""
+        return request.num_computed_tokens + num_new + self.num_spec_tokens + 1
 
     def _pick_victim(self, request: Request, num_scheduled: dict[str, int]) -> Request:
         """The newest running request not scheduled yet this step; the request itself when
