@@ -214,3 +214,11 @@ def test_torch_path_tiles_queries_and_keys(monkeypatch):
     out, _ = run_dcp1(case, chunk=1000)
     torch.testing.assert_close(out, reference_prefill(case)[0], rtol=1e-10, atol=1e-10)
     assert max(q for q, _ in tiles) <= 3 and max(k for _, k in tiles) <= 3
+
+
+def test_flashinfer_prefill_serves_deepseek_dims_in_half_precision_only():
+    serves = prefill_mod._flashinfer_serves
+    assert serves(192, 128, torch.bfloat16) and serves(192, 128, torch.float16)
+    # the tiny model's dims and float32 take the torch path (with a one-time warning)
+    assert not serves(96, 32, torch.bfloat16)
+    assert not serves(192, 128, torch.float32)

@@ -29,6 +29,7 @@ no KV is all-gathered. The self part needs no communication: every rank has the 
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +39,12 @@ import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.ops.dcp_combine import merge_attn_states
 
+logger = logging.getLogger(__name__)
 LN2 = math.log(2.0)
+# (qk, vo) head dims and dtypes the FlashInfer ragged prefill serves here: DeepSeek's 192/128 with
+# the fa3 kernels (sm90). Other shapes (the tiny test model's 96/32) or float32 use the torch path.
+FLASHINFER_PREFILL_HEAD_DIMS = {(192, 128)}
+FLASHINFER_PREFILL_DTYPES = (torch.bfloat16, torch.float16)
 # Context tokens gathered (summed over the prefill rows) per pass. Bounds the workspace of the
 # gathered c_kv / expanded K, V and every score tile; the runner may set it on the builder.
 DEFAULT_CONTEXT_CHUNK_TOKENS = 8192
@@ -412,11 +418,32 @@ def context_attention_flashinfer(q, kv_cache, w_kv_b, meta: MLACommonPrefillMeta
 
 
 # --------------------------------------------------------------------------- the layer path
+_warned_fallback: set = set()
+
+
+def _flashinfer_serves(head_dim_qk: int, head_dim_vo: int, dtype: torch.dtype) -> bool:
+    if (head_dim_qk, head_dim_vo) in FLASHINFER_PREFILL_HEAD_DIMS and \
+            dtype in FLASHINFER_PREFILL_DTYPES:
+        return True
+    key = (head_dim_qk, head_dim_vo, dtype)
+    if key not in _warned_fallback:
+        _warned_fallback.add(key)
+        logger.warning("FLASHINFER_MLA prefill serves head dims %s in %s; head dims (%d, %d) in "
+                       "%s use the torch prefill path", sorted(FLASHINFER_PREFILL_HEAD_DIMS),
+                       [str(d) for d in FLASHINFER_PREFILL_DTYPES], head_dim_qk, head_dim_vo,
+                       dtype)
+    return False
+
+
 def _group_kv_b_weight(layer: Any, dcp: Any) -> torch.Tensor:
     """kv_b_proj rows [N * H_local, nope + v, R] of every head of the DCP group, all-gathered
     once per layer (and again only if the weight tensor is replaced or modified)."""
     weight = layer.kv_b_proj.weight
-    key = (weight.data_ptr(), weight._version, dcp.world_size)
+    try:
+        version = weight._version
+    except RuntimeError:  # an inference tensor has no version counter (it cannot change)
+        version = 0
+    key = (weight.data_ptr(), version, dcp.world_size)
     cached = getattr(layer, "_prefill_group_kv_b", None)
     if cached is not None and cached[0] == key:
         return cached[1]
@@ -445,7 +472,8 @@ def forward_mla_prefill(layer: Any, q_nope: torch.Tensor, q_pe: torch.Tensor,
     w_local = layer._kv_b_weight()                              # [H_local, nope + v, R]
     q = torch.cat([q_nope, q_pe], dim=-1)                       # [T, H_local, nope + rope]
     k, v = expand_latent(kv_c, k_pe, w_local.to(kv_c.dtype), nope)
-    use_fi = meta.backend == "flashinfer"
+    use_fi = meta.backend == "flashinfer" and _flashinfer_serves(q.shape[-1], layer.v_head_dim,
+                                                                 q.dtype)
     self_fn = self_attention_flashinfer if use_fi else self_attention_torch
     ctx_fn = context_attention_flashinfer if use_fi else context_attention_torch
     out, lse = self_fn(q, k, v, meta, layer.scaling)
