@@ -110,3 +110,39 @@ def install(monkeypatch, float_inputs: bool = True):
         decode=SimpleNamespace(trtllm_batch_decode_with_kv_cache_mla=RecordingTrtllmDecode()))
     monkeypatch.setattr(flashinfer_mla, "_import_flashinfer", lambda: fake)
     return fake
+
+
+class FakeBatchPrefillWithRaggedKVCacheWrapper:
+    """Stand-in for flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper: records plan()
+    keyword arguments and runs the planned ragged batch by brute force in float64 with the
+    documented semantics (causal=True aligns query rows bottom-right on the kv range; LSE base 2).
+    Rows with kv_len == 0 get junk (NaN output, LSE 0), as a kernel is free to leave there."""
+
+    def __init__(self):
+        self.plans: list[dict] = []
+
+    def plan(self, **kwargs):
+        self.plans.append(kwargs)
+
+    def run(self, q, k, v, return_lse=False):
+        plan = self.plans[-1]
+        qo, kv = plan["qo_indptr"].tolist(), plan["kv_indptr"].tolist()
+        assert q.shape[0] == qo[-1] and k.shape[0] == v.shape[0] == kv[-1]
+        assert q.shape[1] == plan["num_qo_heads"] and q.shape[2] == plan["head_dim_qk"]
+        assert v.shape[2] == plan["head_dim_vo"] and q.dtype == plan["q_data_type"]
+        out = torch.full((q.shape[0], q.shape[1], v.shape[2]), float("nan"), dtype=q.dtype)
+        lse = torch.zeros(q.shape[:2], dtype=torch.float32)
+        for i in range(len(qo) - 1):
+            nq, nk = qo[i + 1] - qo[i], kv[i + 1] - kv[i]
+            if nq == 0 or nk == 0:
+                continue
+            qs, ks, vs = (x.double() for x in (q[qo[i]:qo[i + 1]], k[kv[i]:kv[i + 1]],
+                                               v[kv[i]:kv[i + 1]]))
+            s = torch.einsum("qhd,khd->hqk", qs, ks) * plan["sm_scale"]
+            if plan["causal"]:
+                keep = torch.arange(nk)[None, :] <= (torch.arange(nq) + nk - nq)[:, None]
+                s = s.masked_fill(~keep, float("-inf"))
+            lse[qo[i]:qo[i + 1]] = (torch.logsumexp(s, -1) / math.log(2.0)).transpose(0, 1).float()
+            out[qo[i]:qo[i + 1]] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1),
+                                                vs).to(q.dtype)
+        return (out, lse) if return_lse else out

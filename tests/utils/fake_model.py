@@ -4,7 +4,8 @@ The fake target's next token is a fixed function of the whole prefix, so plain g
 easy to compute independently (`reference_greedy`). The fake runner keeps a simulated paged KV
 cache: every processed token is written to the slot its block table gives it, and before any
 token is computed the runner checks that every earlier position's slot still holds exactly that
-request's token. A scheduler that hands out a block still in use, loses blocks, or miscounts
+request's token. Chunked prefill: a row whose chunk stops short of the prompt end writes its KV
+and samples nothing (an empty token list), as the real runner does. A scheduler that hands out a block still in use, loses blocks, or miscounts
 computed tokens makes it fail loudly.
 """
 from __future__ import annotations
@@ -54,6 +55,7 @@ class FakeRunner:
         self.kv: dict[tuple[int, int], tuple[str, int, int]] = {}
         self.reqs: dict[str, dict] = {}
         self.num_steps = 0
+        self.num_partial_prefill_rows = 0  # rows that ran a prefill chunk short of the prompt end
 
     def _slot(self, state, position):
         index = position // self.tokens_per_block
@@ -88,13 +90,25 @@ class FakeRunner:
             state = self.reqs[rid]
             drafts = list(so.scheduled_spec_decode_tokens.get(rid, []))
             start = state["computed"]
-            inputs = state["tokens"][start:] + drafts
-            assert len(inputs) == num_new, (rid, len(inputs), num_new)
+            end = start + num_new - len(drafts)  # known tokens processed through this step
+            assert end <= len(state["tokens"]), (rid, start, num_new, len(state["tokens"]))
+            assert not drafts or end == len(state["tokens"]), "drafts only after the prefill"
+            inputs = state["tokens"][start:end] + drafts
             # Write the KV of every input token (drafts included), then verify.
             seq = state["tokens"] + drafts
             for offset, tok in enumerate(inputs):
                 self.kv[self._slot(state, start + offset)] = (rid, start + offset, tok)
-            self._check_context(rid, state, len(state["tokens"]))
+            self._check_context(rid, state, end)
+            # The drafter writes up to k + 1 positions past the processed tokens, on every row.
+            self._slot(state, start + num_new + self.num_spec_tokens)
+            if end < len(state["tokens"]):
+                # Chunked prefill, prompt not finished: KV written, nothing sampled or drafted.
+                self.num_partial_prefill_rows += 1
+                state["computed"] = end
+                req_ids.append(rid)
+                sampled.append([])
+                spec.append([])
+                continue
             accepted = []
             for j, d in enumerate(drafts):
                 if d != next_token(seq[:len(state["tokens"]) + j]):

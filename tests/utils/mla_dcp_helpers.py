@@ -111,4 +111,7 @@ def build_rank(case: DecodeCase, builder_cls, n: int, rank: int, interleave: int
     builder = builder_cls(mla_spec(block_size, flag, dtype), ["layer.0"],
                           parallel_config(n, interleave), device, dcp_rank=rank,
                           **(builder_kwargs or {}))
+    # Every case here is a decode batch: its longest query row must take the decode path
+    # (the runner sets the threshold to 1 + num_speculative_tokens the same way).
+    builder.reorder_batch_threshold = max(max(case.query_lens), 1)
     return builder.build(0, cm), cache.to(device), cm, builder

@@ -37,7 +37,8 @@ class PagedRunner:
 
     def __init__(self, model, *, block_size: int = 4, num_blocks: int = 64, dcp_size: int = 1,
                  dcp_rank: int = 0, interleave: int = 1, dtype=torch.float32, device="cpu",
-                 backend: str = "TORCH_MLA"):
+                 backend: str = "TORCH_MLA", reorder_batch_threshold: int = 1,
+                 context_chunk_tokens: int | None = None):
         self.model = model
         self.device = torch.device(device)
         self.block_size, self.dcp_size, self.dcp_rank, self.interleave = block_size, dcp_size, dcp_rank, interleave
@@ -49,6 +50,9 @@ class PagedRunner:
         builder_cls = get_attn_backend(backend).get_builder_cls()
         self.builder = builder_cls(spec, list(self.layers), SimpleNamespace(parallel_config=parallel),
                                    self.device, dcp_rank=dcp_rank)
+        self.builder.reorder_batch_threshold = reorder_batch_threshold
+        if context_chunk_tokens is not None:
+            self.builder.prefill_context_chunk_tokens = context_chunk_tokens
         self.next_block = 0
         self.num_blocks = num_blocks
 
@@ -98,7 +102,8 @@ class PagedRunner:
         return self.builder.build(0, cm), torch.tensor(ids, device=dev), torch.cat(pos).to(dev), qsl
 
     def step(self, scheduled: list[tuple[PagedRequest, int]]) -> None:
-        """Run one step; `scheduled` = (request, num_tokens), decode rows (with context) first."""
+        """Run one step; `scheduled` = (request, num_tokens), decode rows (query length <=
+        the builder's reorder_batch_threshold) first."""
         metadata, input_ids, positions, qsl = self.build_metadata(scheduled)
         with torch.no_grad(), set_forward_context({name: metadata for name in self.layers}):
             logits = self.model.compute_logits(self.model(input_ids, positions))
@@ -107,7 +112,7 @@ class PagedRunner:
             req.num_computed += n
 
     def run(self, requests: list[PagedRequest]) -> list[torch.Tensor]:
-        """Schedule every request's chunks (decodes before prefills each step); return the
+        """Schedule every request's chunks (decode rows before prefill rows each step); return the
         concatenated per-position logits of each request."""
         for r in requests:
             if sum(r.chunks) > len(r.token_ids):
@@ -116,9 +121,12 @@ class PagedRunner:
         step = 0
         while any(progress[i] < len(r.chunks) for i, r in enumerate(requests)):
             decodes, prefills = [], []
+            threshold = self.builder.reorder_batch_threshold
             for i, r in enumerate(requests):
                 if step >= r.start_step and progress[i] < len(r.chunks):
-                    (prefills if progress[i] == 0 else decodes).append((r, r.chunks[progress[i]]))
+                    # The builder's split: query length <= threshold = decode row (first).
+                    n = r.chunks[progress[i]]
+                    (decodes if n <= threshold else prefills).append((r, n))
                     progress[i] += 1
             if decodes or prefills:
                 self.step(decodes + prefills)

@@ -37,6 +37,8 @@ class Scenario:
     # a negative value means "all k".
     forced_accepts: dict[str, list[int]] | None = None
     sampling_params: dict = field(default_factory=dict)  # req_id -> SamplingParams (else greedy)
+    # Chunked prefill: at most this many prompt tokens per request and step (None: whole).
+    prefill_chunk: int | None = None
 
 
 @dataclass
@@ -53,6 +55,7 @@ class ScenarioResult:
     # (group_id, causal, global seq_lens, rank-local seq_lens, query lens) of every DCP decode
     # build, in build order.
     decode_builds: list[tuple] = field(default_factory=list)
+    num_partial_prefill_rows: int = 0  # rows that ran a prefill chunk short of the prompt end
 
 
 def make_config(model_dir: str, method: str | None = None, draft_dir: str | None = None,
@@ -118,6 +121,15 @@ def run_scenario(runner: GPUModelRunner, scenario: Scenario,
             return ids
 
         for req_id, state in running.items():
+            remaining = len(state["tokens"]) - state["num_computed"]
+            if remaining > 1:  # chunked prefill in progress: its next chunk, no drafts
+                count = min(remaining, scenario.prefill_chunk)
+                new_ids = allocate(state, state["num_computed"] + count + k + 1)
+                cached.req_ids.append(req_id)
+                cached.new_block_ids.append(new_ids)
+                cached.num_computed_tokens.append(state["num_computed"])
+                num_scheduled[req_id] = count
+                continue
             drafts = state["drafts"]
             forced = (scenario.forced_accepts or {}).get(req_id, [])
             verification = len(result.accepted[req_id])
@@ -139,10 +151,12 @@ def run_scenario(runner: GPUModelRunner, scenario: Scenario,
             prompt = pending.pop(req_id)
             state = {"num_computed": 0, "blocks": [], "drafts": [], "num_generated": 0,
                      "tokens": list(prompt)}
-            ids = allocate(state, len(prompt) + k + 1)
+            count = len(prompt) if scenario.prefill_chunk is None else min(
+                len(prompt), scenario.prefill_chunk)
+            ids = allocate(state, count + k + 1)
             new_reqs.append(NewRequestData(req_id, list(prompt), ids, 0,
                                            scenario.sampling_params.get(req_id)))
-            num_scheduled[req_id] = len(prompt)
+            num_scheduled[req_id] = count
             running[req_id] = state
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
@@ -165,6 +179,10 @@ def run_scenario(runner: GPUModelRunner, scenario: Scenario,
             result.outputs[req_id].extend(tokens)
             state["num_generated"] += len(tokens)
             state["tokens"].extend(tokens)
+            if not tokens:  # an unfinished chunked prefill: no sample, no drafts
+                assert out.spec_token_ids is None or out.spec_token_ids[i] == [], req_id
+                result.num_partial_prefill_rows += 1
+                continue
             if out.spec_token_ids is not None:
                 assert len(out.spec_token_ids[i]) == k
                 state["drafts"] = list(out.spec_token_ids[i])  # placeholders: device drafts

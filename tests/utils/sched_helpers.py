@@ -7,7 +7,7 @@ from tests.utils.fake_model import EOS, FakeRunner
 
 
 def make_config(max_model_len=256, block_size=4, dcp=1, num_spec=0, max_num_seqs=16,
-                max_num_batched_tokens=512):
+                max_num_batched_tokens=512, enable_chunked_prefill=True):
     spec = (SpeculativeConfig(method="eagle", model="unused", num_speculative_tokens=num_spec)
             if num_spec else None)
     return VllmConfig(model_config=ModelConfig(model=None, max_model_len=max_model_len),
@@ -15,7 +15,8 @@ def make_config(max_model_len=256, block_size=4, dcp=1, num_spec=0, max_num_seqs
                       parallel_config=ParallelConfig(tensor_parallel_size=dcp,
                                                      decode_context_parallel_size=dcp),
                       speculative_config=spec, max_num_seqs=max_num_seqs,
-                      max_num_batched_tokens=max_num_batched_tokens)
+                      max_num_batched_tokens=max_num_batched_tokens,
+                      enable_chunked_prefill=enable_chunked_prefill)
 
 
 def make_request(rid, prompt, max_tokens=16, **params):

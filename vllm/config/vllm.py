@@ -21,12 +21,18 @@ class VllmConfig:
     speculative_config: SpeculativeConfig | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
+    # Chunked prefill (vLLM V1 default): a prompt longer than the per-step token budget
+    # (max_num_batched_tokens) is prefilled over several steps; off = whole-prompt prefill.
+    enable_chunked_prefill: bool = True
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     load_config: LoadConfig = field(default_factory=LoadConfig)
 
     def __post_init__(self):
         check_positive_int("max_num_seqs", self.max_num_seqs)
         check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill={self.enable_chunked_prefill!r} is invalid: "
+                             "pass True or False")
         block_size = self.cache_config.block_size
         interleave = self.parallel_config.cp_kv_cache_interleave_size
         if block_size % interleave != 0:

@@ -129,8 +129,9 @@ class EngineArgs:
     max_num_seqs: int = _opt(VllmConfig.max_num_seqs, "most requests in one batch")
     max_num_batched_tokens: int = _opt(VllmConfig.max_num_batched_tokens,
                                        "most tokens in one step", parse=human_readable_int)
-    enable_chunked_prefill: bool | None = _opt(None, "chunked prefill: not supported by this "
-                                               "engine (--no-enable-chunked-prefill is accepted)")
+    enable_chunked_prefill: bool = _opt(
+        VllmConfig.enable_chunked_prefill, "prefill prompts longer than --max-num-batched-tokens "
+        "in chunks (default on, as vLLM V1; --no-enable-chunked-prefill prefills prompts whole)")
     # ---- speculative decoding / compilation ----
     speculative_config: dict[str, Any] | str | None = _opt(
         None, 'JSON, e.g. \'{"method": "dspark", "model": DIR, "num_speculative_tokens": 4}\', or '
@@ -195,10 +196,6 @@ class EngineArgs:
             raise ValueError("enable_prefix_caching=True (--enable-prefix-caching) is not "
                              "supported: this engine has no prefix cache; drop the flag or pass "
                              "--no-enable-prefix-caching.")
-        if self.enable_chunked_prefill:
-            raise ValueError("enable_chunked_prefill=True (--enable-chunked-prefill) is not "
-                             "supported: prompts are prefilled in one step; raise "
-                             "--max-num-batched-tokens instead.")
         if self.pipeline_parallel_size != 1:
             raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} (-pp) is not "
                              "supported: this engine shards with TP x DCP only; use -tp.")
@@ -281,6 +278,7 @@ class EngineArgs:
             speculative_config=self.create_speculative_config(),
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill,
             compilation_config=self.create_compilation_config(),
             load_config=LoadConfig(load_format=self.load_format),
         )

@@ -6,7 +6,7 @@ import torch
 
 from tests.utils.mla_dcp_helpers import V_DIM
 from vllm.distributed.parallel_state import get_dcp_group
-from vllm.v1.attention.backends.mla.common import MLACommonPrefillMetadata, forward_prefill
+from vllm.v1.attention.backends.mla.prefill import MLACommonPrefillMetadata, self_attention_torch
 from vllm.v1.attention.ops.dcp_combine import (correct_attn_out, cp_lse_ag_out_rs,
                                                dcp_all_gather_q, merge_attn_states)
 from vllm.v1.attention.ops.mla_kv_cache import concat_and_cache_mla
@@ -99,9 +99,12 @@ def test_forward_prefill_is_causal_per_request():
     q = torch.randn(8, 2, 24, generator=g, dtype=torch.float64)
     k = torch.randn(8, 2, 24, generator=g, dtype=torch.float64)
     v = torch.randn(8, 2, 16, generator=g, dtype=torch.float64)
-    meta = MLACommonPrefillMetadata(query_start_loc=torch.tensor([0, 3, 8]),
-                                    seq_lens=torch.tensor(lens), max_query_len=5)
-    out = forward_prefill(q, k, v, meta, scale=0.3)
+    qsl = torch.tensor([0, 3, 8], dtype=torch.int32)
+    # key tiles of 2 tokens: the causal mask and the LSE merge across tiles are exercised
+    meta = MLACommonPrefillMetadata(query_start_loc=qsl, seq_lens=torch.tensor(lens),
+                                    max_query_len=5, query_start_loc_cpu=qsl,
+                                    context_chunk_tokens=2)
+    out, _ = self_attention_torch(q, k, v, meta, scale=0.3)
     start = 0
     for length in lens:
         for i in range(length):

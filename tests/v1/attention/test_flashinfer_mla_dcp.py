@@ -33,6 +33,7 @@ def blackwell_setup(causal):
     builder = FlashInferMLAMetadataBuilder(mla_spec(64, non_causal=not causal, dtype=torch.bfloat16),
                                            ["l0"], parallel_config(8, 1), "cpu", dcp_rank=3,
                                            kernel_family="blackwell", **SMALL_WS)
+    builder.reorder_batch_threshold = 3  # Q=3 rows are decode (verification) rows
     md = builder.build(0, cm)
     impl = FlashInferMLAImpl(num_heads=24, scale=0.1)
     q = torch.randn(6, 24, 576, dtype=torch.bfloat16)

@@ -23,9 +23,12 @@ def common_md(qsl, seq_lens, causal=True, local=None, max_blocks=4):
         dcp_local_seq_lens=None if local is None else torch.tensor(local, dtype=torch.int32))
 
 
-def builder(cls=TorchMLAMetadataBuilder, non_causal=True, dcp=1, interleave=1, rank=0, bs=16):
-    return cls(mla_spec(bs, non_causal), ["l0"], parallel_config(dcp, interleave), "cpu",
-               dcp_rank=rank)
+def builder(cls=TorchMLAMetadataBuilder, non_causal=True, dcp=1, interleave=1, rank=0, bs=16,
+            threshold=1):
+    b = cls(mla_spec(bs, non_causal), ["l0"], parallel_config(dcp, interleave), "cpu",
+            dcp_rank=rank)
+    b.reorder_batch_threshold = threshold  # the runner sets 1 + num_speculative_tokens
+    return b
 
 
 def test_non_causal_needs_builder_capability():
@@ -40,7 +43,7 @@ def test_non_causal_needs_group_flag():
 
 def test_decode_kinds():
     from vllm.v1.attention.backends.mla.common import MLADecodeKind as K
-    b = builder()
+    b = builder(threshold=3)
     assert b.build(0, common_md([0, 1, 2], [9, 9])).decode.kind == K.CAUSAL_SINGLE
     assert b.build(0, common_md([0, 1, 4], [9, 9])).decode.kind == K.CAUSAL_MULTI
     assert b.build(0, common_md([0, 3, 6], [9, 9], causal=False)).decode.kind == K.NON_CAUSAL_BLOCK
@@ -66,7 +69,8 @@ def test_non_uniform_block_is_rejected(qsl):
 
 
 def test_causal_batch_on_marked_group_stays_causal():
-    md = builder(non_causal=True).build(0, common_md([0, 3, 6], [10, 12], causal=True))
+    md = builder(non_causal=True, threshold=3).build(0, common_md([0, 3, 6], [10, 12],
+                                                                  causal=True))
     assert md.causal is True and md.decode.causal is True
     assert md.decode.row_seq_lens.tolist() == [8, 9, 10, 10, 11, 12]
 
@@ -114,7 +118,7 @@ def test_dcp_builder_raises_without_local_lengths():
 
 def test_decode_rows_first_then_prefill():
     # rows: decode (ctx 9), decode Q=3 (ctx 5), prefill (5 tokens from position 0)
-    md = builder(non_causal=False).build(0, common_md([0, 1, 4, 9], [10, 8, 5]))
+    md = builder(non_causal=False, threshold=3).build(0, common_md([0, 1, 4, 9], [10, 8, 5]))
     assert (md.num_decodes, md.num_decode_tokens, md.num_prefills) == (2, 4, 1)
     assert md.prefill.query_start_loc.tolist() == [0, 5]
     assert md.prefill.seq_lens.tolist() == [5]
@@ -127,9 +131,13 @@ def test_padding_rows_after_prefill_are_ignored():
     assert (md.num_decodes, md.num_prefills, md.num_decode_tokens) == (1, 1, 1)
 
 
-def test_prefill_before_decode_is_rejected():
-    with pytest.raises(ValueError, match="decodes first"):
-        builder(non_causal=False).build(0, common_md([0, 5, 6], [5, 10]))
+def test_short_row_after_a_prefill_row_takes_the_prefill_path():
+    # [prefill 5 tokens, 1 token with context 9]: the second row cannot join the decode rows
+    # (they come first), so it is served by the prefill path, with its cached context.
+    md = builder(non_causal=False).build(0, common_md([0, 5, 6], [5, 10]))
+    assert (md.num_decodes, md.num_prefills, md.decode) == (0, 2, None)
+    assert md.prefill.context_lens_cpu.tolist() == [0, 9]
+    assert md.prefill.query_start_loc_cpu.tolist() == [0, 5, 6]
 
 
 def test_non_causal_under_dcp_needs_dcp_capability():

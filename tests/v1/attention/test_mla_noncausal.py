@@ -68,7 +68,9 @@ def test_mla_cache_marker_is_a_group_property():
     target, draft = _groups()
     assert target.layer_names == [f"model.layers.{i}.self_attn" for i in range(4)]
     assert draft.layer_names == [f"draft_model.model.layers.{i}.self_attn" for i in range(2)]
-    causal_md = _builder(draft).build(0, _block_batch(causal=True))
+    draft_builder = _builder(draft)
+    draft_builder.reorder_batch_threshold = 4  # Q=4 verification rows are decode rows
+    causal_md = draft_builder.build(0, _block_batch(causal=True))
     assert causal_md.causal is True
     # Row j of a causal Q=4 block sees G - (Q-1-j) tokens.
     assert causal_md.decode.row_seq_lens.tolist() == [17, 18, 19, 20, 27, 28, 29, 30]

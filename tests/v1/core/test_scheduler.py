@@ -210,12 +210,18 @@ def test_drafts_are_trimmed_at_max_model_len():
     sched.update_from_output(so, runner.execute_model(so))
     so = sched.schedule()  # 10 tokens: the last sits at 9, room for 2 drafts up to position 11
     assert len(so.scheduled_spec_decode_tokens["r"]) == 2
+    sched.update_from_output(so, runner.execute_model(so))  # the runner must see its new blocks
     outputs, reasons = run_to_completion(sched, runner)
     assert reasons["r"] == "length"
 
 
 def test_prompt_too_long_is_a_clear_error():
-    sched = Scheduler(make_config(max_model_len=32, max_num_batched_tokens=20), num_blocks=100)
+    chunked = Scheduler(make_config(max_model_len=32, max_num_batched_tokens=20), num_blocks=100)
+    with pytest.raises(ValueError, match=r"33 tokens.*max_model_len=32"):
+        chunked.add_request(make_request("a", [1] * 33))
+    chunked.add_request(make_request("b", [1] * 25))  # chunked prefill: longer than the budget is fine
+    sched = Scheduler(make_config(max_model_len=32, max_num_batched_tokens=20,
+                                  enable_chunked_prefill=False), num_blocks=100)
     with pytest.raises(ValueError, match=r"33 tokens.*max_model_len=32"):
         sched.add_request(make_request("a", [1] * 33))
     with pytest.raises(ValueError, match=r"25 tokens.*max_num_batched_tokens=20"):
@@ -246,7 +252,7 @@ def test_running_batch_is_capped_so_decode_steps_fit_the_token_budget():
         sched.update_from_output(so, runner.execute_model(so))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(st.data())
 def test_random_workloads_keep_outputs_exact_and_blocks_consistent(data):
     num_spec = data.draw(st.sampled_from([0, 2]), label="num_spec")
@@ -254,8 +260,12 @@ def test_random_workloads_keep_outputs_exact_and_blocks_consistent(data):
     max_model_len = 48
     min_blocks = -(-(max_model_len + num_spec + 1) // (4 * dcp))
     num_blocks = data.draw(st.integers(min_blocks, 4 * min_blocks), label="num_blocks")
+    chunked = data.draw(st.booleans(), label="chunked")
+    # Chunked: any budget that fits one decode step; whole-prompt prefill keeps a roomy budget.
+    budget = data.draw(st.integers(1 + num_spec, 24), label="budget") if chunked else 512
     cfg = make_config(max_model_len=max_model_len, block_size=4, dcp=dcp, num_spec=num_spec,
-                      max_num_seqs=data.draw(st.integers(1, 6), label="max_num_seqs"))
+                      max_num_seqs=data.draw(st.integers(1, 6), label="max_num_seqs"),
+                      max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
     sched = Scheduler(cfg, num_blocks=num_blocks)
     runner = FakeRunner(4 * dcp, num_spec)
     n = data.draw(st.integers(1, 8), label="num_requests")
@@ -289,3 +299,103 @@ def test_random_workloads_keep_outputs_exact_and_blocks_consistent(data):
             assert got == expected[:len(got)]  # aborted: a prefix of the right answer
         else:
             assert got == expected
+
+
+# ---- chunked prefill ------------------------------------------------------------------------
+@pytest.mark.parametrize("budget,num_spec,dcp", [
+    (b, k, d) for b in (1, 4, 7, 16, 64) for k, d in ((0, 1), (2, 1), (2, 2)) if b >= 1 + k])
+def test_chunked_prefill_gives_the_same_greedy_output(budget, num_spec, dcp):
+    ps = prompts(6, seed=budget + num_spec, lo=1, hi=70)
+    expected = {f"r{i}": reference_greedy(p, 12) for i, p in enumerate(ps)}
+    cfg = make_config(max_model_len=128, block_size=4, dcp=dcp, num_spec=num_spec,
+                      max_num_batched_tokens=budget)
+    sched = Scheduler(cfg, num_blocks=1000)
+    runner = FakeRunner(4 * dcp, num_spec)
+    for i, p in enumerate(ps):
+        sched.add_request(make_request(f"r{i}", p, max_tokens=12))
+    steps = []
+    outputs = {}
+    while sched.has_unfinished_requests():
+        so = sched.schedule()
+        assert so.total_num_scheduled_tokens <= budget
+        steps.append(so)
+        for core in sched.update_from_output(so, runner.execute_model(so)):
+            outputs.setdefault(core.request_id, []).extend(core.new_token_ids)
+            assert core.new_token_ids or core.finished  # partial prefills emit nothing
+    assert outputs == expected
+    assert sched.kv_cache_manager.num_free_blocks == 1000
+    if max(len(p) for p in ps) > budget:
+        assert runner.num_partial_prefill_rows > 0
+
+
+def test_decodes_are_scheduled_before_prefill_chunks_and_drafts_wait_for_the_prefill():
+    cfg = make_config(max_model_len=128, block_size=4, num_spec=2, max_num_batched_tokens=10)
+    sched = Scheduler(cfg, num_blocks=1000)
+    runner = FakeRunner(4, 2)
+    sched.add_request(make_request("short", [7] * 3, max_tokens=50, ignore_eos=True))
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"short": 3}
+    sched.update_from_output(so, runner.execute_model(so))
+    sched.add_request(make_request("long", [9] * 40, max_tokens=5, ignore_eos=True))
+    so = sched.schedule()
+    # The decode (1 token + 2 drafts) is served first; the new prompt gets the remaining 7.
+    assert list(so.num_scheduled_tokens) == ["short", "long"]
+    assert so.num_scheduled_tokens == {"short": 3, "long": 7}
+    assert "long" not in so.scheduled_spec_decode_tokens
+    sched.update_from_output(so, runner.execute_model(so))
+    assert sched.requests["long"].num_computed_tokens == 7
+    assert sched.requests["long"].output_token_ids == []
+    assert sched.requests["long"].spec_token_ids == []  # no drafts for an unfinished prefill
+    chunks = []
+    while sched.requests["long"].output_token_ids == []:
+        so = sched.schedule()
+        assert list(so.num_scheduled_tokens)[0] == "short"  # decodes first, every step
+        assert "long" not in so.scheduled_spec_decode_tokens
+        chunks.append(so.num_scheduled_tokens["long"])
+        sched.update_from_output(so, runner.execute_model(so))
+    assert chunks == [7, 7, 7, 7, 5]  # 40 - 7 prompt tokens left, 7 per step after the decode
+    so = sched.schedule()  # now "long" decodes, with drafts
+    assert so.num_scheduled_tokens["long"] == 1 + len(so.scheduled_spec_decode_tokens["long"])
+    assert len(so.scheduled_spec_decode_tokens["long"]) == 2
+
+
+def test_preemption_mid_prefill_recomputes_and_gives_the_same_output():
+    # 17 blocks of 4 tokens: "a" (8 tokens, decoding) and "b" (60-token prompt) cannot both
+    # hold their KV, so "b" is preempted in the middle of its prefill (or "a" later on).
+    cfg = make_config(max_model_len=64, block_size=4, max_num_batched_tokens=8)
+    sched = Scheduler(cfg, num_blocks=17)
+    runner = FakeRunner(4)
+    sched.add_request(make_request("a", [5] * 8, max_tokens=40, ignore_eos=True))
+    sched.add_request(make_request("b", [6] * 50, max_tokens=4, ignore_eos=True))
+    outputs = {}
+    preempted_mid_prefill = False
+    for _ in range(500):
+        if not sched.has_unfinished_requests():
+            break
+        b = sched.requests.get("b")
+        before = (b.num_computed_tokens, b.num_tokens) if b is not None else None
+        so = sched.schedule()
+        if "b" in so.preempted_req_ids and before is not None and 0 < before[0] < before[1] - 1:
+            preempted_mid_prefill = True
+        for core in sched.update_from_output(so, runner.execute_model(so)):
+            outputs.setdefault(core.request_id, []).extend(core.new_token_ids)
+    assert not sched.has_unfinished_requests()
+    assert preempted_mid_prefill
+    assert outputs["a"] == reference_greedy([5] * 8, 40, eos=None)
+    assert outputs["b"] == reference_greedy([6] * 50, 4, eos=None)
+    assert sched.kv_cache_manager.num_free_blocks == 17
+
+
+def test_chunked_prefill_flag_and_budget_errors():
+    from vllm.engine.arg_utils import EngineArgs
+    import argparse
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert EngineArgs.from_cli_args(parser.parse_args([])).create_engine_config(
+        ).enable_chunked_prefill is True
+    args = parser.parse_args(["--no-enable-chunked-prefill", "--max-num-batched-tokens", "64"])
+    cfg = EngineArgs.from_cli_args(args).create_engine_config()
+    assert cfg.enable_chunked_prefill is False and cfg.max_num_batched_tokens == 64
+    with pytest.raises(ValueError, match="enable_chunked_prefill='yes'"):
+        make_config(enable_chunked_prefill="yes")
+    with pytest.raises(ValueError, match="max_num_batched_tokens=2 cannot fit one decode step"):
+        Scheduler(make_config(num_spec=2, max_num_batched_tokens=2), num_blocks=100)

@@ -4,9 +4,10 @@ Per token: c_kv = RMSNorm(kv_a(x)[:512]), k_pe = rope(kv_a(x)[512:]); the paged 
 [c_kv | k_pe] (576). Queries: q = q_proj(x) (or q_b(RMSNorm(q_a(x)))) split per head into
 [q_nope | q_pe].
 
-* Prefill rows (they start at position 0 and see only in-flight tokens) use the expanded form:
-  K/V per head from kv_b_proj(c_kv), ordinary causal attention.
-* Decode rows (any query length with prior context) use the absorbed form: W_UK folded into q
+* Prefill rows (query longer than the builder's reorder_batch_threshold, with or without cached
+  context) use the expanded form: K/V per head from kv_b_proj(c_kv); causal over the new tokens
+  plus the cached context in bounded chunks, merged by LSE (backends/mla/prefill.py).
+* Decode rows (query length <= reorder_batch_threshold) use the absorbed form: W_UK folded into q
   ([q_nope W_UK | q_pe], 576 wide), the backend attends over the latent cache, W_UV applied to its
   512-wide output. Under DCP the absorbed q is gathered over the DCP group along heads, each rank
   attends over its KV shard, and the partial outputs are merged by LSE and scattered back.
@@ -178,13 +179,12 @@ class MLAAttention(nn.Module):
                 out[:num_decode] = self._forward_absorbed(q_nope[:num_decode], q_pe[:num_decode],
                                                           metadata.decode)
             if metadata.prefill is not None:
-                from vllm.v1.attention.backends.mla.common import forward_prefill
-                end = num_decode + int(metadata.prefill.query_start_loc_cpu[-1]
-                                       if metadata.prefill.query_start_loc_cpu is not None
-                                       else metadata.prefill.query_start_loc[-1])
+                # Prefill rows (with or without cached context): chunked, no L x L (prefill.py).
+                from vllm.v1.attention.backends.mla.prefill import forward_mla_prefill
+                end = num_decode + int(metadata.prefill.query_start_loc_cpu[-1])
                 sl = slice(num_decode, end)
-                q, k, v = self._expanded_qkv(q_nope[sl], q_pe[sl], kv_c[sl], k_pe[sl])
-                out[sl] = forward_prefill(q, k, v, metadata.prefill, self.scaling)
+                out[sl] = forward_mla_prefill(self, q_nope[sl], q_pe[sl], kv_c[sl], k_pe[sl],
+                                              metadata.prefill)
         return self.o_proj(out.reshape(num_tokens, self.num_local_heads * self.v_head_dim))
 
     def _kv_b_weight(self) -> torch.Tensor:

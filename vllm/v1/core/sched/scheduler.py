@@ -1,10 +1,16 @@
-"""Continuous batching with whole-prompt prefill and preemption by recompute.
+"""Continuous batching with chunked prefill (default) and preemption by recompute.
 
-Each step: running requests first (oldest first), each scheduling its last sampled token plus its
-drafts; then waiting requests (front first) while the token budget, the sequence budget and the KV
-blocks last. A running request that cannot get blocks preempts the newest running request (its
-blocks are freed and it returns to the FRONT of the waiting queue with prompt + outputs as its new
-prompt, to be prefilled again), so a running request's KV is never touched by anyone else.
+Each step spends a token budget (`max_num_batched_tokens`): first the running requests that
+decode (each schedules its last sampled token plus its drafts), then the running requests whose
+prefill is unfinished (the next chunk of their prompt, as much as the budget leaves), then waiting
+requests (front first) while the budget, the sequence budget and the KV blocks last; with chunked
+prefill a waiting request is admitted with a first chunk, without it only whole. A request whose
+prefill is unfinished after a step samples nothing; it only advances `num_computed_tokens`.
+
+A request that cannot get blocks preempts the newest running request not yet scheduled this step
+(or itself): its blocks are freed and it returns to the FRONT of the waiting queue with prompt +
+outputs as its new prompt, to be prefilled again, so a scheduled request's KV is never touched by
+anyone else. This works the same mid-prefill.
 """
 from __future__ import annotations
 
@@ -82,6 +88,7 @@ class Scheduler:
         spec_config = vllm_config.speculative_config
         self.max_model_len = int(model_config.max_model_len)
         self.max_num_batched_tokens = int(vllm_config.max_num_batched_tokens)
+        self.enable_chunked_prefill = bool(getattr(vllm_config, "enable_chunked_prefill", True))
         self.num_spec_tokens = int(spec_config.num_speculative_tokens) if spec_config else 0
         # Every running request needs room for its token plus its drafts each step; capping the
         # batch this way means a running request is never left unscheduled for lack of tokens.
@@ -121,7 +128,7 @@ class Scheduler:
         if n > self.max_model_len:
             raise ValueError(f"the prompt has {n} tokens, more than max_model_len="
                              f"{self.max_model_len}; shorten the prompt or raise max_model_len")
-        if n > self.max_num_batched_tokens:
+        if not self.enable_chunked_prefill and n > self.max_num_batched_tokens:
             raise ValueError(f"the prompt has {n} tokens, more than max_num_batched_tokens="
                              f"{self.max_num_batched_tokens} (prompts are prefilled whole); shorten "
                              "the prompt or raise max_num_batched_tokens")
@@ -166,24 +173,36 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         preempted: list[Request] = []
 
-        index = 0
-        while index < len(self.running):
-            request = self.running[index]
-            # Drafts must not run past max_model_len (the last token sits at num_tokens - 1).
-            drafts = request.spec_token_ids[:max(0, self.max_model_len - request.num_tokens)]
-            num_new = 1 + len(drafts)
-            assert num_new <= token_budget, "max_num_running_reqs keeps decode steps in budget"
-            need = request.num_computed_tokens + num_new + self.num_spec_tokens + 1
+        # Decodes first (a decode is one request-step of 1 + drafts tokens, and
+        # max_num_running_reqs guarantees they all fit), then the unfinished prefills.
+        decodes = [r for r in self.running if not self._is_prefilling(r)]
+        order = decodes + [r for r in self.running if self._is_prefilling(r)]
+        for request in order:
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            remaining = request.num_tokens - request.num_computed_tokens
+            if remaining > 1:  # unfinished prefill: the next chunk, no drafts
+                drafts: list[int] = []
+                num_new = min(remaining, token_budget)
+                if num_new <= 0:
+                    continue  # the budget is spent; it continues next step
+            else:
+                # Drafts must not run past max_model_len (the last token sits at num_tokens - 1).
+                drafts = request.spec_token_ids[:max(0, self.max_model_len - request.num_tokens)]
+                num_new = 1 + len(drafts)
+                assert num_new <= token_budget, "max_num_running_reqs keeps decode steps in budget"
+            need = self._slots_needed(request, num_new)
             new_blocks = self.kv_cache_manager.allocate_slots(request.request_id, need)
             while new_blocks is None:
-                victim = self.running.pop()
+                victim = self._pick_victim(request, num_scheduled)
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
                 new_blocks = self.kv_cache_manager.allocate_slots(request.request_id, need)
             if new_blocks is None:
-                break  # the request preempted itself; everyone after it is gone too
+                continue  # the request preempted itself
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append(new_blocks)
             cached.num_computed_tokens.append(request.num_computed_tokens)
@@ -191,31 +210,35 @@ class Scheduler:
             if drafts:
                 spec_tokens[request.request_id] = drafts  # the slice above is already a copy
             token_budget -= num_new
-            index += 1
 
         # No admissions in a step that had to preempt: the pool is known to be short.
-        while (not preempted and self.waiting and len(self.running) < self.max_num_running_reqs):
+        while (not preempted and self.waiting and token_budget > 0
+               and len(self.running) < self.max_num_running_reqs):
             request = self.waiting[0]
-            num_new = request.num_tokens
-            if num_new > self.max_num_batched_tokens:
+            num_tokens = request.num_tokens
+            if not self.enable_chunked_prefill and num_tokens > self.max_num_batched_tokens:
                 # Only a preempted request can grow past the prefill budget; it cannot be
                 # recomputed, so it ends here as length-capped rather than blocking the queue.
                 logger.warning("request %s (%d tokens) cannot be re-prefilled within "
                                "max_num_batched_tokens=%d after preemption; finishing it",
-                               request.request_id, num_new, self.max_num_batched_tokens)
+                               request.request_id, num_tokens, self.max_num_batched_tokens)
                 self.waiting.popleft()
                 request.status = RequestStatus.FINISHED_LENGTH_CAPPED
                 self._free_request(request)
                 continue
-            if num_new > token_budget:
+            if self.enable_chunked_prefill:
+                num_new = min(num_tokens, token_budget)
+            elif num_tokens > token_budget:
                 break
-            need = num_new + self.num_spec_tokens + 1
+            else:
+                num_new = num_tokens
+            request.num_computed_tokens = 0
+            need = self._slots_needed(request, num_new)
             new_blocks = self.kv_cache_manager.allocate_slots(request.request_id, need)
             if new_blocks is None:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = 0
             self.running.append(request)
             new_reqs.append(NewRequestData(
                 req_id=request.request_id, prompt_token_ids=request.all_token_ids,
@@ -235,6 +258,26 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         return output
+
+    @staticmethod
+    def _is_prefilling(request: Request) -> bool:
+        """True while more than the last known token still needs its KV (an unfinished
+        prefill); a decoding request has exactly one uncomputed token, its last sampled one."""
+        return request.num_tokens - request.num_computed_tokens > 1
+
+    def _slots_needed(self, request: Request, num_new: int) -> int:
+        """Tokens the request's blocks must cover after this step: its tokens plus k + 1 of
+        headroom. The headroom is needed even by an unfinished prefill chunk: the drafter
+        still runs over that row (its drafts are discarded) and writes draft KV just past it."""
+        return request.num_computed_tokens + num_new + self.num_spec_tokens + 1
+
+    def _pick_victim(self, request: Request, num_scheduled: dict[str, int]) -> Request:
+        """The newest running request not scheduled yet this step; the request itself when
+        every other candidate is already scheduled (a scheduled request's KV stays put)."""
+        for candidate in reversed(self.running):
+            if candidate is not request and candidate.request_id not in num_scheduled:
+                return candidate
+        return request
 
     def _preempt(self, request: Request) -> None:
         """Recompute policy: drop the KV, requeue at the front; outputs so far become prompt."""
@@ -258,6 +301,15 @@ class Scheduler:
                 continue  # finished or aborted while the step ran
             sampled = list(runner_output.sampled_token_ids[row])
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, ())
+            if request.num_computed_tokens + num_scheduled < request.num_tokens:
+                # A prefill chunk that does not reach the end of the prompt samples nothing.
+                if sampled:
+                    raise RuntimeError(
+                        f"model runner sampled {len(sampled)} tokens for request {req_id!r}, "
+                        f"whose prefill is unfinished ({request.num_computed_tokens} + "
+                        f"{num_scheduled} of {request.num_tokens} tokens); expected none")
+                request.num_computed_tokens += num_scheduled
+                continue
             if not 1 <= len(sampled) <= len(drafts) + 1:
                 raise RuntimeError(
                     f"model runner returned {len(sampled)} tokens for request {req_id!r}, which "

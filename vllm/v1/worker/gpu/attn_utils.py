@@ -52,13 +52,15 @@ def build_attn_metadata(
     dcp_local_seq_lens_cpu: torch.Tensor | None = None,
     block_tables_cpu: Sequence[torch.Tensor] | None = None,
     cudagraph: bool = False,
+    num_computed_tokens_cpu: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """Build the per-layer attention metadata of one forward.
 
     Tensors carry `num_reqs` rows (trailing zero-length rows are padding) and `num_tokens` tokens.
     `block_tables[g]` / `slot_mappings[g]` belong to KV cache group g. `group_ids` restricts the
     build to the groups a model actually has layers in (a drafter's forward needs only its own).
-    Returns {layer_name: metadata} for every layer of the built groups.
+    `seq_lens_cpu` / `num_computed_tokens_cpu` are the exact host twins (prefill metadata is
+    planned from them). Returns {layer_name: metadata} for every layer of the built groups.
     """
     groups = kv_cache_config.kv_cache_groups
     if len(attn_metadata_builders) != len(groups):
@@ -86,9 +88,11 @@ def build_attn_metadata(
             seq_lens_cpu_upper_bound=(None if seq_lens_cpu_upper_bound is None
                                       else seq_lens_cpu_upper_bound[:num_reqs]),
             seq_lens_cpu=None if seq_lens_cpu is None else seq_lens_cpu[:num_reqs],
-            num_computed_tokens_cpu=(None if seq_lens_cpu is None else
-                                     seq_lens_cpu[:num_reqs] - (query_start_loc_cpu[1:num_reqs + 1]
-                                                                - query_start_loc_cpu[:num_reqs])),
+            num_computed_tokens_cpu=(
+                num_computed_tokens_cpu[:num_reqs] if num_computed_tokens_cpu is not None else
+                None if seq_lens_cpu is None else
+                seq_lens_cpu[:num_reqs] - (query_start_loc_cpu[1:num_reqs + 1]
+                                           - query_start_loc_cpu[:num_reqs])),
             dcp_local_seq_lens_cpu=(None if dcp_local_seq_lens_cpu is None
                                     else dcp_local_seq_lens_cpu[:num_reqs]),
             block_table_cpu=(None if block_tables_cpu is None

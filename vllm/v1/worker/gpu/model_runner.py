@@ -203,6 +203,9 @@ class GPUModelRunner:
                               if draft_layers.intersection(g.layer_names))
             self.speculator.bind_attention(kv_cache_config, self.attn_metadata_builders, group_ids)
         for builder in self.attn_metadata_builders:
+            # Rows of at most 1 + k tokens (decode / verify, draft blocks) take the decode path;
+            # longer rows (prefill chunks, with or without context) the prefill path.
+            builder.reorder_batch_threshold = 1 + self.num_spec_tokens
             if hasattr(builder, "_row_buffers"):  # allocate once: graphs capture the addresses
                 builder._row_buffers(self.max_num_tokens, self.device)
         if self.cudagraphs is not None:
@@ -481,6 +484,15 @@ class GPUModelRunner:
         ncn.np[:num_reqs] = num_computed_new
         ncn.copy_to_gpu(num_reqs)
         last_accepted_dev = self._pinned_index(last_accepted, "last_accepted")
+        unfinished = [i for i in range(num_reqs) if not batch.samples_np[i]]
+        if unfinished:
+            # An unfinished prefill chunk drafts from the next prompt token (EAGLE/MTP then write
+            # their KV for the chunk's positions); those drafts are never verified.
+            slots = batch.idx_mapping_np[unfinished]
+            nxt = [self.requests[batch.req_ids[i]].token_ids[int(num_computed_new[i])]
+                   for i in unfinished]
+            self.requests.last_sampled[self._pinned_index(slots, "unfinished_slots")] = \
+                self._pinned_index(nxt, "unfinished_next")
         next_tokens = self.requests.last_sampled[batch.idx_mapping[:num_reqs]]
         draft_inputs = DraftInputs(
             num_reqs=num_reqs,
@@ -541,10 +553,13 @@ class GPUModelRunner:
         """Lay out the step (host), build the InputBatch (device prep) and its metadata."""
         new_set = {n.req_id for n in scheduler_output.scheduled_new_reqs}
         decode_rows, prefill_rows = [], []
-        for r in scheduler_output.num_scheduled_tokens:
+        threshold = 1 + self.num_spec_tokens
+        for r, count in scheduler_output.num_scheduled_tokens.items():
             state = self.requests[r]
-            # Rows with prior context take the decode path (any query length).
-            is_decode = r not in new_set and state.num_computed_tokens > 0
+            # Decode rows (short queries of started requests) first: the builders' decode/prefill
+            # split is by query length (reorder_batch_threshold).
+            is_decode = (r not in new_set and state.num_computed_tokens > 0
+                         and int(count) <= threshold)
             (decode_rows if is_decode else prefill_rows).append(state)
         rows = decode_rows + prefill_rows
         counts, num_drafts, samples, host_ids = [], [], [], []

@@ -1,4 +1,4 @@
-"""MLA attention metadata, its builder (DESIGN §3), the prefill helper and the
+"""MLA attention metadata, its builder (DESIGN §3; prefill metadata in prefill.py) and the
 DSpark+DCP start-up capability check.
 
 Decode kinds (all take the decode path, decode rows come first in the batch):
@@ -20,6 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from vllm.v1.attention.backend import CommonAttentionMetadata
+# The prefill metadata and attention live in prefill.py (chunked context, no L x L).
+from vllm.v1.attention.backends.mla.prefill import (DEFAULT_CONTEXT_CHUNK_TOKENS,
+                                                    FlashInferPrefillState,
+                                                    MLACommonPrefillMetadata,
+                                                    build_prefill_metadata)
 
 KV_LORA_RANK = 512
 QK_ROPE_HEAD_DIM = 64
@@ -87,14 +92,6 @@ class MLACommonDecodeMetadata:
 
 
 @dataclass
-class MLACommonPrefillMetadata:
-    query_start_loc: torch.Tensor        # [num_prefills+1], relative to the first prefill token
-    seq_lens: torch.Tensor               # [num_prefills]
-    max_query_len: int
-    query_start_loc_cpu: torch.Tensor | None = None  # host twin of query_start_loc
-
-
-@dataclass
 class MLACommonMetadata:
     num_actual_tokens: int
     slot_mapping: torch.Tensor
@@ -121,6 +118,9 @@ class MLACommonMetadataBuilder:
     supports_non_causal_multi_token_decode: ClassVar[bool] = False
     supports_non_causal_multi_token_dcp: ClassVar[bool] = False
     supports_dcp_with_varlen: ClassVar[bool] = False
+    # Prefill attention kernels: "torch" (reference, any device) or "flashinfer" (ragged
+    # prefill; used only when the builder's device is CUDA).
+    prefill_backend: ClassVar[str] = "torch"
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any,
                  device: torch.device | str, *, dcp_rank: int | None = None):
@@ -143,6 +143,12 @@ class MLACommonMetadataBuilder:
             raise ValueError(f"block_size={block_size} must be a multiple of "
                              f"cp_kv_cache_interleave_size={self.dcp_interleave}.")
         self.non_causal_group = _spec_is_non_causal(kv_cache_spec)
+        # Rows with query length <= this are decode rows (absorbed path); longer rows are
+        # prefill rows, with or without cached context. The runner sets 1 + num_spec_tokens.
+        self.reorder_batch_threshold = 1
+        # Context tokens per prefill pass (bounds the gathered K/V and every score tile).
+        self.prefill_context_chunk_tokens = DEFAULT_CONTEXT_CHUNK_TOKENS
+        self._prefill_fi_state: FlashInferPrefillState | None = None
 
     # ---------------------------------------------------------------- checks
     def _check_non_causal(self, cm: CommonAttentionMetadata, query_lens: torch.Tensor) -> int:
@@ -202,7 +208,7 @@ class MLACommonMetadataBuilder:
             self._check_non_causal(cm, query_lens)
             num_decodes = num_reqs  # every row (padding included) is one block
         else:
-            num_decodes = self._count_decodes(seq_lens_host, query_lens, num_reqs)
+            num_decodes = self._count_decodes(cm, query_lens)
         num_prefills = int((query_lens[num_decodes:] > 0).sum())
         num_decode_tokens = int(qsl_cpu[num_decodes])
         if num_prefills == 0:
@@ -217,33 +223,42 @@ class MLACommonMetadataBuilder:
                                         query_lens, causal, seq_lens_host)
         prefill = None
         if num_prefills > 0:
-            rel = qsl_cpu[num_decodes: num_decodes + num_prefills + 1] - int(qsl_cpu[num_decodes])
-            prefill = MLACommonPrefillMetadata(
-                query_start_loc=rel.to(device=cm.query_start_loc.device, dtype=torch.int32),
-                seq_lens=cm.seq_lens[num_decodes: num_decodes + num_prefills],
-                max_query_len=int(query_lens[num_decodes: num_decodes + num_prefills].max()),
-                query_start_loc_cpu=rel.to(torch.int32))
+            prefill = self._build_prefill(cm, num_decodes, num_prefills, num_decode_tokens,
+                                          qsl_cpu)
         return MLACommonMetadata(
             num_actual_tokens=cm.num_actual_tokens, slot_mapping=cm.slot_mapping,
             num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
             num_prefills=num_prefills, causal=causal, decode=decode, prefill=prefill,
             num_prefill_tokens=num_prefill_tokens)
 
-    @staticmethod
-    def _count_decodes(seq_lens: torch.Tensor, query_lens: torch.Tensor, num_reqs: int) -> int:
-        """Leading rows with prior context; all rows when the batch has no prefill. Host only."""
-        has_context = seq_lens > query_lens
-        is_prefill = (~has_context) & (query_lens > 0)
+    def _count_decodes(self, cm: CommonAttentionMetadata, query_lens: torch.Tensor) -> int:
+        """Leading rows with query length <= reorder_batch_threshold (decode rows); all rows
+        when no row is longer. Decided on host query lengths alone (no device read). Every
+        row from the first long one on is a prefill row: the prefill path is exact for any
+        row (short, with or without context), so a short row the runner left after a prefill
+        (e.g. a 1-token prompt) is served there rather than rejected."""
+        is_prefill = query_lens > int(self.reorder_batch_threshold)
         if not bool(is_prefill.any()):
-            return num_reqs
-        first_prefill = int(is_prefill.nonzero()[0, 0])
-        # zero-length padding rows may carry stale seq_lens: only real rows must be ordered
-        if bool((has_context & (query_lens > 0))[first_prefill:].any()):
-            raise ValueError(
-                "MLA metadata: decode rows (requests with prior context) must come before "
-                f"prefill rows; got context lengths {(seq_lens - query_lens).tolist()}. "
-                "Order the batch with decodes first.")
-        return first_prefill
+            return cm.num_reqs
+        return int(is_prefill.nonzero()[0, 0])
+
+    def _build_prefill(self, cm: CommonAttentionMetadata, num_decodes: int, num_prefills: int,
+                       num_decode_tokens: int, qsl_cpu: torch.Tensor) -> MLACommonPrefillMetadata:
+        backend, state = "torch", None
+        if self.prefill_backend == "flashinfer" and self.device.type == "cuda":
+            if self._prefill_fi_state is None:
+                self._prefill_fi_state = FlashInferPrefillState(self.device)
+            backend, state = "flashinfer", self._prefill_fi_state
+        meta = build_prefill_metadata(
+            cm, num_decodes, num_prefills, num_decode_tokens, qsl_cpu,
+            dcp_world_size=self.dcp_world_size, dcp_rank=self.dcp_rank,
+            dcp_interleave=self.dcp_interleave,
+            block_size=getattr(self.kv_cache_spec, "block_size", None),
+            context_chunk_tokens=int(self.prefill_context_chunk_tokens),
+            backend=backend, backend_state=state)
+        if state is not None:
+            state.begin_step(meta)
+        return meta
 
     @staticmethod
     def _alias(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -389,34 +404,6 @@ class MLACommonImpl:
                        decode_meta: MLACommonDecodeMetadata
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
-
-
-def forward_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    prefill_meta: MLACommonPrefillMetadata, scale: float) -> torch.Tensor:
-    """Causal attention of each prefill request over its own in-flight K/V.
-
-    q, k: [T, H, qk_head_dim]; v: [T, H, v_head_dim] -> [T, H, v_head_dim].
-    Prefill rows start at position 0, so no cached context is involved.
-    """
-    if q.shape[:2] != k.shape[:2] or q.shape[:2] != v.shape[:2]:
-        raise ValueError(f"forward_prefill: q {tuple(q.shape)}, k {tuple(k.shape)} and "
-                         f"v {tuple(v.shape)} must share [T, H].")
-    qsl = prefill_meta.query_start_loc_cpu
-    if qsl is None:
-        qsl = prefill_meta.query_start_loc.cpu()
-    bounds = qsl.tolist()
-    if bounds[-1] != q.shape[0]:
-        raise ValueError(f"forward_prefill: metadata covers {bounds[-1]} tokens, q has "
-                         f"{q.shape[0]}; pass only the prefill tokens.")
-    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end == start:
-            continue
-        # SDPA wants [H, L, D]
-        qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
-        out[start:end] = o.transpose(0, 1)
-    return out
 
 
 # ------------------------------------------------------- start-up validation

@@ -272,6 +272,7 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
     supports_non_causal_multi_token_decode = True
     supports_non_causal_multi_token_dcp = True
     supports_dcp_with_varlen = True
+    prefill_backend = "flashinfer"  # ragged prefill (prefill.py), on CUDA devices
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any,
                  device: torch.device | str, *, dcp_rank: int | None = None,
