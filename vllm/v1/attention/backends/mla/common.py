@@ -196,12 +196,6 @@ class MLACommonMetadataBuilder:
         qsl_cpu = cm.query_start_loc_cpu[: num_reqs + 1].to(torch.int64)
         query_lens = qsl_cpu[1:] - qsl_cpu[:-1]
         causal = bool(cm.causal)
-        if self.dcp_world_size > 1 and cm.dcp_local_seq_lens is None:
-            raise ValueError(
-                f"{type(self).__name__}: decode_context_parallel_size={self.dcp_world_size} needs "
-                "CommonAttentionMetadata.dcp_local_seq_lens (the rank-local lengths of THIS "
-                "batch's seq_lens, from prepare_dcp_local_seq_lens); the builder does not "
-                "recompute them, so stale or missing lengths cannot go unnoticed.")
         seq_lens_host = self._host_seq_lens(cm)
 
         if not causal:
@@ -284,6 +278,12 @@ class MLACommonMetadataBuilder:
                       seq_lens_host: torch.Tensor) -> MLACommonDecodeMetadata:
         n, r, inter = self.dcp_world_size, self.dcp_rank, self.dcp_interleave
         global_lens = self._alias(cm.seq_lens, num_decodes)
+        if n > 1 and cm.dcp_local_seq_lens is None:
+            raise ValueError(
+                f"{type(self).__name__}: decode_context_parallel_size={n} needs "
+                "CommonAttentionMetadata.dcp_local_seq_lens for decode rows (the rank-local "
+                "lengths of THIS batch's seq_lens, from prepare_dcp_local_seq_lens); the builder "
+                "does not recompute them, so stale or missing lengths cannot go unnoticed.")
         if n > 1:
             seq_lens, tot = self._alias(cm.dcp_local_seq_lens, num_decodes), global_lens
             max_seq_len = -(-cm.max_seq_len // (n * inter)) * inter
