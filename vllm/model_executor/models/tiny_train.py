@@ -251,7 +251,7 @@ def ar_drafter_forward(kind: str, p: Params, config: dict, target_p: Params, ids
     at position p of any pass predict token p+2."""
     eps = config["rms_norm_eps"]
     tok, hid = ids[:, 1:], target_hidden[:, :-1]
-    b, t = tok.shape
+    t = tok.shape[1]
     positions = torch.arange(t)
     emb = F.embedding(tok, target_p["model.embed_tokens.weight"])
     if kind == "mtp":
@@ -311,15 +311,14 @@ def block_drafter_forward(p: Params, config: dict, target_p: Params, aux: torch.
     own = (block_of[:, None] == block_of[None, :]).expand(b, -1, -1)
     mask = torch.cat([visible_ctx, own], dim=2)  # [B, N*Q, T + N*Q]
     x = F.embedding(block_ids.reshape(b, n * q), target_p["model.embed_tokens.weight"])
-    flat_pos = block_pos
     for i in range(config["num_hidden_layers"]):
         pre = f"model.layers.{i}"
         a = f"{pre}.self_attn"
         # context KV: the features go straight into kv_a (no input_layernorm), as precompute_context_kv
         k_ctx, v_ctx = mla_kv(feats, p, a, config, ctx_pos, tables)
         h = rms_norm(x, p[f"{pre}.input_layernorm.weight"], eps)
-        k_blk, v_blk = mla_kv(h, p, a, config, flat_pos, tables)
-        qq = mla_q(h, p, a, config, flat_pos, tables)
+        k_blk, v_blk = mla_kv(h, p, a, config, block_pos, tables)
+        qq = mla_q(h, p, a, config, block_pos, tables)
         o = attend(qq, torch.cat([k_ctx, k_blk], 1), torch.cat([v_ctx, v_blk], 1), mask, config)
         x = x + F.linear(o, p[f"{a}.o_proj.weight"])
         x = mlp_block(x, p, pre, config, i)
