@@ -8,7 +8,6 @@ import torch
 from vllm.config import ModelConfig, VllmConfig
 from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.models.tiny import write_tiny_models
-from vllm.forward_context import dense_attention_context
 
 
 def test_write_is_idempotent_and_seeded(tmp_path, monkeypatch):
@@ -43,47 +42,52 @@ def test_tiny_target_distributions_are_not_degenerate(tmp_path):
     paths = write_tiny_models(cache_dir=str(tmp_path), train_steps=0)
     model = get_model(VllmConfig(model_config=ModelConfig(model=paths.target, dtype="float32", device="cpu")))
     ids = torch.tensor(list(b"The quick brown fox jumps over the lazy dog. 0123456789"))
-    with torch.no_grad(), dense_attention_context():
+    with torch.no_grad():
         probs = model.compute_logits(model(ids, torch.arange(len(ids)))).softmax(-1)
     top = probs.max(-1).values
     assert 0.05 < top.mean() < 0.95          # neither uniform nor one-hot
     assert probs.argmax(-1).unique().numel() >= 5  # greedy choice depends on the context
 
 
-def test_paged_greedy_decode_equals_recompute_greedy(tmp_path):
-    """The distillation corpus is decoded through the paged cache; it must equal plain greedy
-    decoding by full recomputation."""
-    from vllm.model_executor.models.tiny_distill import _greedy_decode
-    paths = write_tiny_models(cache_dir=str(tmp_path), train_steps=0)
-    model = get_model(VllmConfig(model_config=ModelConfig(model=paths.target, dtype="float32", device="cpu",
-                                                          attention_backend="TORCH_MLA")))
-    prompts = [[1, 2, 3], [200, 100, 50, 25, 12], [65]]
-    paged = _greedy_decode(model, prompts, 6)
-    for prompt, got in zip(prompts, paged):
-        ids = list(prompt)
-        with torch.no_grad(), dense_attention_context():
-            for _ in range(6):
-                ids.append(int(model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids))))[-1].argmax()))
-        assert got == ids
+def test_shipped_is_default_and_bad_arguments_are_named(tmp_path):
+    import pytest
+    with pytest.raises(ValueError, match="seed=5.*train_steps=0"):
+        write_tiny_models(cache_dir=str(tmp_path / "a"), seed=5)
+    with pytest.raises(ValueError, match="train_steps must be None.*-1"):
+        write_tiny_models(cache_dir=str(tmp_path / "b"), train_steps=-1)
+    shipped = write_tiny_models(cache_dir=str(tmp_path / "c"))
+    random = write_tiny_models(cache_dir=str(tmp_path / "c"), train_steps=0)  # same dir, other family
+    assert shipped == random
+    stamp = json.load(open(os.path.join(str(tmp_path / "c"), "tiny_models.json")))
+    assert stamp["weights"] == "random" and stamp["format"] == 3
 
 
-def test_distillation_runs_and_exports_loadable_weights(tmp_path, monkeypatch):
-    from vllm.model_executor.models import tiny_distill
-    monkeypatch.setattr(tiny_distill, "_NUM_SEQS", 4)
-    monkeypatch.setattr(tiny_distill, "_GEN_LEN", 12)
+def test_distillation_runs_and_exports_loadable_weights(tmp_path):
+    from safetensors.torch import load_file
+
+    from vllm.config import SpeculativeConfig
+    from vllm.model_executor.model_loader import get_draft_model
+    from vllm.model_executor.models import tiny, tiny_distill
+
     report = {}
     paths = write_tiny_models(cache_dir=str(tmp_path / "untrained"), train_steps=0)
-    from vllm.model_executor.models import tiny
-    target_cfg = tiny.tiny_target_config()
-    configs = {"target": (target_cfg, None), "eagle": (tiny.tiny_eagle_config(target_cfg), None),
-               "mtp": (tiny.tiny_mtp_config(target_cfg), None), "dflash": (tiny.tiny_dflash_config(target_cfg), None),
-               "dspark": (tiny.tiny_dspark_config(target_cfg), None)}
-    from safetensors.torch import load_file
+    configs = tiny.tiny_family_configs(shipped=False)
     weights = {n: load_file(os.path.join(getattr(paths, n), "model.safetensors")) for n in configs}
-    out = tiny_distill.distill_drafters(configs, weights, train_steps=2, seed=0, report=report)
+    prompts = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(0))
+    out = tiny_distill.distill_drafters(configs, weights, train_steps=2, seed=0, report=report,
+                                        prompts=prompts, num_new=12)
     assert set(report) == {"eagle", "mtp", "dflash", "dspark"}
+    target = get_model(VllmConfig(model_config=ModelConfig(model=paths.target, dtype="float32", device="cpu")))
     for name in report:
         assert set(out[name]) == set(weights[name])
         assert all(out[name][k].shape == weights[name][k].shape for k in weights[name])
         changed = any(not torch.equal(out[name][k], weights[name][k]) for k in weights[name])
         assert changed == report[name]["kept"]
+        assert 0.0 <= report[name]["accuracy_after"] <= 1.0
+        d = str(tmp_path / name)
+        tiny.write_checkpoint(d, configs[name][0], out[name])
+        spec = SpeculativeConfig(method=name, model=d, num_speculative_tokens=2)
+        draft = get_draft_model(VllmConfig(model_config=ModelConfig(model=paths.target, dtype="float32",
+                                                                    device="cpu"), speculative_config=spec), target)
+        loaded = dict(draft.named_parameters())
+        assert loaded  # the distilled tensors load under the engine's own names

@@ -8,14 +8,15 @@ import os
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "tiny-model", help="write the built-in tiny model and its EAGLE/MTP/DFlash/DSpark drafters",
-        description="Write the built-in tiny DeepSeek-style model (random weights from a fixed "
-                    "seed) and its drafters to a directory; no network needed.")
+        description="Write the built-in tiny DeepSeek-style model (the trained weights shipped in "
+                    "the package, see scripts/train_tiny.py) and its drafters to a directory; no "
+                    "network and no training needed.")
     parser.add_argument("--output", default=None, metavar="DIR",
                         help="target directory (default: ~/.cache/vllm-dspark/tiny or "
                              "$VLLM_TINY_MODEL_DIR)")
     parser.add_argument("--train-steps", type=int, default=None, metavar="N",
-                        help="drafter distillation steps (default: the writer's default; 0 = "
-                             "random drafters, fastest)")
+                        help="write the random-weights test family instead of the shipped "
+                             "trained one, its drafters distilled N steps (0 = untrained)")
     parser.add_argument("--quantize", choices=["fp8"], default=None,
                         help="also write <output>/target-fp8: the target block-quantised to fp8 "
                              "(128x128 weight_scale_inv, as DeepSeek-V3 ships)")

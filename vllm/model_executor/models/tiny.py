@@ -1,8 +1,11 @@
 """Built-in tiny DeepSeek-V3-style target and its EAGLE / MTP / DFlash / DSpark drafters.
 
-Everything is generated from a fixed seed and written to a cache directory (no hub access):
+The trained family ships in the package (tiny_weights/*.safetensors, fp16, made by
+scripts/train_tiny.py on text that ships with Python) and is copied to a cache directory on first
+use (no hub access, no training):
     paths = write_tiny_models()          # ~/.cache/vllm-dspark/tiny, or $VLLM_TINY_MODEL_DIR
     paths.target, paths.eagle, paths.mtp, paths.dflash, paths.dspark
+`write_tiny_models(train_steps=N)` writes the random-weights family instead (test fixture).
 The target keeps the real MLA latent dims (kv_lora_rank 512, qk_rope_head_dim 64) so FlashInfer's
 MLA kernels accept it, and is small elsewhere so CPU tests run in seconds. The vocabulary is the
 256 bytes plus <|bos|> <|eos|> <|pad|> <|mask|>, with a byte-level `tokenizers` tokenizer.json.
@@ -23,7 +26,7 @@ from safetensors.torch import save_file
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|mask|>")
 BOS_ID, EOS_ID, PAD_ID, MASK_ID = 256, 257, 258, 259
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
-_FORMAT_VERSION = 2  # bump when the written models change, so stale caches are rewritten
+_FORMAT_VERSION = 3  # bump when the written models change, so stale caches are rewritten
 
 
 @dataclass(frozen=True)
@@ -121,8 +124,8 @@ def tiny_dflash_config(target: dict, num_layers: int = 2, block_size: int = 4) -
 
 def tiny_dspark_config(target: dict, num_layers: int = 2, block_size: int = 4,
                        markov_rank: int | None = None) -> dict:
-    # The tiny head is full rank (r = V) so it can hold the tiny target's successor table
-    # exactly (see seed_markov_head); real DSpark checkpoints use r << V.
+    # markov_rank None = full rank (r = V), so the random family's head can hold the random
+    # target's successor table exactly (seed_markov_head); the shipped, trained head uses r = 64.
     rank = target["vocab_size"] if markov_rank is None else markov_rank
     return {**tiny_dflash_config(target, num_layers, block_size), "architectures": ["DSparkMLAForCausalLM"],
             "markov_rank": rank}
@@ -361,8 +364,67 @@ def _is_complete(root: str, names: tuple[str, ...], stamp: dict) -> bool:
     return all(os.path.isfile(os.path.join(root, n, "config.json")) for n in names)
 
 
-DEFAULT_TRAIN_STEPS = 20
+DEFAULT_TRAIN_STEPS = 20  # distillation steps of the random family when train_steps is asked for
 _DRAFTERS = ("eagle", "mtp", "dflash", "dspark")
+_NAMES = ("target",) + _DRAFTERS
+SHIPPED_SEED = 0  # the seed scripts/train_tiny.py trained the shipped weights with
+
+
+def shipped_weights_dir() -> str:
+    """The trained weights that ship inside the package (written by scripts/train_tiny.py)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_weights")
+
+
+SHIPPED_MARKOV_RANK = 64  # the trained DSpark head is low rank, as real DSpark checkpoints
+
+
+def tiny_family_configs(shipped: bool = True) -> dict:
+    """name -> (config.json dict, tensor-shape function) of the tiny target and its drafters.
+    shipped=False: the random family's, whose DSpark head is full rank (seed_markov_head)."""
+    target_cfg = tiny_target_config()
+    return {
+        "target": (target_cfg, target_tensor_shapes),
+        "eagle": (tiny_eagle_config(target_cfg), eagle_tensor_shapes),
+        "mtp": (tiny_mtp_config(target_cfg), mtp_tensor_shapes),
+        "dflash": (tiny_dflash_config(target_cfg), dflash_tensor_shapes),
+        "dspark": (tiny_dspark_config(target_cfg, markov_rank=SHIPPED_MARKOV_RANK if shipped else None),
+                   dspark_tensor_shapes),
+    }
+
+
+def load_shipped_weights(configs: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """The shipped tensors as float32, checked against the current configs' shapes."""
+    from safetensors.torch import load_file
+
+    root = shipped_weights_dir()
+    out = {}
+    for name in _NAMES:
+        path = os.path.join(root, f"{name}.safetensors")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"shipped tiny weights {path} are missing (a broken install?); reinstall "
+                                    "the package or regenerate them with scripts/train_tiny.py")
+        tensors = {k: v.float() for k, v in load_file(path).items()}
+        cfg, shapes = configs[name]
+        want = shapes(cfg)
+        bad = sorted(set(want) ^ set(tensors)) + [k for k in want if k in tensors and tuple(tensors[k].shape) != want[k]]
+        if bad:
+            raise ValueError(f"shipped {name} weights do not fit tiny_{name}_config (first mismatches: {bad[:3]}); "
+                             "the configs changed since training: retrain with scripts/train_tiny.py")
+        out[name] = tensors
+    return out
+
+
+def shipped_fingerprint() -> str:
+    """Digest of the shipped weight files: a retrained family invalidates every written cache."""
+    import hashlib
+
+    digest = hashlib.blake2b(digest_size=8)
+    for name in _NAMES:
+        path = os.path.join(shipped_weights_dir(), f"{name}.safetensors")
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                digest.update(f.read())
+    return digest.hexdigest()
 
 
 def _distill_memo_dir() -> str:
@@ -372,7 +434,7 @@ def _distill_memo_dir() -> str:
 
 def _distilled_weights(configs: dict, weights: dict, *, train_steps: int, seed: int) -> dict:
     """Distil once per (format, seed, steps) and memoise the drafter tensors, so every further
-    tiny family written anywhere (tests write many into temporary dirs) costs a file read."""
+    random family written anywhere (tests write many into temporary dirs) costs a file read."""
     from safetensors.torch import load_file
 
     memo = os.path.join(_distill_memo_dir(), f"v{_FORMAT_VERSION}-seed{seed}-steps{train_steps}")
@@ -393,47 +455,55 @@ def _distilled_weights(configs: dict, weights: dict, *, train_steps: int, seed: 
     return out
 
 
-def write_tiny_models(cache_dir: str | None = None, seed: int = 0, force: bool = False,
-                      train_steps: int = DEFAULT_TRAIN_STEPS) -> TinyModelPaths:
+def random_family_weights(configs: dict, seed: int, train_steps: int) -> dict:
+    """The random-weights family: random target with a successor structure, DSpark's Markov head
+    seeded with it, drafters optionally distilled for `train_steps` steps."""
+    weights = {name: random_weights(shapes(cfg), seed + k) for k, (name, (cfg, shapes)) in enumerate(configs.items())}
+    successor = add_successor_structure(weights["target"], seed)
+    seed_markov_head(weights["dspark"], successor)
+    if train_steps > 0:
+        weights = _distilled_weights(configs, weights, train_steps=train_steps, seed=seed)
+    return weights
+
+
+def write_tiny_models(cache_dir: str | None = None, seed: int = SHIPPED_SEED, force: bool = False,
+                      train_steps: int | None = None) -> TinyModelPaths:
     """Write (once) the tiny target and its four drafters under `cache_dir` and return their dirs.
 
-    Idempotent: a complete directory written with the same seed / train_steps is reused.
-    `train_steps` > 0 distils the drafters on the target's greedy continuations so their drafts
-    are accepted more often than chance (once per cache, ~30-50 s CPU at the default; pass
-    train_steps=0 for untrained drafters in a second); correctness never depends on it.
-    Measured with the defaults (held-out top-1 agreement with the target, chance 1/260):
-    EAGLE 0.48, MTP 0.46, DFlash 0.015. DSpark's Markov head is seeded with the target's
-    successor table (seed_markov_head) before distillation.
+    train_steps=None (default): the trained weights shipped in the package (tiny_weights/, made by
+    scripts/train_tiny.py from `seed` 0): a target that continues English and Python text and
+    drafters distilled from it. Writing them is a file copy (no training at first use).
+    train_steps=N (an int >= 0): the random-weights family from `seed` (the old test fixture:
+    random target with a successor structure, DSpark's Markov head seeded from it), its drafters
+    distilled for N steps on the random target's continuations (0 = untrained, fastest).
+    Idempotent: a complete directory written with the same arguments is reused.
     """
     from tqdm import tqdm
 
+    if train_steps is not None and train_steps < 0:
+        raise ValueError(f"train_steps must be None (shipped weights) or >= 0, got {train_steps}")
+    if train_steps is None and seed != SHIPPED_SEED:
+        raise ValueError(f"the shipped tiny weights were trained with seed {SHIPPED_SEED}, got seed={seed}; "
+                         "pass train_steps=0 for a random family with this seed, or retrain with "
+                         f"scripts/train_tiny.py --seed {seed}")
     root = os.path.abspath(cache_dir or default_tiny_dir())
-    names = ("target", "eagle", "mtp", "dflash", "dspark")
-    paths = TinyModelPaths(*(os.path.join(root, n) for n in names))
-    stamp = {"format": _FORMAT_VERSION, "seed": seed, "train_steps": train_steps}
-    if not force and _is_complete(root, names, stamp):
+    paths = TinyModelPaths(*(os.path.join(root, n) for n in _NAMES))
+    stamp = {"format": _FORMAT_VERSION, "seed": seed, "train_steps": train_steps,
+             "weights": f"shipped-{shipped_fingerprint()}" if train_steps is None else "random"}
+    if not force and _is_complete(root, _NAMES, stamp):
         return paths
     os.makedirs(root, exist_ok=True)
     stamp_path = os.path.join(root, "tiny_models.json")
     if os.path.exists(stamp_path):
         os.remove(stamp_path)
 
-    target_cfg = tiny_target_config()
-    configs = {
-        "target": (target_cfg, target_tensor_shapes),
-        "eagle": (tiny_eagle_config(target_cfg), eagle_tensor_shapes),
-        "mtp": (tiny_mtp_config(target_cfg), mtp_tensor_shapes),
-        "dflash": (tiny_dflash_config(target_cfg), dflash_tensor_shapes),
-        "dspark": (tiny_dspark_config(target_cfg), dspark_tensor_shapes),
-    }
-    weights = {name: random_weights(shapes(cfg), seed + k) for k, (name, (cfg, shapes)) in enumerate(configs.items())}
-    successor = add_successor_structure(weights["target"], seed)
-    seed_markov_head(weights["dspark"], successor)
-    if train_steps > 0:
-        weights = _distilled_weights(configs, weights, train_steps=train_steps, seed=seed)
-    for name in tqdm(names, desc="writing tiny models", unit="model"):
-        cfg, _ = configs[name]
-        write_checkpoint(getattr(paths, name), cfg, weights[name])
+    configs = tiny_family_configs(shipped=train_steps is None)
+    if train_steps is None:
+        weights = load_shipped_weights(configs)
+    else:
+        weights = random_family_weights(configs, seed, train_steps)
+    for name in tqdm(_NAMES, desc="writing tiny models", unit="model"):
+        write_checkpoint(getattr(paths, name), configs[name][0], weights[name])
     with open(stamp_path, "w", encoding="utf-8") as f:
         json.dump(stamp, f)
     return paths
