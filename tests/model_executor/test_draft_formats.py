@@ -64,7 +64,7 @@ def _spec_run(target, spec):
     with LLM(model=target, device="cpu", max_model_len=128, speculative_config=spec) as llm:
         outs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
         resolved = llm.llm_engine.vllm_config.speculative_config
-        return outs, llm.get_metrics()["spec_decode"], resolved
+        return outs, llm.llm_engine.get_metrics()["spec_decode"], resolved
 
 
 def test_block_drafter_fields_read_every_layout(tiny):

@@ -6,6 +6,7 @@ import os
 import torch
 
 from vllm.config import ModelConfig, VllmConfig
+from vllm.forward_context import dense_attention_context
 from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.models.tiny import write_tiny_models
 
@@ -42,7 +43,7 @@ def test_tiny_target_distributions_are_not_degenerate(tmp_path):
     paths = write_tiny_models(cache_dir=str(tmp_path), train_steps=0)
     model = get_model(VllmConfig(model_config=ModelConfig(model=paths.target, dtype="float32", device="cpu")))
     ids = torch.tensor(list(b"The quick brown fox jumps over the lazy dog. 0123456789"))
-    with torch.no_grad():
+    with torch.no_grad(), dense_attention_context():
         probs = model.compute_logits(model(ids, torch.arange(len(ids)))).softmax(-1)
     top = probs.max(-1).values
     assert 0.05 < top.mean() < 0.95          # neither uniform nor one-hot

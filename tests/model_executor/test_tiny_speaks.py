@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from vllm.config import ModelConfig, VllmConfig
+from vllm.forward_context import dense_attention_context
 from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.models import tiny
 
@@ -57,7 +58,7 @@ def target(shipped):
 
 def _greedy(model, ids: list[int], n: int) -> list[int]:
     ids = list(ids)
-    with torch.no_grad():
+    with torch.no_grad(), dense_attention_context():
         for _ in range(n):
             ids.append(int(model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids))))[-1].argmax()))
     return ids
@@ -102,7 +103,7 @@ def test_held_out_stdlib_loss_is_far_below_uniform(target):
     path = os.path.join(os.path.dirname(os.__file__), HELD_OUT)
     data = open(path, "rb").read()[:4096]
     window, losses = 128, []
-    with torch.no_grad():
+    with torch.no_grad(), dense_attention_context():
         for start in range(0, len(data) - window, window):
             ids = torch.tensor(list(data[start:start + window + 1]))
             logits = target.compute_logits(target(ids[:-1], torch.arange(window)))

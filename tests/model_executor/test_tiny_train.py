@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from tests.utils.paged_harness import PagedRequest, PagedRunner
 from vllm.config import ModelConfig, SpeculativeConfig, VllmConfig
-from vllm.forward_context import set_forward_context
+from vllm.forward_context import dense_attention_context, set_forward_context
 from vllm.model_executor.model_loader import get_draft_model, get_model
 from vllm.model_executor.models import tiny, tiny_train as tt
 
@@ -40,7 +40,7 @@ def test_target_forward_matches_engine(family, engine_target):
     cfg = configs["target"][0]
     ids = torch.randint(0, 260, (2, 23), generator=torch.Generator().manual_seed(1))
     tables = tt.rope_tables(cfg, 64)
-    with torch.no_grad():
+    with torch.no_grad(), dense_attention_context():
         hidden, aux = tt.target_forward(weights["target"], cfg, ids, tables, aux_layers=(0, 2))
         logits = tt.lm_logits(weights["target"], hidden)
         for b in range(2):
@@ -60,7 +60,7 @@ def test_cached_generation_matches_recomputation(family, engine_target, temperat
                       generator=gen)
     assert out.shape == (2, 12) and torch.equal(out[:, :5], prompts)
     gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
+    with torch.no_grad(), dense_attention_context():
         seqs = prompts.clone()
         for _ in range(7):  # batch-wise recomputation with the engine, same sampling stream
             logits = torch.stack([engine_target.compute_logits(engine_target(s, torch.arange(len(s))))[-1, :256]
@@ -83,7 +83,7 @@ def test_unrolled_ar_drafter_matches_engine_draft_chain(family, engine_target, m
     outs = tt.ar_drafter_forward(method, weights[method], cfg, weights["target"], ids[None], hidden[None],
                                  tt.rope_tables(cfg, 32), num_passes=3)
     checked = 0
-    with torch.no_grad():
+    with torch.no_grad(), dense_attention_context():
         for s in range(3):
             for p in (s, s + 2, t - 2):
                 a = p - s + 1  # the anchor this draft step belongs to
@@ -106,14 +106,14 @@ def test_block_drafter_forward_matches_paged_engine(family, engine_target, metho
     draft = get_draft_model(_config(paths.target, method, getattr(paths, method)), engine_target)
     seq = [(5 * i + 40) % 256 for i in range(16)]
     layer_ids = tuple(cfg["target_layer_ids"])
-    with torch.no_grad():
+    with torch.no_grad(), dense_attention_context():
         _, aux = engine_target(torch.tensor(seq), torch.arange(16), aux_hidden_state_layers=layer_ids)
     aux_cat = torch.cat(aux, dim=-1)
     q = 5
     anchors = torch.tensor([[3, 9]])
     block = torch.full((1, 2, q), tiny.MASK_ID)
     block[0, :, 0] = torch.tensor([seq[3], seq[9]])
-    with torch.no_grad():
+    with torch.no_grad(), dense_attention_context():
         mine = tt.block_drafter_forward(weights[method], cfg, weights["target"], aux_cat[None], anchors, block,
                                         tt.rope_tables(cfg, 32))
     for n, a in enumerate(anchors[0].tolist()):
