@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|mask|>")
 BOS_ID, EOS_ID, PAD_ID, MASK_ID = 256, 257, 258, 259
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
-_FORMAT_VERSION = 3  # bump when the written models change, so stale caches are rewritten
+_FORMAT_VERSION = 4  # bump when the written models change, so stale caches are rewritten
 
 
 @dataclass(frozen=True)
@@ -386,7 +386,9 @@ def tiny_family_configs(shipped: bool = True) -> dict:
         "target": (target_cfg, target_tensor_shapes),
         "eagle": (tiny_eagle_config(target_cfg), eagle_tensor_shapes),
         "mtp": (tiny_mtp_config(target_cfg), mtp_tensor_shapes),
-        "dflash": (tiny_dflash_config(target_cfg), dflash_tensor_shapes),
+        # DFlash's block_size counts the anchor (k = block_size - 1 drafts): 5 = anchor + 4 masks,
+        # the block the shipped drafter was trained on.
+        "dflash": (tiny_dflash_config(target_cfg, block_size=5), dflash_tensor_shapes),
         "dspark": (tiny_dspark_config(target_cfg, markov_rank=SHIPPED_MARKOV_RANK if shipped else None),
                    dspark_tensor_shapes),
     }

@@ -69,9 +69,9 @@ def ar_loss(kind, p, cfg, target_p, data, rows, tables, num_passes=AR_UNROLL):
 
 
 def block_query_len(method: str, cfg: dict) -> int:
-    # The engine's default k is the config's block_size: DFlash verifies anchor + k masks,
-    # DSpark anchor + k-1 masks (its rows predict the next token).
-    return int(cfg["block_size"]) + (1 if method == "dflash" else 0)
+    # The block the engine runs: block_size tokens. DFlash = anchor + block_size - 1 masks
+    # (k = block_size - 1), DSpark = anchor + k - 1 masks (k = block_size; rows predict the next).
+    return int(cfg["block_size"])
 
 
 def block_loss(method, p, cfg, target_p, data, rows, tables, gen, anchors_per_seq=8, fixed=False):
