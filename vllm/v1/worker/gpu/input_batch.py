@@ -60,23 +60,24 @@ if HAS_TRITON:
             if row < num_reqs:
                 l0 = tl.load(cu_logits_ptr + row).to(tl.int64)
                 l1 = tl.load(cu_logits_ptr + row + 1).to(tl.int64)
-                for first in range(l0, l1, BLOCK):
-                    offs = first + tl.arange(0, BLOCK)
-                    tl.store(logits_idx_ptr + offs, end - (l1 - offs), mask=offs < l1)
+                for logit_first in range(l0, l1, BLOCK):
+                    logit_offs = logit_first + tl.arange(0, BLOCK)
+                    tl.store(logits_idx_ptr + logit_offs, end - (l1 - logit_offs),
+                             mask=logit_offs < l1)
         else:
             # padding tail: tokens past the last row read token 0 at position 0; rows past the
             # padded batch read length 0
             tail = tl.load(qsl_ptr + num_rows).to(tl.int64)
-            for first in range(tail, num_tokens_padded, BLOCK):
-                offs = first + tl.arange(0, BLOCK)
-                live = offs < num_tokens_padded
-                tl.store(positions_ptr + offs, tl.zeros((BLOCK,), tl.int64), mask=live)
-                tl.store(input_ids_ptr + offs, tl.zeros((BLOCK,), tl.int64), mask=live)
-            for first in range(num_rows, max_rows, BLOCK):
-                offs = first + tl.arange(0, BLOCK)
-                tl.store(seq_lens_ptr + offs,
+            for tail_first in range(tail, num_tokens_padded, BLOCK):
+                tail_offs = tail_first + tl.arange(0, BLOCK)
+                tail_live = tail_offs < num_tokens_padded
+                tl.store(positions_ptr + tail_offs, tl.zeros((BLOCK,), tl.int64), mask=tail_live)
+                tl.store(input_ids_ptr + tail_offs, tl.zeros((BLOCK,), tl.int64), mask=tail_live)
+            for row_first in range(num_rows, max_rows, BLOCK):
+                row_offs = row_first + tl.arange(0, BLOCK)
+                tl.store(seq_lens_ptr + row_offs,
                          tl.zeros((BLOCK,), tl.int32).to(seq_lens_ptr.dtype.element_ty),
-                         mask=offs < max_rows)
+                         mask=row_offs < max_rows)
 
 
 class InputBuffers:
