@@ -77,8 +77,14 @@ def run_case(args, method: str, batch: int, context: int, eager: bool) -> dict:
     try:
         params = SamplingParams(temperature=0.0, max_tokens=steps * (args.num_spec_tokens + 1),
                                 ignore_eos=True)
+        # Natural text (shipped with Python) so that drafting on a trained model is realistic;
+        # request i starts at its own offset. Dummy-weight models just see token ids.
+        from pydoc_data.topics import topics
+        text = "\n".join(topics[k] for k in sorted(topics))
+        ids = engine.tokenizer.encode(text)
         for i in range(batch):
-            prompt = [(37 * i + 11 * j + 5) % 250 for j in range(context)]
+            start = (i * 7919) % max(1, len(ids) - context)
+            prompt = [int(t) % 250 for t in ids[start:start + context]]
             engine.add_request(f"r{i}", prompt, params)
         # Prefill (and the first decode steps) until every request decodes.
         while engine.scheduler.waiting:

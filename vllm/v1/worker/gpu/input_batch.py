@@ -29,7 +29,7 @@ if HAS_TRITON:
     def _prepare_inputs_kernel(
         input_ids_ptr, positions_ptr, seq_lens_ptr, logits_idx_ptr,
         qsl_ptr, idx_ptr, is_prefill_ptr, prefill_ids_ptr, cu_logits_ptr,
-        num_computed_ptr, last_sampled_ptr, drafts_ptr, drafts_stride,
+        num_computed_ptr, last_sampled_ptr, drafts_ptr, drafts_stride, num_draft_cols,
         num_reqs, num_rows, num_tokens_padded, max_rows,
         BLOCK: tl.constexpr,
     ):
@@ -51,8 +51,11 @@ if HAS_TRITON:
                 live = offs < end
                 j = offs - start
                 tl.store(positions_ptr + offs, computed + j, mask=live)
-                col = tl.maximum(j - 1, 0)
-                draft = tl.load(drafts_ptr + slot * drafts_stride + col, mask=live & (j > 0),
+                # Drafts only for decode rows, inside the [slots, k] buffer (a prefill row's
+                # offsets run far past k: never read the draft buffer for them).
+                col = tl.minimum(tl.maximum(j - 1, 0), num_draft_cols - 1)
+                draft = tl.load(drafts_ptr + slot * drafts_stride + col,
+                                mask=live & (j > 0) & (j <= num_draft_cols) & (prefill == 0),
                                 other=0)
                 decode_id = tl.where(j == 0, anchor, draft)
                 staged = tl.load(prefill_ids_ptr + offs, mask=live & prefill, other=0)
@@ -271,7 +274,8 @@ class InputBatchBuilder:
                 buf.input_ids, buf.positions, buf.seq_lens, self.logits_indices,
                 qsl, idx, prefill_rows, self.prefill_ids.gpu, cu_dev,
                 requests.num_computed.gpu, requests.last_sampled, requests.draft_tokens,
-                requests.draft_tokens.stride(0), B, B_pad, T_pad, self.max_num_reqs, BLOCK=128)
+                requests.draft_tokens.stride(0), requests.draft_tokens.shape[1], B, B_pad, T_pad,
+                self.max_num_reqs, BLOCK=128)
         else:
             self._prepare_torch(requests, idx, qsl, prefill_rows, cu_dev, B, B_pad, T_pad,
                                 num_logits_total)
