@@ -84,7 +84,6 @@ def test_max_model_len_above_the_model_is_refused_and_auto_works(monkeypatch):
 
 @pytest.mark.parametrize("argv, needle", [
     (["--enable-prefix-caching"], "--enable-prefix-caching"),
-    (["--enable-chunked-prefill"], "--enable-chunked-prefill"),
     (["-pp", "2"], "pipeline_parallel_size=2"),
     (["-dp", "2"], "data_parallel_size=2"),
     (["--kv-cache-dtype", "fp8"], "kv_cache_dtype='fp8'"),

@@ -108,10 +108,11 @@ def test_oversized_k_refused_naming_both(tiny):
         VllmConfig(model_config=ModelConfig(model=tiny.target, device="cpu"),
                    speculative_config=SpeculativeConfig(method="dspark", model=tiny.dspark,
                                                         num_speculative_tokens=8))
-    with pytest.raises(ValueError, match=r"num_speculative_tokens=4 does not fit the dflash drafter's "
-                                         r"block_size=4 .*= 3"):
+    # The built-in DFlash block is 5 tokens (anchor + 4 masks): k = 5 is one too many.
+    with pytest.raises(ValueError, match=r"num_speculative_tokens=5 does not fit the dflash drafter's "
+                                         r"block_size=5 .*= 4"):
         VllmConfig(model_config=ModelConfig(model=tiny.target, device="cpu"),
-                   speculative_config={"method": "dflash", "model": tiny.dflash, "num_speculative_tokens": 4})
+                   speculative_config={"method": "dflash", "model": tiny.dflash, "num_speculative_tokens": 5})
 
 
 def test_method_inferred_and_eagle_needs_k(tiny):

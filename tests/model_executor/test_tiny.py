@@ -60,7 +60,7 @@ def test_shipped_is_default_and_bad_arguments_are_named(tmp_path):
     random = write_tiny_models(cache_dir=str(tmp_path / "c"), train_steps=0)  # same dir, other family
     assert shipped == random
     stamp = json.load(open(os.path.join(str(tmp_path / "c"), "tiny_models.json")))
-    assert stamp["weights"] == "random" and stamp["format"] == 3
+    assert stamp["weights"] == "random" and stamp["format"] == 4
 
 
 def test_distillation_runs_and_exports_loadable_weights(tmp_path):

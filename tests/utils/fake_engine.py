@@ -8,6 +8,8 @@ that aborted requests give their KV blocks back.
 """
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass, field
 
 VOCAB = 26
@@ -83,6 +85,9 @@ class FakeEngine:
         req.blocks = 0
 
     def step(self):
+        # A real step waits on the device and releases the GIL; without this pause the fake
+        # engine thread runs thousands of steps before the event loop can deliver a command.
+        time.sleep(0.0002)
         self.num_steps += 1
         if self.fail_after_steps is not None and self.num_steps > self.fail_after_steps:
             raise RuntimeError("simulated device failure in step()")

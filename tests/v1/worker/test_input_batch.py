@@ -89,6 +89,7 @@ def test_padding_rows_never_change_real_outputs():
         spec = MLAAttentionSpec(block_size=BLOCK, dtype=torch.float64)
         mla = TorchMLAMetadataBuilder(spec, ["l"], VllmConfig(parallel_config=ParallelConfig()),
                                       "cpu", dcp_rank=0)
+        mla.reorder_batch_threshold = 1 + k  # verify rows take the decode path (as the runner sets)
         cm = CommonAttentionMetadata(
             query_start_loc=batch.query_start_loc, query_start_loc_cpu=batch.query_start_loc_cpu,
             seq_lens=batch.seq_lens, num_reqs=B + pad, num_actual_tokens=batch.num_tokens_padded,
@@ -122,6 +123,7 @@ def test_num_decode_tokens_counts_the_padded_total():
     builder = TorchMLAMetadataBuilder(MLAAttentionSpec(block_size=16, dtype=torch.float32), ["l"],
                                       VllmConfig(parallel_config=ParallelConfig()), "cpu",
                                       dcp_rank=0)
+    builder.reorder_batch_threshold = 8
     md = builder.build(0, cm)
     assert md.num_decodes == 3 and md.num_decode_tokens == 24 and md.num_prefills == 0
 
