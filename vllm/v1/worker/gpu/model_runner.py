@@ -516,8 +516,9 @@ class GPUModelRunner:
         self._draft_probs = probs
         self._has_draft_probs[batch.idx_mapping_np[:num_reqs]] = probs is not None
         # Placeholders: the drafts stay on the device; the scheduler only needs their number.
+        # An unfinished prefill chunk proposes nothing (its drafts are never verified).
         k = self.num_spec_tokens
-        return [[-1] * k for _ in range(num_reqs)]
+        return [[-1] * k if batch.samples_np[i] else [] for i in range(num_reqs)]
 
     def _pinned_index(self, values, name: str) -> torch.Tensor:
         """Host int64 values -> device through a pinned buffer owned by `name` (one buffer per
@@ -573,7 +574,7 @@ class GPUModelRunner:
             if start + count > self.max_model_len:
                 raise ValueError(f"request {req_id!r} would reach {start + count} tokens, past "
                                  f"max_model_len={self.max_model_len}")
-            if start + 1 == known and start > 0 or (start + 1 == known and drafts):
+            if start + 1 == known and start >= state.num_prompt_tokens:
                 # decode: the anchor (last sampled token) plus drafts, all from device state
                 if count != 1 + len(drafts):
                     raise ValueError(

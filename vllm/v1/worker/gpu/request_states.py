@@ -25,6 +25,9 @@ class RequestState:
     token_ids: list[int]            # prompt (+ outputs after a preemption) + tokens sampled here
     num_computed_tokens: int        # tokens whose KV is valid in the cache (exact, host)
     sampling_params: Any = None
+    # Tokens given at admission (prompt, + outputs after a preemption): positions below this are
+    # fed from the host; the token at a later position was sampled here (device anchor).
+    num_prompt_tokens: int = 0
 
 
 class RequestStates:
@@ -58,7 +61,7 @@ class RequestStates:
             raise ValueError(f"no free request slot for {req_id!r}: max_num_seqs="
                              f"{self.max_num_reqs} requests are already resident")
         state = RequestState(req_id, self._free_slots.pop(), list(token_ids), num_computed_tokens,
-                             sampling_params)
+                             sampling_params, num_prompt_tokens=len(token_ids))
         self.by_id[req_id] = state
         self.num_computed.np[state.slot] = num_computed_tokens
         return state
