@@ -13,6 +13,10 @@ out="${OUT:-out}"; mkdir -p "$out"
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
 # shellcheck disable=SC1091
 source .gpu/env.sh || exit 1
+# Prefill kernel sources (scripts/gpu_stage_prefill.sh): the shared bundle has only MLA decode's.
+if [ -f .gpu/flashinfer_prefill_csrc.zip ]; then
+  python3 -c "import zipfile; zipfile.ZipFile('.gpu/flashinfer_prefill_csrc.zip').extractall('/tmp/gpu-site')"
+fi
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
 summary=()
 run_pytest() {  # name, then pytest arguments
