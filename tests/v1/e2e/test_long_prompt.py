@@ -83,6 +83,6 @@ def test_engine_chunked_prefill_with_drafters_equals_plain_whole_prefill(method,
              speculative_config={"method": method, "num_speculative_tokens": k}) as llm:
         got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,
                                                                      use_tqdm=False)]
-        stats = llm.get_metrics()
+        stats = llm.llm_engine.get_metrics()
     assert got == expected
     assert stats["spec_decode"]["num_drafts"] > 0
