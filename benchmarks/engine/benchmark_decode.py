@@ -24,23 +24,7 @@ import time
 
 import torch
 
-def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth (bytes/s, read + write counted once each)."""
-    a = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize(device)
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        b.copy_(a)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * a.numel() / statistics.median(times)
-
+from vllm.benchmarks.timing import copy_bandwidth
 
 def _union_ms(intervals: list[tuple[float, float]]) -> float:
     total, cur_s, cur_e = 0.0, None, None
@@ -171,7 +155,7 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     device = torch.device("cuda")
-    bandwidth = copy_bandwidth(device)
+    bandwidth = copy_bandwidth()
     args.bandwidth = bandwidth
     rows = []
     for context in args.contexts:

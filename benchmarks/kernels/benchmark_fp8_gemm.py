@@ -11,29 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
+
+from vllm.benchmarks.timing import time_cuda
 import torch.nn.functional as F
 
 SHAPES = {"q_a_proj": (1536, 7168), "q_b_proj": (3072, 1536), "kv_a_proj": (576, 7168),
           "o_proj": (7168, 2048), "gate_up_proj": (4608, 7168), "down_proj": (7168, 2304)}
 BLOCK = (128, 128)
-
-
-def median_ms(fn, repeats: int, warmup: int = 10) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -56,8 +42,9 @@ def main() -> None:
             w_bf16 = w.to(torch.bfloat16)
             qw, sw = block_quantize(w, BLOCK)
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            bf16 = median_ms(lambda: F.linear(x, w_bf16), args.repeats) * 1e3
-            fp8 = median_ms(lambda: apply_w8a8_block_fp8_linear(x, qw, sw, BLOCK), args.repeats) * 1e3
+            bf16 = time_cuda(lambda: F.linear(x, w_bf16), args.repeats, warmup=10) * 1e3
+            fp8 = time_cuda(lambda: apply_w8a8_block_fp8_linear(x, qw, sw, BLOCK), args.repeats,
+                            warmup=10) * 1e3
             row = dict(layer=name, m=m, n=n, k=k, bf16_us=bf16, fp8_us=fp8, speedup=bf16 / fp8,
                        bf16_weight_bytes=w_bf16.numel() * 2,
                        fp8_weight_bytes=qw.numel() + sw.numel() * sw.element_size())

@@ -20,26 +20,16 @@ Usage (GPU node): python benchmarks/kernels/benchmark_fused_ops.py [--tokens 1,8
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
+
+from vllm.benchmarks.timing import time_cuda
 import torch.nn.functional as F
 
 
 def time_events(fn, repeats: int, warmup: int = 10) -> float:
     """Median milliseconds of one fn() call, CUDA-event timed call by call."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
+    return time_cuda(fn, repeats, warmup)
 
 
 def time_graph(fn, repeats: int, calls_per_graph: int = 20) -> tuple[float, str]:

@@ -22,45 +22,22 @@ import json
 import math
 import os
 import socket
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from vllm.benchmarks.timing import copy_bandwidth, time_cuda
+
 KV_WIDTH, V_DIM, PAGE = 576, 512, 64
 WORKSPACE_BYTES = 128 * 1024 * 1024
 
 
 # ----------------------------------------------------------------- timing
-def time_cuda(fn, repeats: int = 50, warmup: int = 5, before=None) -> float:
-    """Median milliseconds of fn() over `repeats` CUDA-event-timed calls.
-
-    `before` runs untimed ahead of every call (e.g. a barrier lining up the ranks)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        if before is not None:
-            before()
-            torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
-
-
 def measured_copy_bandwidth(num_bytes: int = 4 * 1024**3) -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
-    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    ms = time_cuda(lambda: dst.copy_(src), repeats=20)
-    return 2 * num_bytes / (ms * 1e-3)
+    return copy_bandwidth(num_bytes, repeats=20)
 
 
 # ------------------------------------------------------------ FlashInfer

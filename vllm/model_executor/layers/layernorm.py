@@ -12,15 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-try:  # Triton ships with CUDA builds of torch; a CPU machine may lack it or fail to load it.
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except Exception:  # noqa: BLE001 - any import failure means "use the torch path"
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from vllm.triton_utils import HAS_TRITON, tl, triton  # noqa: F401
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -18,15 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-try:  # Triton ships with CUDA builds of torch; a CPU machine may lack it or fail to load it.
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except Exception:  # noqa: BLE001 - any import failure means "use the torch path"
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from vllm.triton_utils import HAS_TRITON, tl, triton  # noqa: F401
 
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import save_file
 
+from vllm.transformers_utils.tiktoken_bpe import byte_to_unicode
+
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|mask|>")
 BOS_ID, EOS_ID, PAD_ID, MASK_ID = 256, 257, 258, 259
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
@@ -250,25 +252,11 @@ def random_weights(shapes: dict[str, tuple[int, ...]], seed: int, logit_scale: f
     return out
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    # GPT-2 byte-level alphabet: printable bytes map to themselves, the rest to code points 256+.
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    mapping, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            mapping[b] = chr(b)
-        else:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
-
-
 def write_byte_tokenizer(model_dir: str) -> None:
     """tokenizer.json (token id == byte value, specials 256..259) and tokenizer_config.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab = {ch: b for b, ch in byte_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()

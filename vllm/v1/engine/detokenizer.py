@@ -51,13 +51,8 @@ class IncrementalDetokenizer:
         if self._stream is not None:
             for token in new_token_ids:
                 delta = self._stream.step(self._backend, int(token))
-                if not delta:
-                    continue
-                self.output_text += delta
-                matched = self._find_stop(len(delta))
-                if matched is not None:
-                    self.stopped = True
-                    return matched
+                if delta and self._append(delta):
+                    return self._matched
             return None
         for token in new_token_ids:
             self._tokens.append(int(token))
@@ -65,15 +60,20 @@ class IncrementalDetokenizer:
             full_text = self._decode(self._tokens[self._prefix_offset:])
             if len(full_text) <= len(prefix_text) or full_text.endswith(_INCOMPLETE_CHAR):
                 continue  # nothing printable yet
-            delta = full_text[len(prefix_text):]
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._tokens)
-            self.output_text += delta
-            matched = self._find_stop(len(delta))
-            if matched is not None:
-                self.stopped = True
-                return matched
+            if self._append(full_text[len(prefix_text):]):
+                return self._matched
         return None
+
+    def _append(self, delta: str) -> bool:
+        """Add newly printable text; True (and `_matched` set) when a stop string completes."""
+        self.output_text += delta
+        self._matched = self._find_stop(len(delta))
+        if self._matched is not None:
+            self.stopped = True
+            return True
+        return False
 
     def _find_stop(self, new_chars: int) -> str | None:
         """Search only where a stop string could end inside the newly added text."""

@@ -14,12 +14,15 @@ import os
 
 import torch
 
-from vllm.v1.executor.abstract import Executor, resolve_qualname
+from vllm.v1.executor.abstract import resolve_qualname
+from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-class ExternalLauncherExecutor(Executor):
+class ExternalLauncherExecutor(UniProcExecutor):
+    """One in-process worker per torchrun process (UniProc's calls and shutdown), joined to the
+    other ranks through torchrun's rendezvous."""
 
     def _init_executor(self) -> None:
         missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
@@ -42,11 +45,6 @@ class ExternalLauncherExecutor(Executor):
         worker.load_model()
         self.worker = worker
 
-    def collective_rpc(self, method, args=(), kwargs=None, timeout=None) -> list:
-        if self.is_shutdown:
-            raise RuntimeError("the executor is shut down; create a new engine")
-        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
-
     def determine_num_available_blocks(self) -> int:
         # Every rank must use the same block count: the minimum over all ranks.
         import torch.distributed as dist
@@ -59,11 +57,3 @@ class ExternalLauncherExecutor(Executor):
     def execute_model(self, scheduler_output):
         # Every process needs the output (each runs its own engine), not only rank 0.
         return self.worker.model_runner.execute_model(scheduler_output)
-
-    def shutdown(self) -> None:
-        if self.is_shutdown:
-            return
-        self.is_shutdown = True
-        worker, self.worker = getattr(self, "worker", None), None
-        if worker is not None:
-            worker.shutdown()

@@ -17,12 +17,7 @@ import math
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-    HAS_TRITON = True
-except Exception:  # noqa: BLE001 - no (working) Triton: torch path only
-    HAS_TRITON = False
+from vllm.triton_utils import HAS_TRITON, tl, triton  # noqa: F401
 
 LN2 = math.log(2.0)
 

@@ -13,15 +13,7 @@ from __future__ import annotations
 
 import torch
 
-try:  # Triton ships with CUDA builds of torch; a CPU machine may lack it or fail to load it.
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except Exception:  # noqa: BLE001 - any import failure means "use the torch path"
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from vllm.triton_utils import HAS_TRITON, tl, triton  # noqa: F401
 
 
 def _check_geometry(cp_size: int, cp_rank: int | None, cp_interleave: int) -> None:
