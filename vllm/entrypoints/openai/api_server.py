@@ -15,7 +15,6 @@ import asyncio
 import logging
 import os
 import secrets
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError

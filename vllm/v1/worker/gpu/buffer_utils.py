@@ -11,7 +11,6 @@ twin written at step N+1 was last read by a copy of step N, which that sync has 
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 

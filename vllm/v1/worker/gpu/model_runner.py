@@ -23,7 +23,7 @@ from vllm.forward_context import set_forward_context
 from vllm.v1.core.kv_cache_utils import num_virtual_blocks
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.sample.metadata import RequestGenerators, SamplingMetadata, is_greedy
-from vllm.v1.sample.rejection_sampler import RejectionSampler
+from vllm.v1.sample.rejection_sampler import RejectionSampler, verification_layout
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
 from vllm.v1.worker.gpu.block_table import BlockTables
@@ -188,7 +188,6 @@ class GPUModelRunner:
         for backend, g in zip(self.attn_backends, groups):
             for name in g.layer_names:
                 layers[name].bind_attention_backend(backend)
-        builder_cls = self.attn_metadata_builders[0].__class__
         validate_dspark_dcp_backends(
             self.spec_config.method if self.spec_config is not None else None, self.dcp_size,
             [(g.kv_cache_spec, type(b)) for g, b in zip(groups, self.attn_metadata_builders)])
@@ -415,7 +414,12 @@ class GPUModelRunner:
         metadata = self._sampling_metadata(batch, rows)
         self._step_sampling_metadata = metadata
         num_draft = batch.num_draft_np[rows] if rows else np.zeros(0, dtype=np.int64)
-        drafts = self._verified_drafts(batch, rows, num_draft)
+        # One host layout of the verified drafts serves the draft gather, q and verification.
+        layout = verification_layout(num_draft)
+        draft_slots = batch.idx_mapping_np[rows][layout["draft_req"]] if rows else \
+            np.zeros(0, dtype=np.int64)
+        draft_pos = layout["draft_pos"]
+        drafts = self._verified_drafts(draft_slots, draft_pos)
         req_ids = [batch.req_ids[r] for r in rows]
         rows_info = BatchRows(req_ids, batch.idx_mapping_np[rows].tolist(),
                               num_draft=num_draft.tolist(), draft_tokens=drafts,
@@ -425,7 +429,8 @@ class GPUModelRunner:
         if self.rejection_sampler is not None:
             result = self.rejection_sampler.verify(
                 logits, drafts, num_draft, metadata,
-                self._draft_probs_for(batch, rows, num_draft, drafts, logits.shape[-1]),
+                self._draft_probs_for(draft_slots, draft_pos, drafts, logits.shape[-1]),
+                layout=layout,
                 to_device=lambda values, name: self._pinned_index(values, "rs_" + name))
             sampled, num_sampled = result.sampled, result.num_sampled
         else:
@@ -438,30 +443,22 @@ class GPUModelRunner:
             self.requests.last_sampled[slots] = emitted
         return sampled, num_sampled, num_draft, rows, rows_info
 
-    def _verified_drafts(self, batch: InputBatch, rows: list[int],
-                         num_draft: np.ndarray) -> torch.Tensor:
-        """Flat [D] drafts verified this step, read from the slot-indexed draft buffer."""
-        total = int(num_draft.sum())
-        if total == 0:
+    def _verified_drafts(self, slots: np.ndarray, pos: np.ndarray) -> torch.Tensor:
+        """Flat [D] drafts verified this step (request slot and index of each), read from the
+        slot-indexed draft buffer."""
+        if len(slots) == 0:
             return torch.zeros(0, dtype=torch.int64, device=self.device)
-        req = np.repeat(np.asarray(rows, dtype=np.int64), num_draft)
-        pos = np.concatenate([np.arange(n) for n in num_draft]).astype(np.int64)
-        slots = batch.idx_mapping_np[req]
         idx = self._pinned_index(slots * self.requests.draft_tokens.shape[1] + pos, "drafts")
         return self.requests.draft_tokens.view(-1)[idx]
 
-    def _draft_probs_for(self, batch: InputBatch, rows: list[int], num_draft: np.ndarray,
-                         drafts: torch.Tensor, vocab: int) -> torch.Tensor | None:
+    def _draft_probs_for(self, slots: np.ndarray, pos: np.ndarray, drafts: torch.Tensor,
+                         vocab: int) -> torch.Tensor | None:
         """q of the drafts verified this step ([total drafts, V]) gathered from the slot-indexed
         buffer, or None for greedy drafting (q is then one-hot on each draft)."""
         if self.speculator is None or self.speculator.draft_sample_method == "greedy":
             return None
-        total = int(num_draft.sum())
-        if total == 0:
+        if len(slots) == 0:
             return None
-        req = np.repeat(np.asarray(rows, dtype=np.int64), num_draft)
-        pos = np.concatenate([np.arange(n) for n in num_draft]).astype(np.int64)
-        slots = batch.idx_mapping_np[req]
         one_hot = torch.nn.functional.one_hot(drafts, vocab).float()
         if self._draft_probs is None or not self._has_draft_probs[slots].any():
             return one_hot

@@ -17,7 +17,6 @@ from enum import Enum
 from typing import Any, ClassVar, Iterable
 
 import torch
-import torch.nn.functional as F
 
 from vllm.v1.attention.backend import CommonAttentionMetadata
 # The prefill metadata and attention live in prefill.py (chunked context, no L x L).
