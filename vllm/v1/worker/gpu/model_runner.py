@@ -84,6 +84,8 @@ class GPUModelRunner:
         self._top_k = CpuGpuBuffer(self.max_num_reqs, dtype=torch.int64, device=self.device)
         self._top_p = CpuGpuBuffer(self.max_num_reqs, dtype=torch.float32, device=self.device,
                                    fill=1.0)
+        self._zero_temperature = torch.zeros(self.max_num_reqs, dtype=torch.float32,
+                                             device=self.device)
         self._forced = CpuGpuBuffer(self.max_num_reqs, max(self.num_spec_tokens, 1),
                                     dtype=torch.int64, device=self.device)
         self._num_computed_new = CpuGpuBuffer(self.max_num_reqs, dtype=torch.int64,
@@ -388,12 +390,11 @@ class GPUModelRunner:
         req_ids = [batch.req_ids[r] for r in rows]
         params = [self.requests[r].sampling_params for r in req_ids]
         greedy = [is_greedy(p) for p in params]
-        slots = self._pinned_index(batch.idx_mapping_np[rows], "sampling_slots")
         if all(greedy):
-            return SamplingMetadata(temperature=torch.zeros(len(rows), device=self.device)
-                                    if self.device.type == "cpu" else
-                                    self._temperature.gpu.new_zeros(len(rows)),
+            # A view of a persistent zero buffer: no per-step allocation or copy.
+            return SamplingMetadata(temperature=self._zero_temperature[: len(rows)],
                                     all_greedy=True, all_random=False)
+        slots = self._pinned_index(batch.idx_mapping_np[rows], "sampling_slots")
         self._temperature.copy_to_gpu()
         self._top_k.copy_to_gpu()
         self._top_p.copy_to_gpu()
