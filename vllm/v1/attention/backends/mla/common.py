@@ -16,14 +16,18 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, ClassVar, Iterable
 
+import numpy as np
 import torch
 
+from vllm.triton_utils import HAS_TRITON
 from vllm.v1.attention.backend import CommonAttentionMetadata
 # The prefill metadata and attention live in prefill.py (chunked context, no L x L).
 from vllm.v1.attention.backends.mla.prefill import (DEFAULT_CONTEXT_CHUNK_TOKENS,
                                                     FlashInferPrefillState,
                                                     MLACommonPrefillMetadata,
                                                     build_prefill_metadata)
+from vllm.v1.attention.backends.mla.row_seq_lens import row_seq_lens_triton
+from vllm.v1.worker.gpu.cp_utils import local_lens_np
 
 KV_LORA_RANK = 512
 QK_ROPE_HEAD_DIM = 64
@@ -329,6 +333,12 @@ class MLACommonMetadataBuilder:
         if num_decodes == 0 or num_tokens == 0:
             out.zero_()
             return out, req_buf, pos_buf
+        if device.type == "cuda" and HAS_TRITON:
+            # One launch instead of the dozen below (the decode step is host-bound).
+            row_seq_lens_triton(out, req_buf, pos_buf, cm.query_start_loc, local_seq_lens,
+                                cm.seq_lens, num_decodes, num_tokens, causal,
+                                self.dcp_world_size, self.dcp_rank, self.dcp_interleave)
+            return out, req_buf, pos_buf
         qsl = cm.query_start_loc[: num_decodes + 1].to(device=device, dtype=torch.int64)
         tok = torch.arange(num_tokens, device=device)
         req = torch.searchsorted(qsl[1:], tok, right=True)
@@ -351,29 +361,30 @@ class MLACommonMetadataBuilder:
     def _row_seq_lens_host(self, cm: CommonAttentionMetadata, num_decodes: int, num_tokens: int,
                            qsl_cpu: torch.Tensor, causal: bool,
                            seq_lens_host: torch.Tensor) -> torch.Tensor:
-        """Host twin of row_seq_lens for host planners, from host twins only."""
+        """Host twin of row_seq_lens for host planners, from host twins only (numpy: this runs
+        on the host every step)."""
         n, r, inter = self.dcp_world_size, self.dcp_rank, self.dcp_interleave
-        out = torch.zeros(num_tokens, dtype=torch.int64)
+        out = np.zeros(num_tokens, dtype=np.int32)
         if num_decodes == 0:
-            return out.to(torch.int32)
-        qsl = qsl_cpu[: num_decodes + 1]
+            return torch.from_numpy(out)
+        qsl = qsl_cpu[: num_decodes + 1].numpy()
         qlen = qsl[1:] - qsl[:-1]
         live = int(qsl[-1])
-        req = torch.repeat_interleave(torch.arange(num_decodes), qlen, output_size=live)
-        glob = seq_lens_host[:num_decodes]
+        req = np.repeat(np.arange(num_decodes), qlen)
+        glob = seq_lens_host[:num_decodes].numpy()
         if causal:
-            offset = qlen[req] - 1 - (torch.arange(live) - qsl[req])
+            offset = qlen[req] - 1 - (np.arange(live) - qsl[req])
             g = glob[req] - offset
         else:
             g = glob[req]
         if n > 1:
             if cm.dcp_local_seq_lens_cpu is not None and not causal:
-                out[:live] = cm.dcp_local_seq_lens_cpu[:num_decodes].to(torch.int64)[req]
+                out[:live] = cm.dcp_local_seq_lens_cpu[:num_decodes].numpy()[req]
             else:
-                out[:live] = dcp_local_lengths(g, n, r, inter)
+                out[:live] = local_lens_np(g, n, r, inter)
         else:
             out[:live] = g
-        return out.to(torch.int32)
+        return torch.from_numpy(out)
 
 
 # ---------------------------------------------------------------------- impl

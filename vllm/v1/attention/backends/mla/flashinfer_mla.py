@@ -23,6 +23,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from vllm.v1.attention.backend import AttentionBackend, CommonAttentionMetadata
@@ -112,61 +113,122 @@ def max_plan_requests(num_rows: int, q_len: int, dcp_size: int) -> int:
     return num_rows * min(q_len, -(-q_len // dcp_size) + 1)
 
 
+class PlanStaging:
+    """Pinned host buffers the CSR plan inputs are written into (no per-step allocation).
+
+    FlashInfer copies them to the device with non-blocking copies, so a buffer may not be
+    rewritten before the GPU has read it: a ring of `depth` buffer sets, each guarded by an event
+    recorded after its plan. A set comes round again only `depth` plans later, long after the
+    step-end synchronisation, so `wait` normally finds the event complete and never blocks."""
+
+    def __init__(self, max_requests: int, max_pages: int, depth: int = 8):
+        self.max_requests, self.max_pages = max_requests, max_pages
+        pin = torch.cuda.is_available()
+        self._sets = []
+        for _ in range(depth):
+            qo = torch.zeros(max_requests + 1, dtype=torch.int32, pin_memory=pin)
+            kv_indptr = torch.zeros(max_requests + 1, dtype=torch.int32, pin_memory=pin)
+            kv_len = torch.zeros(max_requests, dtype=torch.int32, pin_memory=pin)
+            kv_indices = torch.zeros(max_pages, dtype=torch.int32, pin_memory=pin)
+            self._sets.append((qo, kv_indptr, kv_len, kv_indices))
+        self._events: list = [None] * depth
+        self._next = 0
+        self._current = 0
+
+    def fits(self, num_requests: int, num_pages: int) -> bool:
+        return num_requests <= self.max_requests and num_pages <= self.max_pages
+
+    def acquire(self):
+        """The next buffer set (waits only if the GPU has not consumed it yet)."""
+        i = self._next
+        self._next = (i + 1) % len(self._sets)
+        event = self._events[i]
+        if event is not None and not event.query():
+            event.synchronize()
+        self._current = i
+        return self._sets[i]
+
+    def mark_consumed_after_this_point(self) -> None:
+        """Record, on the current stream, the point after which the last set is free again."""
+        if torch.cuda.is_available():
+            event = self._events[self._current]
+            if event is None:
+                event = self._events[self._current] = torch.cuda.Event()
+            event.record()
+
+
+def _request_segments(bounds, row_lens, fused: bool, causal_mode: str):
+    """(request index, query rows, kv_len) of every planned request, as numpy arrays."""
+    starts, ends = bounds[:-1], bounds[1:]
+    live = np.nonzero(ends > starts)[0]
+    if fused:
+        # one request per block; every row sees rows[-1] (non-causal / Q=1) or the causal
+        # bottom-right alignment of the kernel at DCP=1
+        return live, (ends - starts)[live], row_lens[ends[live] - 1]
+    reqs, nrows, kvs = [], [], []
+    for req in live.tolist():
+        for num_rows, kv_len in _segments_of_block(
+                row_lens[starts[req]:ends[req]].tolist(),
+                "flattened" if causal_mode == "flattened" else "runs"):
+            reqs.append(req)
+            nrows.append(num_rows)
+            kvs.append(kv_len)
+    return (np.asarray(reqs, dtype=np.int64), np.asarray(nrows, dtype=np.int64),
+            np.asarray(kvs, dtype=np.int64))
+
+
 def plan_hopper_decode(decode: MLACommonDecodeMetadata, page_size: int,
                        causal_mode: CausalPlanMode = "auto",
-                       num_requests: int | None = None) -> HopperPlanInputs | None:
+                       num_requests: int | None = None,
+                       staging: PlanStaging | None = None) -> HopperPlanInputs | None:
     """Turn the decode rows into FlashInfer CSR requests (None when there is no row).
     `num_requests` (CUDA-graph plans) pads the request list with empty requests (no query row,
-    no KV) to that fixed count: a graph-mode wrapper's batch size cannot change."""
+    no KV) to that fixed count: a graph-mode wrapper's batch size cannot change. With `staging`
+    the CSR arrays are written into its pinned buffers (numpy, no allocation); without, fresh
+    host tensors are returned (CPU tests, oversized batches)."""
     if causal_mode not in ("auto", "runs", "flattened"):
         raise ValueError(f"causal_mode={causal_mode!r}; choose 'auto', 'runs' or 'flattened'.")
-    bounds = decode.query_start_loc_cpu.tolist()
     # Host twins only: plan() runs on the host every step and must not sync on device data.
-    row_lens = _host(decode.row_seq_lens_cpu, decode.row_seq_lens, "row_seq_lens").tolist()
-    block_table = _host(decode.block_table_cpu, decode.block_table, "block_table")
+    bounds = decode.query_start_loc_cpu.numpy().astype(np.int64)
+    row_lens = _host(decode.row_seq_lens_cpu, decode.row_seq_lens, "row_seq_lens").numpy()
+    block_table = _host(decode.block_table_cpu, decode.block_table, "block_table").numpy()
     multi_token = decode.kind == MLADecodeKind.CAUSAL_MULTI
     plan_causal = multi_token and causal_mode == "auto" and decode.dcp_world_size == 1
-    qo, kv_lens, kv_pages = [0], [], []
-    for req, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        if end == start:
-            continue
-        rows = row_lens[start:end]
-        if not multi_token or plan_causal:
-            # fused: one request; every row sees rows[-1] (non-causal / Q=1) or the
-            # causal bottom-right alignment of the kernel at DCP=1
-            segments = [(end - start, rows[-1])]
-        else:
-            segments = _segments_of_block(rows, "flattened" if causal_mode == "flattened"
-                                          else "runs")
-        for num_rows, kv_len in segments:
-            qo.append(qo[-1] + num_rows)
-            kv_lens.append(kv_len)
-            kv_pages.append(block_table[req, : -(-kv_len // page_size)])
-    if not kv_lens and num_requests is None:
+    reqs, nrows, kvs = _request_segments(bounds, row_lens.astype(np.int64),
+                                         not multi_token or plan_causal, causal_mode)
+    if len(kvs) == 0 and num_requests is None:
         return None
-    has_empty = (min(kv_lens) == 0) if kv_lens else True
-    if num_requests is not None:
-        if len(kv_lens) > num_requests:
-            raise ValueError(f"{len(kv_lens)} planned requests exceed the graph plan's "
-                             f"{num_requests}")
-        pad = num_requests - len(kv_lens)
-        qo += [qo[-1]] * pad
-        kv_lens += [0] * pad
-        kv_pages += [block_table[0, :0]] * pad
-        has_empty = has_empty or pad > 0
-    pin = torch.cuda.is_available()
-    pages_per = torch.tensor([p.numel() for p in kv_pages], dtype=torch.int64)
-    kv_indptr = torch.zeros(len(kv_pages) + 1, dtype=torch.int32, pin_memory=pin)
-    kv_indptr[1:] = torch.cumsum(pages_per, 0).to(torch.int32)
-    indices = torch.cat(kv_pages).to(torch.int32) if kv_pages else torch.zeros(0, dtype=torch.int32)
-    # Pinned host tensors: FlashInfer's non-blocking staging copies then need no host sync.
-    return HopperPlanInputs(
-        qo_indptr=torch.tensor(qo, dtype=torch.int32).pin_memory() if pin else
-        torch.tensor(qo, dtype=torch.int32), kv_indptr=kv_indptr,
-        kv_indices=indices.pin_memory() if pin else indices,
-        kv_len_arr=torch.tensor(kv_lens, dtype=torch.int32).pin_memory() if pin else
-        torch.tensor(kv_lens, dtype=torch.int32), causal=plan_causal,
-        has_empty_rows=has_empty)
+    total = len(kvs) if num_requests is None else num_requests
+    if len(kvs) > total:
+        raise ValueError(f"{len(kvs)} planned requests exceed the graph plan's {num_requests}")
+    pages = -(-kvs // page_size)
+    num_pages = int(pages.sum())
+    if staging is not None and staging.fits(total, num_pages):
+        qo_t, kv_indptr_t, kv_len_t, kv_indices_t = staging.acquire()
+        qo_t, kv_indptr_t, kv_len_t = qo_t[: total + 1], kv_indptr_t[: total + 1], kv_len_t[:total]
+        kv_indices_t = kv_indices_t[:num_pages]
+    else:
+        qo_t = torch.zeros(total + 1, dtype=torch.int32)
+        kv_indptr_t = torch.zeros(total + 1, dtype=torch.int32)
+        kv_len_t = torch.zeros(total, dtype=torch.int32)
+        kv_indices_t = torch.zeros(num_pages, dtype=torch.int32)
+    qo, kv_indptr, kv_len = qo_t.numpy(), kv_indptr_t.numpy(), kv_len_t.numpy()
+    n = len(kvs)
+    qo[0] = kv_indptr[0] = 0
+    if n:
+        np.cumsum(nrows, out=qo[1: n + 1], dtype=np.int32)
+        np.cumsum(pages, out=kv_indptr[1: n + 1], dtype=np.int32)
+    qo[n + 1:] = qo[n]  # padding requests: no query row, no KV
+    kv_indptr[n + 1:] = kv_indptr[n]
+    kv_len[:n] = kvs
+    kv_len[n:] = 0
+    if num_pages:
+        width = int(pages.max())
+        mask = np.arange(width)[None, :] < pages[:, None]
+        kv_indices_t.numpy()[:] = block_table[reqs, :width][mask]
+    has_empty = total > n or (n > 0 and int(kvs.min()) == 0) or n == 0
+    return HopperPlanInputs(qo_indptr=qo_t, kv_indptr=kv_indptr_t, kv_indices=kv_indices_t,
+                            kv_len_arr=kv_len_t, causal=plan_causal, has_empty_rows=has_empty)
 
 
 @dataclass
@@ -178,14 +240,77 @@ class _WrapperSlot:
     # Layer-side plan arguments (heads, scale, dtypes, ...) recorded by the first plan; CUDA-graph
     # replays plan at build time from them, since no layer code runs during a replay.
     plan_args: dict | None = None
+    staging: PlanStaging | None = None  # pinned CSR buffers of this wrapper's plans
+    native_replans: int = 0  # plans that went through FlashInfer's native planner only
+    full_plans: int = 0
+
+
+def _native_replan(slot: _WrapperSlot, inputs: HopperPlanInputs, plan_args: dict) -> bool:
+    """Re-plan a fa3 wrapper that holds a plan made with the same layer arguments, through the
+    planner FlashInfer's own plan() ends in (`plan_with_staged_workspace_bytes` of the JIT
+    module), skipping its Python layers. Those layers validate the (unchanged) layer arguments,
+    build a new backend object, allocate an 8 MiB pinned workspace and clone the 8 MiB integer
+    workspace for a rollback on every call: ~1.2 ms of host time per step on an H200 node
+    (scripts/probe_decode_step.py), while the native planner takes ~0.2 ms. The workload check
+    (work-item capacity, the causal tile bound) still runs, as FlashInfer's own function. Any
+    FlashInfer layout this does not recognise returns False and the caller makes a full plan."""
+    backend = getattr(slot.wrapper, "_planned_backend", None)
+    module = getattr(backend, "_cached_module", None)
+    native = getattr(module, "plan_with_staged_workspace_bytes", None)
+    if native is None or slot.plan_args != plan_args or getattr(backend, "_backend", None) != "fa3":
+        return False
+    if getattr(backend, "_causal", None) != inputs.causal:
+        return False
+    try:
+        from flashinfer.mla._batch_mla._backends import _fa_common
+    except ImportError:
+        return False
+    graph = bool(getattr(backend, "_use_cuda_graph", False))
+    buffers = (backend._qo_indptr_buf, backend._kv_indptr_buf, backend._kv_indices_buf,
+               backend._kv_len_arr_buf)
+    if graph and (buffers[0].shape[0] != inputs.qo_indptr.shape[0]
+                  or buffers[3].shape[0] != inputs.kv_len_arr.shape[0]
+                  or buffers[2].shape[0] < inputs.kv_indices.shape[0]):
+        return False
+    _fa_common._validate_fa_plan_workload(
+        inputs.qo_indptr, inputs.kv_len_arr, plan_args["num_heads"], inputs.causal,
+        backend.device, "fa3", plan_args["kv_data_type"])
+    plan_info, staged = native(
+        backend._float_workspace_buffer, backend._int_workspace_buffer,
+        backend._pin_memory_int_workspace_buffer, inputs.qo_indptr, inputs.kv_indptr,
+        inputs.kv_len_arr, plan_args["num_heads"], plan_args["head_dim_ckv"], inputs.causal)
+    if graph:  # the captured kernels read these fixed buffers
+        buffers[0].copy_(inputs.qo_indptr, non_blocking=True)
+        buffers[1].copy_(inputs.kv_indptr, non_blocking=True)
+        buffers[2][: inputs.kv_indices.shape[0]].copy_(inputs.kv_indices, non_blocking=True)
+        buffers[3].copy_(inputs.kv_len_arr, non_blocking=True)
+    else:
+        device = backend.device
+        for name, source in (("_qo_indptr_buf", inputs.qo_indptr),
+                             ("_kv_indptr_buf", inputs.kv_indptr),
+                             ("_kv_indices_buf", inputs.kv_indices),
+                             ("_kv_len_arr_buf", inputs.kv_len_arr)):
+            moved = source.to(device, non_blocking=True)
+            setattr(backend, name, moved)
+            setattr(slot.wrapper, name, moved)
+    backend._plan_info = plan_info
+    backend._staged_int_workspace_bytes = staged
+    slot.wrapper._plan_info = plan_info
+    return True
 
 
 def _plan(slot: _WrapperSlot, inputs: HopperPlanInputs, key: tuple, **plan_args) -> None:
-    fi = _import_flashinfer()
-    slot.wrapper.plan(
-        metadata=fi.mla.MLAPlanMetadata.csr(inputs.qo_indptr, inputs.kv_indptr,
-                                            inputs.kv_indices, inputs.kv_len_arr),
-        causal=inputs.causal, **plan_args)
+    if not _native_replan(slot, inputs, plan_args):
+        fi = _import_flashinfer()
+        slot.wrapper.plan(
+            metadata=fi.mla.MLAPlanMetadata.csr(inputs.qo_indptr, inputs.kv_indptr,
+                                                inputs.kv_indices, inputs.kv_len_arr),
+            causal=inputs.causal, **plan_args)
+        slot.full_plans += 1
+    else:
+        slot.native_replans += 1
+    if slot.staging is not None:
+        slot.staging.mark_consumed_after_this_point()
     slot.plan_args = plan_args
     slot.planned_for = key
 
@@ -314,7 +439,11 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
             fi = _import_flashinfer()
             # backend pinned: "auto" may wander to backends that reject sm90
             wrapper = fi.mla.BatchMLAPagedAttentionWrapper(self._get_workspace(), backend="fa3")
-            self._slot = _WrapperSlot(wrapper)
+            # Eager steps: up to max_num_seqs blocks (larger plans, e.g. flattened causal rows,
+            # fall back to fresh host tensors).
+            max_seqs = int(getattr(self.vllm_config, "max_num_seqs", 0) or 64)
+            self._slot = _WrapperSlot(wrapper, staging=PlanStaging(
+                max_seqs, max_seqs * self._max_pages_per_request()))
         return self._slot
 
     def _get_graph_wrapper_slot(self, num_requests: int) -> _WrapperSlot:
@@ -331,7 +460,8 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
                 kv_len_arr=torch.zeros(num_requests, dtype=torch.int32, device=self.device))
             wrapper = fi.mla.BatchMLAPagedAttentionWrapper(
                 self._get_workspace(), use_cuda_graph=True, backend="fa3", **buffers)
-            slot = self._graph_slots[num_requests] = _WrapperSlot(wrapper)
+            slot = self._graph_slots[num_requests] = _WrapperSlot(
+                wrapper, staging=PlanStaging(num_requests, max_pages))
         return slot
 
     def _max_pages_per_request(self) -> int:
@@ -353,9 +483,10 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
             if decode.cudagraph:
                 num_requests = max_plan_requests(metadata.num_decodes, decode.max_query_len,
                                                  self.dcp_world_size)
-                state.hopper_inputs = plan_hopper_decode(decode, self.page_size, self.causal_mode,
-                                                         num_requests=num_requests)
                 state.wrapper_slot = self._get_graph_wrapper_slot(num_requests)
+                state.hopper_inputs = plan_hopper_decode(
+                    decode, self.page_size, self.causal_mode, num_requests=num_requests,
+                    staging=state.wrapper_slot.staging)
                 # Fixed for the graph: padding tokens and empty rows are always pinned to 0/-inf.
                 state.hopper_inputs.has_empty_rows = True
                 slot = state.wrapper_slot
@@ -365,8 +496,9 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
                     state.plan_calls.append(key)
                     state.planned_key = key
             else:
-                state.hopper_inputs = plan_hopper_decode(decode, self.page_size, self.causal_mode)
                 state.wrapper_slot = self._get_wrapper_slot()
+                state.hopper_inputs = plan_hopper_decode(decode, self.page_size, self.causal_mode,
+                                                         staging=state.wrapper_slot.staging)
             if state.hopper_inputs is not None and state.hopper_inputs.has_empty_rows:
                 state.hopper_empty_rows = decode.row_seq_lens == 0
         else:

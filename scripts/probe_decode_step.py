@@ -1,0 +1,166 @@
+"""Where the wall time of a steady captured decode step goes, without a profiler's distortion.
+
+cProfile inflates Python-heavy code several-fold, so this wraps a few chosen functions with
+perf_counter accumulators (about a microsecond each) and reports, per engine step:
+  * wall time of LLMEngine.step and of each wrapped phase (median over the steps, in ms);
+  * the host time of one CUDAGraph.replay() call with the GPU idle (sync before) and the GPU time
+    of that replay (CUDA events), so a replay that blocks the host is told apart from one that
+    waits for earlier work;
+  * the kernels one replay launches (torch.profiler), i.e. the graph's size.
+
+Usage (GPU node): python scripts/probe_decode_step.py --model benchmarks/configs/deepseek_v3_tp8_rank \
+    --load-format dummy --batch 1 --steps 100 [--speculative-config '{...}']
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+_TIMES: dict[str, list[float]] = defaultdict(list)
+
+
+def _wrap(owner, name: str, label: str) -> None:
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _TIMES[label].append(time.perf_counter() - start)
+
+    setattr(owner, name, timed)
+
+
+def _instrument(engine) -> None:
+    from vllm.v1.attention.backends.mla import flashinfer_mla
+    from vllm.v1.worker.gpu import input_batch, model_runner
+    runner = engine.executor.worker.model_runner
+    _wrap(model_runner.GPUModelRunner, "execute_model", "runner.execute_model")
+    _wrap(model_runner.GPUModelRunner, "_prepare_inputs", "runner._prepare_inputs")
+    _wrap(model_runner.GPUModelRunner, "_sample", "runner._sample")
+    _wrap(model_runner.GPUModelRunner, "_copy_step_output", "runner._copy_step_output (incl. wait)")
+    _wrap(model_runner.GPUModelRunner, "_propose", "runner._propose")
+    _wrap(input_batch.InputBatchBuilder, "build", "InputBatchBuilder.build")
+    _wrap(flashinfer_mla, "_plan", "flashinfer plan() (python + C++)")
+    _wrap(flashinfer_mla, "plan_hopper_decode", "plan_hopper_decode (CSR on host)")
+    from vllm.v1.attention.backends.mla import common as mla_common
+    from vllm.v1.worker.gpu import attn_utils, block_table
+    _wrap(mla_common.MLACommonMetadataBuilder, "_row_seq_lens", "mla._row_seq_lens (device)")
+    _wrap(mla_common.MLACommonMetadataBuilder, "_row_seq_lens_host", "mla._row_seq_lens_host")
+    _wrap(block_table.BlockTables, "gather_block_tables", "BlockTables.gather_block_tables")
+    _wrap(block_table.BlockTables, "compute_slot_mappings", "BlockTables.compute_slot_mappings")
+    _wrap(model_runner, "build_attn_metadata", "build_attn_metadata (all groups)")
+    _wrap(model_runner.GPUModelRunner, "_sampling_metadata", "runner._sampling_metadata")
+    _wrap(type(engine.scheduler), "schedule", "scheduler.schedule")
+    _wrap(type(engine.scheduler), "update_from_output", "scheduler.update_from_output")
+    if runner.cudagraphs is not None:
+        _wrap(type(runner.cudagraphs), "replay", "CudaGraphManager.replay")
+    for builder in getattr(runner, "attn_metadata_builders", []) or []:
+        _wrap(type(builder), "build", f"{type(builder).__name__}.build")
+    try:
+        from flashinfer.mla._batch_mla._backends import _fa_common as fa
+        _wrap(fa._BatchMLAGeneratedFaMechanics, "_stage_metadata", "fi._stage_metadata")
+        _wrap(fa, "_validate_fa_plan_workload", "fi._validate_fa_plan_workload")
+    except Exception as e:  # another FlashInfer layout: the wrapped plan total still shows
+        print(f"(FlashInfer internals not wrapped: {e})")
+
+
+def _replay_probe(runner, repeats: int = 50) -> dict:
+    graphs = runner.cudagraphs.graphs
+    size = min(graphs)
+    graph = graphs[size].graph
+    host, gpu = [], []
+    start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start_ev.record()
+        t0 = time.perf_counter()
+        graph.replay()
+        t1 = time.perf_counter()
+        end_ev.record()
+        torch.cuda.synchronize()
+        host.append((t1 - t0) * 1e3)
+        gpu.append(start_ev.elapsed_time(end_ev))
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    launch = [e for e in prof.events() if "GraphLaunch" in e.name]
+    return {"graph_size": size, "replay_host_ms": statistics.median(host),
+            "replay_gpu_ms": statistics.median(gpu), "kernels_in_graph": len(kernels),
+            "cudaGraphLaunch_us": [round(e.cpu_time_total, 1) for e in launch][:3]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--speculative-config", default=None)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.llm_engine import LLMEngine
+    kwargs = {} if args.load_format == "auto" else {"load_format": args.load_format}
+    spec = json.loads(args.speculative_config) if args.speculative_config else None
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=args.model, dtype="bfloat16", max_model_len=args.context + 8 * args.steps + 64,
+        max_num_seqs=max(args.batch, 1), speculative_config=spec,
+        attention_backend=args.attention_backend, **kwargs))
+    params = SamplingParams(temperature=0.0, max_tokens=6 * args.steps, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(f"r{i}", [(7 * i + 3 * j + 1) % 250 for j in range(args.context)],
+                           params)
+    while engine.scheduler.waiting:
+        engine.step()
+    for _ in range(10):
+        engine.step()
+    runner = engine.executor.worker.model_runner
+    _instrument(engine)
+    torch.cuda.synchronize()
+    _TIMES.clear()
+    step_times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        engine.step()
+        step_times.append(time.perf_counter() - t0)
+    result = {"batch": args.batch, "context": args.context,
+              "speculative_config": spec, "step_ms": statistics.median(step_times) * 1e3,
+              "phases_ms_per_step": {}}
+    for label, values in sorted(_TIMES.items(), key=lambda kv: -sum(kv[1])):
+        result["phases_ms_per_step"][label] = sum(values) / args.steps * 1e3
+    slots = []
+    for builder in getattr(runner, "attn_metadata_builders", []) or []:
+        slots += [getattr(builder, "_slot", None)] + list(getattr(builder, "_graph_slots", {}).values())
+    result["flashinfer_plans"] = {"native_replans": sum(s.native_replans for s in slots if s),
+                                  "full_plans": sum(s.full_plans for s in slots if s)}
+    print("  flashinfer plans:", result["flashinfer_plans"])
+    if runner.cudagraphs is not None and runner.cudagraphs.graphs:
+        result["replay"] = _replay_probe(runner)
+    print(f"step {result['step_ms']:.3f} ms (median of {args.steps}), B={args.batch}, "
+          f"ctx={args.context}, spec={spec}")
+    for label, ms in result["phases_ms_per_step"].items():
+        print(f"  {ms:8.3f} ms/step  {label}")
+    if "replay" in result:
+        print("  replay probe:", result["replay"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
