@@ -63,8 +63,8 @@ def _instrument(engine) -> None:
     _wrap(type(engine.scheduler), "update_from_output", "scheduler.update_from_output")
     if runner.cudagraphs is not None:
         _wrap(type(runner.cudagraphs), "replay", "CudaGraphManager.replay")
-    for builder in getattr(runner, "attn_metadata_builders", []) or []:
-        _wrap(type(builder), "build", f"{type(builder).__name__}.build")
+    for cls in {type(b) for b in getattr(runner, "attn_metadata_builders", []) or []}:
+        _wrap(cls, "build", f"{cls.__name__}.build (all groups)")
     try:
         from flashinfer.mla._batch_mla._backends import _fa_common as fa
         _wrap(fa._BatchMLAGeneratedFaMechanics, "_stage_metadata", "fi._stage_metadata")
@@ -144,7 +144,8 @@ def main() -> None:
         result["phases_ms_per_step"][label] = sum(values) / args.steps * 1e3
     slots = []
     for builder in getattr(runner, "attn_metadata_builders", []) or []:
-        slots += [getattr(builder, "_slot", None)] + list(getattr(builder, "_graph_slots", {}).values())
+        slots += (list(getattr(builder, "_slots", {}).values())
+                  + list(getattr(builder, "_graph_slots", {}).values()))
     result["flashinfer_plans"] = {"native_replans": sum(s.native_replans for s in slots if s),
                                   "full_plans": sum(s.full_plans for s in slots if s)}
     print("  flashinfer plans:", result["flashinfer_plans"])

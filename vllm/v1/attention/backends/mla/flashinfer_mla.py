@@ -423,8 +423,9 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
                 raise ValueError(f"FLASHINFER_MLA on Blackwell needs block_size in "
                                  f"{BLACKWELL_BLOCK_SIZES}, got {self.page_size}.")
         self._workspace: torch.Tensor | None = None
-        self._slot: _WrapperSlot | None = None
-        self._graph_slots: dict[int, _WrapperSlot] = {}  # planned request count -> wrapper
+        self._slots: dict[bool, _WrapperSlot] = {}  # causal flag -> eager wrapper
+        # (planned request count, causal flag) -> graph wrapper
+        self._graph_slots: dict[tuple[int, bool], _WrapperSlot] = {}
         self._step = 0
 
     def _get_workspace(self) -> torch.Tensor:
@@ -434,22 +435,28 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
                                           device=self.device)
         return self._workspace
 
-    def _get_wrapper_slot(self) -> _WrapperSlot:
-        if self._slot is None:
+    def _get_wrapper_slot(self, causal: bool = True) -> _WrapperSlot:
+        # One wrapper per causal flag: a group built both causally (the target step, e.g. a
+        # block drafter's group whose context KV the target step writes) and non-causally (the
+        # draft step) would otherwise alternate plans, and a plan made for the other flag can
+        # never be re-planned natively.
+        slot = self._slots.get(causal)
+        if slot is None:
             fi = _import_flashinfer()
             # backend pinned: "auto" may wander to backends that reject sm90
             wrapper = fi.mla.BatchMLAPagedAttentionWrapper(self._get_workspace(), backend="fa3")
             # Eager steps: up to max_num_seqs blocks (larger plans, e.g. flattened causal rows,
             # fall back to fresh host tensors).
             max_seqs = int(getattr(self.vllm_config, "max_num_seqs", 0) or 64)
-            self._slot = _WrapperSlot(wrapper, staging=PlanStaging(
+            slot = self._slots[causal] = _WrapperSlot(wrapper, staging=PlanStaging(
                 max_seqs, max_seqs * self._max_pages_per_request()))
-        return self._slot
+        return slot
 
-    def _get_graph_wrapper_slot(self, num_requests: int) -> _WrapperSlot:
-        """A use_cuda_graph wrapper with fixed metadata buffers per planned request count (each
-        captured graph replays against its own wrapper; plan() refills the buffers in place)."""
-        slot = self._graph_slots.get(num_requests)
+    def _get_graph_wrapper_slot(self, num_requests: int, causal: bool = True) -> _WrapperSlot:
+        """A use_cuda_graph wrapper with fixed metadata buffers per planned request count and
+        causal flag (each captured graph replays against its own wrapper; plan() refills the
+        buffers in place). A plan of the other flag's graph never touches this one's buffers."""
+        slot = self._graph_slots.get((num_requests, causal))
         if slot is None:
             fi = _import_flashinfer()
             max_pages = num_requests * self._max_pages_per_request()
@@ -460,7 +467,7 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
                 kv_len_arr=torch.zeros(num_requests, dtype=torch.int32, device=self.device))
             wrapper = fi.mla.BatchMLAPagedAttentionWrapper(
                 self._get_workspace(), use_cuda_graph=True, backend="fa3", **buffers)
-            slot = self._graph_slots[num_requests] = _WrapperSlot(
+            slot = self._graph_slots[(num_requests, causal)] = _WrapperSlot(
                 wrapper, staging=PlanStaging(num_requests, max_pages))
         return slot
 
@@ -483,7 +490,8 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
             if decode.cudagraph:
                 num_requests = max_plan_requests(metadata.num_decodes, decode.max_query_len,
                                                  self.dcp_world_size)
-                state.wrapper_slot = self._get_graph_wrapper_slot(num_requests)
+                state.wrapper_slot = self._get_graph_wrapper_slot(num_requests,
+                                                                  bool(decode.causal))
                 state.hopper_inputs = plan_hopper_decode(
                     decode, self.page_size, self.causal_mode, num_requests=num_requests,
                     staging=state.wrapper_slot.staging)
@@ -496,7 +504,7 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
                     state.plan_calls.append(key)
                     state.planned_key = key
             else:
-                state.wrapper_slot = self._get_wrapper_slot()
+                state.wrapper_slot = self._get_wrapper_slot(bool(decode.causal))
                 state.hopper_inputs = plan_hopper_decode(decode, self.page_size, self.causal_mode,
                                                          staging=state.wrapper_slot.staging)
             if state.hopper_inputs is not None and state.hopper_inputs.has_empty_rows:
