@@ -28,6 +28,7 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
 from vllm.v1.worker.gpu.block_table import BlockTables
 from vllm.v1.worker.gpu.buffer_utils import CpuGpuBuffer
+from vllm.v1.worker.gpu.graph_sampling import captured_greedy_step
 from vllm.v1.worker.gpu.input_batch import InputBatch, InputBatchBuilder
 from vllm.v1.worker.gpu.request_states import RequestStates
 from vllm.v1.worker.gpu.sample_utils import BatchRows, SamplingStates
@@ -367,6 +368,13 @@ class GPUModelRunner:
                 self.speculator.precompute_context(aux_hidden, positions)
         if batch.cudagraph:
             logits = self.model.compute_logits(hidden)
+            # Captured with the forward: the greedy verification of the uniform batch
+            # (used when _sample's host checks allow it; see graph_sampling.py).
+            captured_greedy_step(logits, batch.num_reqs_padded, self.cudagraphs.query_len,
+                                 batch.idx_mapping[: batch.num_reqs_padded],
+                                 batch.query_start_loc[: batch.num_reqs_padded + 1],
+                                 self.requests.draft_tokens, self.requests.last_sampled,
+                                 self.requests.scratch_slot, self._step_out.gpu)
         else:
             logits = self.model.compute_logits(hidden[batch.logits_indices])
         return hidden, aux_hidden, logits
@@ -374,10 +382,10 @@ class GPUModelRunner:
     def _copy_step_output(self, sampled: torch.Tensor, num_sampled: torch.Tensor,
                           rows: int) -> "np.ndarray":
         out = self._step_out
-        width = sampled.shape[1]
         packed = out.gpu[:rows]
-        packed[:, :width].copy_(sampled)
-        packed[:, -1].copy_(num_sampled)
+        if sampled is not None:  # None: the captured greedy step packed the rows already
+            packed[:, : sampled.shape[1]].copy_(sampled)
+            packed[:, -1].copy_(num_sampled)
         out.cpu[:rows].copy_(packed, non_blocking=True)
         if self._step_event is not None:
             self._step_event.record()
@@ -415,6 +423,15 @@ class GPUModelRunner:
         metadata = self._sampling_metadata(batch, rows)
         self._step_sampling_metadata = metadata
         num_draft = batch.num_draft_np[rows] if rows else np.zeros(0, dtype=np.int64)
+        if batch.cudagraph and metadata.all_greedy and rows:
+            req_ids = [batch.req_ids[r] for r in rows]
+            rows_info = BatchRows(req_ids, batch.idx_mapping_np[rows].tolist(),
+                                  num_draft=num_draft.tolist(), draft_tokens=None,
+                                  token_ids=[self.requests[r].token_ids for r in req_ids])
+            if not self.sampling_states.any_active(rows_info):
+                # The replayed graph verified greedily already (graph_sampling.py): the same
+                # argmax, acceptance and last_sampled update the eager path below would make.
+                return None, None, num_draft, rows, rows_info
         # One host layout of the verified drafts serves the draft gather, q and verification.
         layout = verification_layout(num_draft)
         draft_slots = batch.idx_mapping_np[rows][layout["draft_req"]] if rows else \

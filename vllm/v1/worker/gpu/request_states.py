@@ -39,7 +39,10 @@ class RequestStates:
         self.by_id: dict[str, RequestState] = {}
         # Slot-indexed device state (+ host twin of num_computed for planners).
         self.num_computed = CpuGpuBuffer(max_num_reqs, dtype=torch.int32, device=self.device)
-        self.last_sampled = torch.zeros(max_num_reqs, dtype=torch.int64, device=self.device)
+        # One extra entry past the last slot: the scratch target of CUDA-graph padding rows'
+        # writes (graph_sampling.py), so no real slot is ever written by a padding row.
+        self.scratch_slot = max_num_reqs
+        self.last_sampled = torch.zeros(max_num_reqs + 1, dtype=torch.int64, device=self.device)
         self.draft_tokens = torch.zeros(max_num_reqs, max(num_spec_tokens, 1), dtype=torch.int64,
                                         device=self.device)
 
