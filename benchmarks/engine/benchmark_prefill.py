@@ -8,7 +8,8 @@ Engine mode, for each (context L, step budget = --max-num-batched-tokens):
   mfu            (matmul + attention FLOPs) / ttft / peak (H200 bf16 dense 989 TFLOP/s unless
                  --peak-tflops says otherwise)
   peak_GB        torch.cuda.max_memory_allocated during the prefill, next to weights + KV cache +
-                 the planned prefill workspace (vllm/benchmarks/prefill_flops.py states the terms)
+                 the planned prefill workspace (vllm/benchmarks/prefill_flops.py states the terms);
+                 static_GB = allocated before the request (weights + KV + runner buffers)
 Then, at each context, decode: median step time with and without a DSpark drafter (--decode-methods).
 
 Attention-only mode (--attention-only): the MLA prefill attention of one layer alone, as the engine
@@ -176,7 +177,10 @@ def prefill_case(args, context: int, budget: int, device: torch.device) -> dict:
             "mfu": flops["total"] / ttft / (args.peak_tflops * 1e12),
             "weights_GB": weights / GB, "kv_cache_GB": kv / GB,
             "planned_workspace_GB": planned / GB,
+            # Allocated before the request: weights + KV + the runner's persistent buffers;
+            # `other_static_GB` is what is neither weights nor KV.
             "static_GB": None if static is None else static / GB,
+            "other_static_GB": None if static is None else (static - weights - kv) / GB,
             "peak_GB": None if peak is None else peak / GB,
             "transient_GB": None if peak is None else (peak - static) / GB,
             "peak_over_planned": None if peak is None else peak / (weights + kv + planned),
@@ -412,13 +416,13 @@ def print_table(result: dict) -> None:
         def gb(x):
             return "-" if x is None else f"{x:.2f}"
         print(f"{'L':>7} {'chunk':>6} {'ttft_ms':>9} {'tok/s':>9} {'attn_TF':>8} {'MFU':>6} "
-              f"{'peak_GB':>8} {'w+kv+ws':>8} {'ratio':>6}")
+              f"{'static':>7} {'peak_GB':>8} {'w+kv+ws':>8} {'ratio':>6}")
         for r in result["prefill"]:
             ideal = r["weights_GB"] + r["kv_cache_GB"] + r["planned_workspace_GB"]
             ratio = r["peak_over_planned"]
             print(f"{r['context']:>7} {r['budget']:>6} {r['ttft_ms']:9.1f} "
                   f"{r['prefill_tok_s']:9.0f} {r['attn_tflops']:8.1f} {r['mfu']:6.1%} "
-                  f"{gb(r['peak_GB']):>8} {ideal:8.2f} {'-' if ratio is None else f'{ratio:.3f}':>6}")
+                  f"{gb(r['static_GB']):>7} {gb(r['peak_GB']):>8} {ideal:8.2f} {'-' if ratio is None else f'{ratio:.3f}':>6}")
 
 
 def _plot(result: dict, path: str) -> None:
