@@ -39,13 +39,19 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
-from vllm.benchmarks.prefill_flops import (ATTENTION_FLOPS_FORMULA, H200_BF16_DENSE_PEAK_TFLOPS,
-                                           MATMUL_FLOPS_FORMULA, attention_flops_one_layer,
-                                           chunk_schedule, head_dims,
-                                           planned_prefill_workspace_bytes, prefill_flops)
+from vllm.benchmarks.prefill_flops import (
+    ATTENTION_FLOPS_FORMULA,
+    H200_BF16_DENSE_PEAK_TFLOPS,
+    MATMUL_FLOPS_FORMULA,
+    attention_flops_one_layer,
+    chunk_schedule,
+    planned_prefill_workspace_bytes,
+    prefill_flops,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_MODEL = os.path.join(REPO, "benchmarks", "configs", "deepseek_v3_tp8_rank")
@@ -98,11 +104,11 @@ def _engine(args, context: int, budget: int, method: str, decode_tokens: int):
     # The KV cache holds exactly this request (+ slack), not 90% of the GPU, so that peak memory
     # is weights + this context's KV + workspace.
     blocks = math.ceil((max_model_len + 2 * (args.num_spec_tokens + 1)) / args.block_size) + 16
-    kwargs = dict(model=args.model, max_model_len=max_model_len, max_num_seqs=1,
-                  max_num_batched_tokens=budget, enable_chunked_prefill=True,
-                  block_size=args.block_size, num_gpu_blocks_override=blocks,
-                  speculative_config=spec, enforce_eager=args.enforce_eager, seed=0,
-                  attention_backend=args.attention_backend, device=args.device)
+    kwargs = {"model": args.model, "max_model_len": max_model_len, "max_num_seqs": 1,
+              "max_num_batched_tokens": budget, "enable_chunked_prefill": True,
+              "block_size": args.block_size, "num_gpu_blocks_override": blocks,
+              "speculative_config": spec, "enforce_eager": args.enforce_eager, "seed": 0,
+              "attention_backend": args.attention_backend, "device": args.device}
     if args.dtype != "auto":
         kwargs["dtype"] = args.dtype
     if args.load_format != "auto":
@@ -160,7 +166,9 @@ def prefill_case(args, context: int, budget: int, device: torch.device) -> dict:
         fi_ws = 0
         if getattr(runner.attn_metadata_builders[0], "prefill_backend", "torch") == "flashinfer" \
                 and cuda:
-            from vllm.v1.attention.backends.mla.prefill import FLASHINFER_PREFILL_WORKSPACE_BYTES
+            from vllm.v1.attention.backends.mla.prefill import (
+                FLASHINFER_PREFILL_WORKSPACE_BYTES,
+            )
             fi_ws = FLASHINFER_PREFILL_WORKSPACE_BYTES
         dtype_bytes = next(runner.model.parameters()).element_size()
         planned = planned_prefill_workspace_bytes(config, budget, chunk_tokens, dtype_bytes, fi_ws)
@@ -233,10 +241,81 @@ def _median_ms(fn, device: torch.device, repeats: int, warmup: int) -> float:
     return statistics.median(samples)
 
 
+@dataclass
+class _AttentionSetup:
+    """What every chunk step of the attention micro-benchmark shares."""
+    args: argparse.Namespace
+    device: torch.device
+    dtype: torch.dtype
+    dims: dict
+    chunk_tokens: int
+    cache: torch.Tensor        # [blocks, block_size, kv_lora_rank + rope] latent cache
+    w_kv_b: torch.Tensor       # [heads, nope + v, kv_lora_rank]
+    block_table: torch.Tensor  # [1, blocks]
+    scale: float
+    state: object              # FlashInferPrefillState on CUDA, None for the torch path
+
+
+def _time_attention_step(setup: _AttentionSetup, ctx: int, q, k, v) -> tuple[float, float]:
+    """(path ms, kernels ms) of one chunk step: `q.shape[0]` new tokens after `ctx` cached."""
+    from vllm.v1.attention.backends.mla import prefill as P
+    from vllm.v1.attention.ops.dcp_combine import merge_attn_states
+    device, state, dims = setup.device, setup.state, setup.dims
+    nope, rank, v_dim = dims["nope"], dims["kv_lora_rank"], dims["v"]
+    heads, d_qk = q.shape[1], q.shape[2]
+    m, use_fi, scale = q.shape[0], state is not None, setup.scale
+    qsl = torch.tensor([0, m], dtype=torch.int32)
+    chunks = []
+    if ctx:
+        chunks = P._plan_context_chunks(torch.tensor([ctx]), setup.chunk_tokens, setup.block_table,
+                                        setup.args.block_size, device, torch.tensor([m]))
+    meta = P.MLACommonPrefillMetadata(
+        query_start_loc=qsl.to(device), seq_lens=torch.tensor([ctx + m], device=device),
+        max_query_len=m, query_start_loc_cpu=qsl, seq_lens_cpu=torch.tensor([ctx + m]),
+        context_lens_cpu=torch.tensor([ctx]), local_context_lens_cpu=torch.tensor([ctx]),
+        block_table=setup.block_table, context_chunks=chunks,
+        context_chunk_tokens=setup.chunk_tokens, has_context=ctx > 0,
+        backend="flashinfer" if use_fi else "torch", backend_state=state)
+    if use_fi:
+        state.begin_step(meta)  # plans are made by the first (warm-up) call, then reused
+    self_fn = P.self_attention_flashinfer if use_fi else P.self_attention_torch
+    ctx_fn = P.context_attention_flashinfer if use_fi else P.context_attention_torch
+
+    def path():  # what forward_mla_prefill runs for this layer (DCP 1)
+        out, lse = self_fn(q, k, v, meta, scale)
+        if meta.has_context:
+            o_c, l_c = ctx_fn(q, setup.cache, setup.w_kv_b, meta, scale, rank, nope)
+            out, lse = merge_attn_states(torch.stack([out, o_c.to(out.dtype)]),
+                                         torch.stack([lse.to(l_c.dtype), l_c]))
+        return out
+
+    # Kernels alone: the same attention calls on pre-expanded context K / V of every pass.
+    flat = setup.cache.reshape(-1, setup.cache.shape[-1])
+    passes = [(j, c, *P.expand_latent(flat[c.slots][:, :rank], flat[c.slots][:, rank:],
+                                      setup.w_kv_b, nope))
+              for j, c in enumerate(chunks) if c.num_tokens]
+
+    def kernels():
+        if use_fi:
+            wrapper = state.planned("self", 0, qsl, qsl, heads, d_qk, v_dim, True, scale,
+                                    setup.dtype)
+            P._run_flashinfer(wrapper, q, k, v)
+            for j, c, kc, vc in passes:
+                wrapper = state.planned("context", j, qsl, c.cu_lens_cpu, heads, d_qk, v_dim,
+                                        False, scale, setup.dtype)
+                P._run_flashinfer(wrapper, q, kc, vc)
+        else:
+            P._attend_tiled(q, k, v, scale, True, P.TORCH_TILE_TOKENS)
+            for _, _, kc, vc in passes:
+                P._attend_tiled(q, kc, vc, scale, False, P.TORCH_TILE_TOKENS)
+
+    repeats = setup.args.attn_repeats
+    return (_median_ms(path, device, repeats, 2), _median_ms(kernels, device, repeats, 2))
+
+
 def attention_case(args, context: int, budget: int, device: torch.device, dims: dict) -> dict:
     """One MLA layer's prefill attention of a lone `context`-token prompt, chunk by chunk."""
     from vllm.v1.attention.backends.mla import prefill as P
-    from vllm.v1.attention.ops.dcp_combine import merge_attn_states
     heads, nope, rope, v_dim, rank = (dims["heads"], dims["nope"], dims["rope"], dims["v"],
                                       dims["kv_lora_rank"])
     d_qk = nope + rope
@@ -254,55 +333,14 @@ def attention_case(args, context: int, budget: int, device: torch.device, dims: 
     w_kv_b = rand(heads, nope + v_dim, rank, s=rank ** -0.5)
     block_table = torch.arange(num_blocks, device=device, dtype=torch.int32)[None]
     scale = d_qk ** -0.5
-    state = P.FlashInferPrefillState(device) if use_fi else None
+    setup = _AttentionSetup(args, device, dtype, dims, chunk_tokens, cache, w_kv_b, block_table,
+                            scale, P.FlashInferPrefillState(device) if use_fi else None)
     path_ms, kernel_ms = [], []
     for ctx, m in chunk_schedule(context, budget):
         q, k, v = rand(m, heads, d_qk), rand(m, heads, d_qk), rand(m, heads, v_dim)
-        qsl = torch.tensor([0, m], dtype=torch.int32)
-        chunks = []
-        if ctx:
-            chunks = P._plan_context_chunks(torch.tensor([ctx]), chunk_tokens, block_table, block,
-                                            device, torch.tensor([m]))
-        meta = P.MLACommonPrefillMetadata(
-            query_start_loc=qsl.to(device), seq_lens=torch.tensor([ctx + m], device=device),
-            max_query_len=m, query_start_loc_cpu=qsl, seq_lens_cpu=torch.tensor([ctx + m]),
-            context_lens_cpu=torch.tensor([ctx]), local_context_lens_cpu=torch.tensor([ctx]),
-            block_table=block_table, context_chunks=chunks, context_chunk_tokens=chunk_tokens,
-            has_context=ctx > 0, backend="flashinfer" if use_fi else "torch", backend_state=state)
-        if state is not None:
-            state.begin_step(meta)
-        self_fn = P.self_attention_flashinfer if use_fi else P.self_attention_torch
-        ctx_fn = P.context_attention_flashinfer if use_fi else P.context_attention_torch
-
-        def path():  # what forward_mla_prefill runs for this layer (DCP 1)
-            out, lse = self_fn(q, k, v, meta, scale)
-            if meta.has_context:
-                o_c, l_c = ctx_fn(q, cache, w_kv_b, meta, scale, rank, nope)
-                out, lse = merge_attn_states(torch.stack([out, o_c.to(out.dtype)]),
-                                             torch.stack([lse.to(l_c.dtype), l_c]))
-            return out
-
-        path_ms.append(_median_ms(path, device, args.attn_repeats, 2))
-        # Kernels alone: the same attention calls on pre-expanded context K / V of every pass.
-        flat = cache.reshape(-1, cache.shape[-1])
-        passes = [(j, c, *P.expand_latent(flat[c.slots][:, :rank], flat[c.slots][:, rank:],
-                                          w_kv_b, nope))
-                  for j, c in enumerate(chunks) if c.num_tokens]
-
-        def kernels():
-            if use_fi:
-                wrapper = state.planned("self", 0, qsl, qsl, heads, d_qk, v_dim, True, scale, dtype)
-                P._run_flashinfer(wrapper, q, k, v)
-                for j, c, kc, vc in passes:
-                    wrapper = state.planned("context", j, qsl, c.cu_lens_cpu, heads, d_qk, v_dim,
-                                            False, scale, dtype)
-                    P._run_flashinfer(wrapper, q, kc, vc)
-            else:
-                P._attend_tiled(q, k, v, scale, True, P.TORCH_TILE_TOKENS)
-                for _, _, kc, vc in passes:
-                    P._attend_tiled(q, kc, vc, scale, False, P.TORCH_TILE_TOKENS)
-
-        kernel_ms.append(_median_ms(kernels, device, args.attn_repeats, 2))
+        step_path, step_kernels = _time_attention_step(setup, ctx, q, k, v)
+        path_ms.append(step_path)
+        kernel_ms.append(step_kernels)
     flops = attention_flops_one_layer(heads, d_qk, v_dim, context)
     total_path, total_kernels = sum(path_ms), sum(kernel_ms)
     return {"context": context, "budget": budget, "context_chunk_tokens": chunk_tokens,
@@ -323,7 +361,8 @@ def _model_dims(args) -> dict:
         get = c.__getitem__
     else:
         cfg = load_hf_config(args.model)
-        get = lambda k: getattr(cfg, k)  # noqa: E731
+        def get(key):
+            return getattr(cfg, key)
     return {"heads": int(get("num_attention_heads")), "nope": int(get("qk_nope_head_dim")),
             "rope": int(get("qk_rope_head_dim")), "v": int(get("v_head_dim")),
             "kv_lora_rank": int(get("kv_lora_rank"))}

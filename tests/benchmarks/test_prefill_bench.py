@@ -9,8 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm.benchmarks.prefill_flops import (attention_flops, chunk_schedule, linear_weights_per_token,
-                                           matmul_flops)
+from vllm.benchmarks.prefill_flops import (
+    attention_flops,
+    chunk_schedule,
+    linear_weights_per_token,
+    matmul_flops,
+)
 from vllm.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
 from vllm.model_executor.models.tiny import tiny_target_config
 from vllm.transformers_utils.config import HFConfig, load_hf_config
