@@ -4,6 +4,7 @@ model), and a CPU smoke run of the script on the tiny model checking its JSON.""
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ V3_RANK = ROOT / "benchmarks" / "configs" / "deepseek_v3_tp8_rank"
 def _load_script():
     spec = importlib.util.spec_from_file_location("benchmark_prefill", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
