@@ -146,9 +146,12 @@ def prefill_case(args, context: int, budget: int, device: torch.device) -> dict:
         config = runner.model.config
         vocab = int(config.vocab_size)
         one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        cuda = device.type == "cuda"
+        # After engine init (weights, KV, runner buffers, CUDA graph pools) and before any request;
+        # `static` below is after the warm-up prefills (what they left allocated is the difference).
+        init = torch.cuda.memory_allocated(device) if cuda else None
         for w in range(args.warmup):
             _run_to_first_token(engine, f"warm{w}", _prompt(context, vocab, 1000 + w), one, clock)
-        cuda = device.type == "cuda"
         static = torch.cuda.memory_allocated(device) if cuda else None
         times, peaks = [], []
         for r in range(args.repeats):
@@ -187,6 +190,7 @@ def prefill_case(args, context: int, budget: int, device: torch.device) -> dict:
             "planned_workspace_GB": planned / GB,
             # Allocated before the request: weights + KV + the runner's persistent buffers;
             # `other_static_GB` is what is neither weights nor KV.
+            "init_GB": None if init is None else init / GB,
             "static_GB": None if static is None else static / GB,
             "other_static_GB": None if static is None else (static - weights - kv) / GB,
             "peak_GB": None if peak is None else peak / GB,

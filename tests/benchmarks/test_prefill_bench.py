@@ -118,7 +118,7 @@ def test_cpu_smoke_run_writes_the_documented_json(tmp_path, capsys):
     assert row["total_flops"] == pytest.approx(row["attention_flops"] + row["matmul_flops"])
     assert row["mfu"] == pytest.approx(row["total_flops"] / (row["ttft_ms"] / 1e3) / 989e12)
     assert row["weights_GB"] > 0 and row["kv_cache_GB"] > 0 and row["planned_workspace_GB"] > 0
-    assert row["peak_GB"] is None  # no CUDA: no GPU peak to report
+    assert row["peak_GB"] is None and row["init_GB"] is None  # no CUDA: no GPU memory to report
     assert [d["method"] for d in result["decode"]] == ["none", "dspark"]
     assert all(d["step_ms"] > 0 and d["tokens_per_step"] >= 1 for d in result["decode"])
     (attn,) = result["attention"]
