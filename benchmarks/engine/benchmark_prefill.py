@@ -116,9 +116,14 @@ def _engine(args, context: int, budget: int, method: str, decode_tokens: int):
     engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
     runner = engine.executor.worker.model_runner
     if args.context_chunk_tokens:
-        for builder in runner.attn_metadata_builders:
-            if hasattr(builder, "prefill_context_chunk_tokens"):
-                builder.prefill_context_chunk_tokens = args.context_chunk_tokens
+        builders = [b for b in runner.attn_metadata_builders
+                    if hasattr(b, "prefill_context_chunk_tokens")]
+        if not builders:
+            engine.shutdown()
+            raise ValueError(f"--context-chunk-tokens={args.context_chunk_tokens}: no attention "
+                             "metadata builder of this engine takes it; drop the option")
+        for builder in builders:
+            builder.prefill_context_chunk_tokens = args.context_chunk_tokens
     return engine, runner
 
 
