@@ -82,7 +82,8 @@ def make_runner(vllm_config, device: str = "cpu", rank: int = 0) -> GPUModelRunn
     runner = GPUModelRunner(vllm_config, torch.device(device), rank)
     runner.load_model()
     runner.initialize_kv_cache(get_kv_cache_config(runner.get_kv_cache_spec(),
-                                                   num_blocks=NUM_BLOCKS))
+                                                   num_blocks=NUM_BLOCKS,
+                                                   dcp_size=runner.dcp_size))
     return runner
 
 
