@@ -17,7 +17,9 @@ from vllm.model_executor.models.tiny import write_tiny_models
 pytestmark = pytest.mark.slow
 
 DCP = 2
-DRAFTERS = (("eagle", 3), ("dspark", 4))
+# EAGLE (causal, shares the target's geometry) and DSpark (non-causal blocks) as the issue asks;
+# MTP and DFlash go through the same generic path.
+DRAFTERS = (("eagle", 3), ("dspark", 4), ("mtp", 3), ("dflash", 3))
 CASES = [(None, 0)] + [c for m, k in DRAFTERS for c in ((m, k), (m, k, 1))]
 PROMPTS = {
     "long": [(7 * i * i + 3 * i + 11) % 250 + 4 for i in range(14)],
