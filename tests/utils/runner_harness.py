@@ -56,11 +56,14 @@ class ScenarioResult:
     # build, in build order.
     decode_builds: list[tuple] = field(default_factory=list)
     num_partial_prefill_rows: int = 0  # rows that ran a prefill chunk short of the prompt end
+    # (layer names, dcp_sharded, pages of each layer's cache) of every KV cache group
+    kv_groups: list[tuple[list[str], bool, int]] = field(default_factory=list)
 
 
 def make_config(model_dir: str, method: str | None = None, draft_dir: str | None = None,
                 k: int = 3, dcp: int = 1, interleave: int = 1, backend: str = "TORCH_MLA",
-                device: str = "cpu", dtype: str = "float32", max_model_len: int = 256):
+                device: str = "cpu", dtype: str = "float32", max_model_len: int = 256,
+                draft_dcp: int | None = None):
     spec = None
     if method is not None:
         # "<method>+prob": probabilistic drafts verified by probabilistic rejection sampling.
@@ -68,7 +71,8 @@ def make_config(model_dir: str, method: str | None = None, draft_dir: str | None
         sampling = "probabilistic" if variant == "prob" else None
         spec = SpeculativeConfig(method=method, model=draft_dir, num_speculative_tokens=k,
                                  draft_sample_method=sampling or "greedy",
-                                 rejection_sample_method=sampling or "strict")
+                                 rejection_sample_method=sampling or "strict",
+                                 draft_decode_context_parallel_size=draft_dcp)
     return VllmConfig(
         model_config=ModelConfig(model=model_dir, dtype=dtype, max_model_len=max_model_len,
                                  attention_backend=backend, device=device),
@@ -82,7 +86,8 @@ def make_runner(vllm_config, device: str = "cpu", rank: int = 0) -> GPUModelRunn
     runner = GPUModelRunner(vllm_config, torch.device(device), rank)
     runner.load_model()
     runner.initialize_kv_cache(get_kv_cache_config(runner.get_kv_cache_spec(),
-                                                   num_blocks=NUM_BLOCKS))
+                                                   num_blocks=NUM_BLOCKS,
+                                                   dcp_size=runner.dcp_size))
     return runner
 
 
@@ -104,6 +109,10 @@ def run_scenario(runner: GPUModelRunner, scenario: Scenario,
     step = 0
     if runner.speculator is not None and record_draft_logits:
         _record_draft_logits(runner.speculator.model, result.draft_logits)
+    for group in runner.kv_cache_config.kv_cache_groups:
+        result.kv_groups.append((list(group.layer_names),
+                                 bool(getattr(group.kv_cache_spec, "dcp_sharded", True)),
+                                 int(runner.kv_caches[group.layer_names[0]].shape[0])))
     _check_local_lengths(runner, result)
     while pending or running:
         new_reqs, cached = [], CachedRequestData()
@@ -219,6 +228,8 @@ def _check_local_lengths(runner: GPUModelRunner, result: ScenarioResult) -> None
     if runner.dcp_size == 1:
         return
     for group_id, builder in enumerate(runner.attn_metadata_builders):
+        if getattr(builder, "dcp_world_size", runner.dcp_size) == 1:
+            continue  # a replicated group: global lengths, nothing rank-local to check
         original = builder.build
 
         def checked(common_prefix_len, common_attn_metadata, _original=original, _g=group_id):
@@ -290,23 +301,28 @@ def init_dist(rank: int, world_size: int, port: int, dcp: int, backend: str = "g
 
 
 # ------------------------------------------------------------------ multi-process worlds
-def spec_tag(method: str | None) -> str:
-    return method or "plain"
+def spec_tag(method: str | None, draft_dcp: int | None = None) -> str:
+    """Result key of a case: the method, plus "@draft_dcp<n>" when the drafter's DCP size is
+    set explicitly."""
+    tag = method or "plain"
+    return tag if draft_dcp is None else f"{tag}@draft_dcp{draft_dcp}"
 
 
 def run_all_methods(paths: dict[str, str], cases: list[tuple[str | None, int]], scenario: Scenario,
                     oracle: dict[str, list[int]], *, dcp: int = 1, interleave: int = 1,
                     rank: int = 0, backend: str = "TORCH_MLA", device: str = "cpu",
                     dtype: str = "float32") -> dict[str, ScenarioResult]:
-    """One runner per (method, k) on this rank; results keyed by method name (a method may carry
-    a "+prob" variant suffix)."""
+    """One runner per (method, k) or (method, k, draft_dcp) on this rank; results keyed by
+    spec_tag (a method may carry a "+prob" variant suffix)."""
     results = {}
-    for method, k in cases:
+    for method, k, *rest in cases:
+        draft_dcp = rest[0] if rest else None
         draft_dir = paths.get(method.partition("+")[0]) if method else None
         config = make_config(paths["target"], method, draft_dir, k=k, dcp=dcp,
-                             interleave=interleave, backend=backend, device=device, dtype=dtype)
+                             interleave=interleave, backend=backend, device=device, dtype=dtype,
+                             draft_dcp=draft_dcp)
         runner = make_runner(config, device=device, rank=rank)
-        results[spec_tag(method)] = run_scenario(runner, scenario, oracle)
+        results[spec_tag(method, draft_dcp)] = run_scenario(runner, scenario, oracle)
     return results
 
 

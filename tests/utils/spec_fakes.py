@@ -54,29 +54,38 @@ class RecordingBuilder:
         return cm
 
 
-def make_vllm_config(max_model_len: int = 1024, num_speculative_tokens: int = 3):
-    # Only the two fields the speculator base reads.
+def make_vllm_config(max_model_len: int = 1024, num_speculative_tokens: int = 3,
+                     draft_dcp: int | None = None):
+    # Only the fields the speculator base reads (draft DCP size None: the target's).
     return SimpleNamespace(
         model_config=SimpleNamespace(max_model_len=max_model_len),
-        speculative_config=SimpleNamespace(num_speculative_tokens=num_speculative_tokens))
+        speculative_config=SimpleNamespace(num_speculative_tokens=num_speculative_tokens,
+                                           draft_decode_context_parallel_size=draft_dcp))
 
 
 def make_speculator(cls, *, cp_size=1, cp_rank=0, interleave=1, max_model_len=1024, k=3,
                     group_non_causal=(False,), draft_groups=(0,), num_reqs=4, model=None,
-                    max_num_reqs=8):
+                    max_num_reqs=8, draft_dcp=None):
+    """A speculator over real BlockTables (the ENGINE's DCP geometry cp_size/cp_rank) with
+    recording builders. draft_dcp=1 under cp_size > 1: the drafter's groups are replicated."""
     block_size = 16
+    replicated = draft_dcp == 1 and cp_size > 1
+    sharded = [not (replicated and g in draft_groups) for g in range(len(group_non_causal))]
     block_tables = BlockTables([block_size] * len(group_non_causal), max_num_reqs, 64, 256, "cpu",
-                               cp_size=cp_size, cp_rank=cp_rank, cp_interleave=interleave)
+                               cp_size=cp_size, cp_rank=cp_rank, cp_interleave=interleave,
+                               dcp_sharded=sharded)
     for slot in range(max_num_reqs):
         ids = list(range(slot * 8 + 1, slot * 8 + 9))
         block_tables.append_block_ids(slot, (ids,) * len(group_non_causal), overwrite=True)
     block_tables.gather_block_tables(torch.arange(num_reqs))
     kv_cache_config = KVCacheConfig(num_blocks=128, kv_cache_groups=[
         KVCacheGroupSpec([f"group{g}.attn"], MLAAttentionSpec(
-            block_size=block_size, dtype=torch.float32, non_causal_multi_token_decode=flag))
-        for g, flag in enumerate(group_non_causal)])
+            block_size=block_size, dtype=torch.float32, non_causal_multi_token_decode=flag,
+            dcp_sharded=sharded[g]))
+        for g, flag in enumerate(group_non_causal)], dcp_size=cp_size)
     builders = [RecordingBuilder() for _ in group_non_causal]
-    speculator = cls(make_vllm_config(max_model_len, k), "cpu", block_tables, max_num_reqs, 256)
+    speculator = cls(make_vllm_config(max_model_len, k, draft_dcp), "cpu", block_tables,
+                     max_num_reqs, 256)
     speculator.bind_attention(kv_cache_config, builders, draft_groups)
     speculator.model = model
     return speculator, builders

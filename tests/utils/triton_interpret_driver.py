@@ -33,7 +33,10 @@ def check_slot_mappings(gen):
         interleave = [1, 2, 4][(trial // 4) % 3]
         block_size = [4, 8, 16][trial % 3]
         rank = int(torch.randint(0, cp_size, (1,), generator=gen))
-        bt = BlockTables([block_size, block_size], 8, 6, 1024, "cpu", cp_size, rank, interleave)
+        # Half the trials pair a sharded group with a replicated one (non-DCP drafter).
+        sharded = [True, True] if trial < 12 else [trial % 2 == 0, trial % 2 == 1]
+        bt = BlockTables([block_size, block_size], 8, 6, 1024, "cpu", cp_size, rank, interleave,
+                         dcp_sharded=sharded)
         for slot in range(8):
             ids = torch.randperm(100, generator=gen)[:6].tolist()
             bt.append_block_ids(slot, (ids, ids[::-1]), overwrite=True)

@@ -35,6 +35,14 @@ class SpeculativeConfig:
     draft_sample_method: str = "greedy"
     rejection_sample_method: str = "strict"
 
+    # ---- decoupled draft parallelism (upstream RFC #53673) ----
+    # None = the target's tensor_parallel_size; only that value is implemented (the drafter
+    # shards its heads over the target's TP ranks).
+    draft_tensor_parallel_size: int | None = None
+    # None = the target's decode_context_parallel_size. 1 under a DCP target: the drafter's KV
+    # is REPLICATED on every rank (each rank drafts over the full context, no cross-rank merge).
+    draft_decode_context_parallel_size: int | None = None
+
     def __post_init__(self):
         if self.model is not None and not isinstance(self.model, str):
             self.model = str(self.model)  # accept pathlib.Path
@@ -59,6 +67,35 @@ class SpeculativeConfig:
         self.rejection_sample_method = check_choice(
             "rejection_sample_method", method,
             REJECTION_SAMPLE_METHODS + tuple(_REJECTION_ALIASES))
+        check_positive_int("draft_tensor_parallel_size", self.draft_tensor_parallel_size,
+                           optional=True)
+        check_positive_int("draft_decode_context_parallel_size",
+                           self.draft_decode_context_parallel_size, optional=True)
+
+    def resolve_draft_parallelism(self, tensor_parallel_size: int,
+                                  decode_context_parallel_size: int) -> None:
+        """Default the drafter's TP / DCP sizes to the target's and refuse what is not served.
+        Idempotent (VllmConfig may resolve twice)."""
+        tp, dcp = int(tensor_parallel_size), int(decode_context_parallel_size)
+        if self.draft_tensor_parallel_size is None:
+            self.draft_tensor_parallel_size = tp
+        if self.draft_tensor_parallel_size != tp:
+            raise ValueError(
+                f"draft_tensor_parallel_size={self.draft_tensor_parallel_size} is not implemented "
+                f"with tensor_parallel_size={tp}: the drafter shards its heads over the target's TP "
+                f"ranks; omit it or set it to {tp}.")
+        if self.draft_decode_context_parallel_size is None:
+            self.draft_decode_context_parallel_size = dcp
+        if self.draft_decode_context_parallel_size not in (1, dcp) and dcp == 1:
+            raise ValueError(
+                f"draft_decode_context_parallel_size={self.draft_decode_context_parallel_size} is "
+                "invalid with decode_context_parallel_size=1: the target does not split its KV, "
+                "so neither can the drafter; omit it or set it to 1.")
+        if self.draft_decode_context_parallel_size not in (1, dcp):
+            raise ValueError(
+                f"draft_decode_context_parallel_size={self.draft_decode_context_parallel_size} is "
+                f"invalid with decode_context_parallel_size={dcp}: the draft KV is either sharded "
+                f"like the target's ({dcp}) or replicated on every rank (1); set it to 1 or {dcp}.")
 
     @property
     def uses_block_drafter(self) -> bool:

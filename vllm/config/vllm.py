@@ -47,6 +47,10 @@ class VllmConfig:
         if self.speculative_config is not None and not isinstance(self.speculative_config,
                                                                   SpeculativeConfig):
             self.speculative_config = SpeculativeConfig.from_json(self.speculative_config)
+        if self.speculative_config is not None:
+            self.speculative_config.resolve_draft_parallelism(
+                self.parallel_config.tensor_parallel_size,
+                self.parallel_config.decode_context_parallel_size)
         self.resolve_speculative_config()
 
     def resolve_speculative_config(self) -> None:

@@ -4,6 +4,11 @@ A KV cache group is a set of layers that share one attention-metadata builder, h
 mode per step. Causal target MLA layers and a DSpark/DFlash draft's non-causal MLA layers may have
 identical geometry, so `MLAAttentionSpec.merge` refuses specs that disagree on
 `non_causal_multi_token_decode`: mixing them silently gives NaNs and repeated tokens (DESIGN §1.3).
+
+`dcp_sharded` is a group property too: a sharded group stores only this rank's DCP share of every
+virtual block; a replicated group (a non-DCP drafter under a DCP target, upstream RFC #53673)
+stores the whole context on every rank, so one block id costs it `dcp_size` pages. Groups that
+differ in sharding never merge (different block tables, slot mappings and builders).
 """
 from __future__ import annotations
 
@@ -13,6 +18,11 @@ import torch
 
 NON_CAUSAL_AGREEMENT_MESSAGE = (
     "All attention layers in the same KV cache group must agree on non_causal_multi_token_decode")
+
+
+DCP_SHARDING_AGREEMENT_MESSAGE = (
+    "All attention layers in the same KV cache group must agree on dcp_sharded (a DCP-sharded "
+    "target and a replicated drafter need separate groups)")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -26,10 +36,22 @@ class KVCacheSpec:
     """Base spec: one block holds `block_size` tokens of one layer."""
 
     block_size: int
+    # False: the layer keeps the FULL context on every DCP rank (replicated draft KV). Keyword
+    # only, so subclasses keep their positional fields.
+    dcp_sharded: bool = field(default=True, kw_only=True)
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size={self.block_size!r} is invalid: it must be an int >= 1.")
+        if not isinstance(self.dcp_sharded, bool):
+            raise ValueError(f"dcp_sharded={self.dcp_sharded!r} is invalid: pass True (KV split "
+                             "over the DCP ranks) or False (full KV on every rank).")
+
+    def pages_per_block_id(self, dcp_size: int) -> int:
+        """Physical pages of this layer's cache per (virtual) block id: a block id covers
+        block_size * dcp_size global tokens, of which a sharded rank stores block_size and a
+        replicated rank all of them."""
+        return 1 if self.dcp_sharded else int(dcp_size)
 
     @property
     def page_size_bytes(self) -> int:
@@ -97,6 +119,7 @@ class MLAAttentionSpec(FullAttentionSpec):
                  f"All specs must be MLAAttentionSpec, got {sorted({type(s).__name__ for s in specs})}")
         flags = {s.non_causal_multi_token_decode for s in specs}
         _require(len(flags) == 1, NON_CAUSAL_AGREEMENT_MESSAGE)
+        _require(len({s.dcp_sharded for s in specs}) == 1, DCP_SHARDING_AGREEMENT_MESSAGE)
         first = specs[0]
         for spec in specs[1:]:
             for f in fields(MLAAttentionSpec):
@@ -116,14 +139,21 @@ class KVCacheGroupSpec:
 
 @dataclass
 class KVCacheConfig:
-    """How many blocks every layer's cache tensor has, and how layers are grouped.
+    """How many block ids the pool has, and how layers are grouped.
 
-    All groups share the same block ids (one BlockPool); every layer owns its own tensor of
-    `num_blocks` pages.
+    All groups share the same block ids (one BlockPool). Every layer owns its own tensor of
+    `group_num_blocks(g)` pages: `num_blocks` for DCP-sharded groups, `num_blocks * dcp_size` for
+    replicated ones (block id b owns pages b*dcp_size .. b*dcp_size + dcp_size - 1 there).
     """
 
     num_blocks: int
     kv_cache_groups: list[KVCacheGroupSpec] = field(default_factory=list)
+    dcp_size: int = 1  # the DCP size the pool was sized for
+
+    def group_num_blocks(self, group_id: int) -> int:
+        """Pages of every layer tensor of group `group_id` (its own block count)."""
+        spec = self.kv_cache_groups[group_id].kv_cache_spec
+        return self.num_blocks * spec.pages_per_block_id(self.dcp_size)
 
     @property
     def layer_names(self) -> list[str]:

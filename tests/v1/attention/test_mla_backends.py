@@ -201,3 +201,40 @@ def test_target_builder_without_varlen_dcp_is_rejected():
 def test_validation_only_applies_to_dspark_with_dcp():
     validate_dspark_dcp_backends("dspark", 1, [(DRAFT, MLACommonMetadataBuilder)])
     validate_dspark_dcp_backends("eagle", 2, [(TARGET, MLACommonMetadataBuilder)])
+
+
+# ------------------------------------------------- replicated (non-DCP drafter) groups
+def _replicated_spec(non_causal=True, bs=16):
+    import dataclasses
+    return dataclasses.replace(mla_spec(bs, non_causal), dcp_sharded=False)
+
+
+def test_replicated_group_builds_as_dcp_one_under_a_dcp_target():
+    """A replicated draft group holds the whole context on every rank: its builder ignores the
+    engine's DCP size and rank and describes rows with global lengths (no rank-local lengths
+    needed, none used if handed in)."""
+    b = TorchMLAMetadataBuilder(_replicated_spec(), ["d0"], parallel_config(2, 1), "cpu",
+                                dcp_rank=1)
+    assert (b.dcp_world_size, b.dcp_rank) == (1, 0)
+    md = b.build(0, common_md([0, 3, 6], [9, 20], causal=False))
+    assert md.decode.seq_lens.tolist() == [9, 20] and md.decode.dcp_tot_seq_lens is None
+    assert md.decode.dcp_world_size == 1 and md.decode.max_seq_len == 20
+    md = b.build(0, common_md([0, 3, 6], [9, 20], causal=False, local=[5, 10]))
+    assert md.decode.seq_lens.tolist() == [9, 20]
+    # Sharded twin on the same rank: local lengths and the DCP bound.
+    sharded = TorchMLAMetadataBuilder(mla_spec(16, True), ["d0"], parallel_config(2, 1), "cpu",
+                                      dcp_rank=1)
+    md = sharded.build(0, common_md([0, 3, 6], [9, 20], causal=False, local=[4, 10]))
+    assert md.decode.seq_lens.tolist() == [4, 10] and md.decode.dcp_tot_seq_lens.tolist() == [9, 20]
+
+
+def test_replicated_draft_group_needs_no_dcp_capability():
+    """DSpark's start-up check applies to DCP-sharded groups only: a replicated draft group is
+    served like DCP 1, so a builder without supports_non_causal_multi_token_dcp is fine there."""
+    class NoDcp(MLACommonMetadataBuilder):
+        supports_non_causal_multi_token_decode = True
+    validate_dspark_dcp_backends("dspark", 2, [(TARGET, TorchMLAMetadataBuilder),
+                                               (_replicated_spec(bs=64), NoDcp)])
+    with pytest.raises(ValueError, match="supports_non_causal_multi_token_dcp"):
+        validate_dspark_dcp_backends("dspark", 2, [(TARGET, TorchMLAMetadataBuilder),
+                                                   (DRAFT, NoDcp)])

@@ -120,3 +120,57 @@ def test_block_pool_never_hands_out_a_used_block(ops):
             pool.incref([block])
             owned.append(block)
         assert pool.num_free_blocks == 8 - len(set(owned))
+
+
+# ------------------------------------------------- DCP-sharded vs replicated groups
+SHARDING = "must agree on dcp_sharded"
+
+
+def test_dcp_sharded_is_a_keyword_group_property_defaulting_to_sharded():
+    assert mla().dcp_sharded is True
+    assert MLAAttentionSpec(16, dtype=torch.bfloat16, dcp_sharded=False).dcp_sharded is False
+    with pytest.raises(ValueError, match="dcp_sharded=1 is invalid"):
+        MLAAttentionSpec(16, dtype=torch.bfloat16, dcp_sharded=1)
+
+
+@pytest.mark.parametrize("non_causal", [False, True])
+def test_sharded_and_replicated_layers_never_merge(non_causal):
+    """A causal EAGLE draft layer has the target's geometry exactly; only dcp_sharded differs."""
+    target = MLAAttentionSpec(16, dtype=torch.bfloat16, non_causal_multi_token_decode=non_causal)
+    draft = MLAAttentionSpec(16, dtype=torch.bfloat16, non_causal_multi_token_decode=non_causal,
+                             dcp_sharded=False)
+    with pytest.raises(AssertionError, match=SHARDING):
+        MLAAttentionSpec.merge([target, draft])
+    plain = FullAttentionSpec(16, 8, 128, torch.float16)
+    with pytest.raises(AssertionError, match="cannot merge"):
+        FullAttentionSpec.merge([plain, FullAttentionSpec(16, 8, 128, torch.float16,
+                                                          dcp_sharded=False)])
+    specs = {"model.layers.0.self_attn": target, "draft_model.layers.0.self_attn": draft,
+             "model.layers.1.self_attn": target}
+    groups = group_layers_into_kv_cache_groups(specs)
+    assert [g.layer_names for g in groups] == [
+        ["model.layers.0.self_attn", "model.layers.1.self_attn"],
+        ["draft_model.layers.0.self_attn"]]
+    assert [g.kv_cache_spec.dcp_sharded for g in groups] == [True, False]
+    # Same sharding merges as before.
+    assert len(group_layers_into_kv_cache_groups({"a": draft, "b": draft})) == 1
+
+
+@pytest.mark.parametrize("dcp", [1, 2, 4])
+def test_replicated_group_costs_dcp_pages_per_block_id(dcp):
+    """One block id covers block_size * dcp global tokens: a sharded rank stores block_size of
+    them (1 page), a replicated rank all of them (dcp pages)."""
+    page = mla().page_size_bytes
+    specs = {"t0": mla(), "t1": mla(),
+             "d0": MLAAttentionSpec(16, dtype=torch.bfloat16, dcp_sharded=False)}
+    per_block = 2 * page + dcp * page
+    assert get_num_blocks(7 * per_block + page, specs, dcp) == 7
+    cfg = get_kv_cache_config(specs, memory_bytes=7 * per_block, dcp_size=dcp)
+    assert (cfg.num_blocks, cfg.dcp_size) == (7, dcp)
+    by_name = {tuple(g.layer_names): i for i, g in enumerate(cfg.kv_cache_groups)}
+    assert cfg.group_num_blocks(by_name[("t0", "t1")]) == 7
+    assert cfg.group_num_blocks(by_name[("d0",)]) == 7 * dcp
+    # Token capacity per rank: the replicated group holds every token of the 7 virtual blocks.
+    assert cfg.group_num_blocks(by_name[("d0",)]) * 16 == 7 * 16 * dcp
+    with pytest.raises(ValueError, match="dcp_size=0 is invalid"):
+        get_kv_cache_config(specs, num_blocks=3, dcp_size=0)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.utils.runner_harness import (Scenario, greedy_oracle, make_config, make_runner, run_all_methods,
-                            spawn_dcp_world)
+                            spawn_dcp_world, spec_tag)
 from vllm.model_executor.models.tiny import write_tiny_models
 
 pytestmark = pytest.mark.gpu
@@ -21,6 +21,8 @@ pytestmark = pytest.mark.gpu
 METHODS = ("eagle", "mtp", "dflash", "dspark")
 CASES = [(None, 0), ("eagle", 3), ("mtp", 3), ("dflash", 3), ("dspark", 4), ("dspark+prob", 4)]
 ALL_SPEC = (*METHODS, "dspark+prob")
+# DCP 2 only: drafters whose KV is replicated on every rank (draft_decode_context_parallel_size=1).
+REPLICATED_CASES = [("eagle", 3, 1), ("dspark", 4, 1)]
 NUM_SPEC = dict(CASES)
 MAX_NEW = 9
 MIN_MARGIN = 0.5
@@ -91,7 +93,8 @@ def dcp2_results(gpu_setup):
 
     def get(interleave: int):
         if interleave not in cache:
-            cache[interleave], _ = spawn_dcp_world(2, interleave, paths, CASES, scenario, oracle,
+            cache[interleave], _ = spawn_dcp_world(2, interleave, paths,
+                                                   CASES + REPLICATED_CASES, scenario, oracle,
                                                    gpu=True, timeout_s=600)
         return cache[interleave]
     return get
@@ -105,3 +108,15 @@ def test_flashinfer_dcp2_two_gpus_greedy_exact(gpu_setup, dcp2_results, method, 
     assert result.num_dcp_decode_builds > 0 and result.local_len_mismatches == []
     # (Draft tokens are not compared with DCP=1 here: in bfloat16 a near-tie in a drafter's
     # logits may legitimately pick another draft, which changes later batches.)
+
+
+@pytest.mark.parametrize("interleave", [1, 4])
+@pytest.mark.parametrize("method,k,draft_dcp", REPLICATED_CASES)
+def test_flashinfer_dcp2_replicated_drafter_greedy_exact(gpu_setup, dcp2_results, method, k,
+                                                         draft_dcp, interleave):
+    """Target DCP 2 on FLASHINFER_MLA with a drafter whose KV is replicated on both GPUs."""
+    result = dcp2_results(interleave)[spec_tag(method, draft_dcp)]
+    _check_exact(result, gpu_setup[2], method)
+    draft = [g for g in result.kv_groups if any(n.startswith("draft_model") for n in g[0])]
+    assert len(draft) == 1 and draft[0][1] is False  # the draft group is replicated
+    assert result.local_len_mismatches == []

@@ -80,6 +80,65 @@ def test_build_draft_attn_metadata_recomputes_dcp_local_seq_lens(monkeypatch):
     assert snap.common.dcp_local_seq_lens.shape == (4,)
 
 
+@pytest.mark.parametrize("draft_dcp", [1, 2, None])
+def test_build_draft_attn_metadata_recompute_reads_the_speculators_dcp_size(monkeypatch,
+                                                                            draft_dcp):
+    """The recompute condition reads the speculator's OWN DCP size, not block_tables.cp_size
+    (the target's: the runner shares one BlockTables). A replicated drafter
+    (draft_decode_context_parallel_size=1) under a DCP-2 target does not recompute rank-local
+    lengths and describes its batch with global lengths; a sharded one (2, or unset = the
+    target's) does."""
+    spec, (builder,) = make_speculator(Speculator, cp_size=2, cp_rank=1, interleave=1,
+                                       draft_dcp=draft_dcp)
+    assert spec.block_tables.cp_size == 2
+    calls = []
+
+    def recording_prepare(out, seq_lens, num_reqs, cp_size, cp_rank, cp_interleave):
+        calls.append((num_reqs, cp_size, cp_rank, cp_interleave))
+        prepare_dcp_local_seq_lens(out, seq_lens, num_reqs, cp_size, cp_rank, cp_interleave)
+
+    monkeypatch.setattr(speculator_module, "prepare_dcp_local_seq_lens", recording_prepare)
+    spec.input_buffers.seq_lens[:3] = torch.tensor([5, 9, 16], dtype=torch.int32)
+    spec._build_draft_attn_metadata(num_reqs=3, num_reqs_padded=4, num_tokens_padded=4,
+                                    seq_lens_cpu_upper_bound=np.array([5, 9, 16]), step=1,
+                                    seq_lens_np=np.array([5, 9, 16]))
+    snap = builder.calls[-1]
+    assert snap.seq_lens == [5, 9, 16, 0]  # global lengths either way
+    if draft_dcp == 1:
+        assert spec.dcp_size == 1 and calls == []
+        assert snap.dcp_local_seq_lens is None and snap.common.dcp_local_seq_lens_cpu is None
+    else:
+        assert spec.dcp_size == 2 and calls == [(3, 2, 1, 1)]
+        expected = [brute_local_len(n, 2, 1, 1) for n in (5, 9, 16)]
+        assert snap.dcp_local_seq_lens == expected + [0]
+        assert snap.common.dcp_local_seq_lens_cpu.tolist() == expected + [0]
+
+
+def test_replicated_drafter_slots_cover_every_position_on_every_rank():
+    """The draft build's slot mapping follows the draft group's own sharding: a replicated
+    draft group stores each draft token on every rank, the sharded target group only on its
+    owner."""
+    by_rank = []
+    for rank in (0, 1):
+        spec, _ = make_speculator(Speculator, cp_size=2, cp_rank=rank, draft_dcp=1,
+                                  group_non_causal=(False, True), draft_groups=(1,))
+        spec.input_buffers.positions[:6] = torch.tensor([8, 9, 10, 29, 30, 31])
+        spec.input_buffers.seq_lens[:2] = torch.tensor([12, 32], dtype=torch.int32)
+        spec._build_draft_attn_metadata(num_reqs=2, num_reqs_padded=2, num_tokens_padded=6,
+                                        seq_lens_cpu_upper_bound=np.array([12, 32]), step=0,
+                                        num_query_per_req=3, causal=False)
+        by_rank.append(spec.block_tables.slot_mappings[:, :6].clone())
+    target = torch.stack([r[0] for r in by_rank])
+    draft = torch.stack([r[1] for r in by_rank])
+    assert ((target >= 0).sum(0) == 1).all()  # the target group: exactly one owner per token
+    assert (draft >= 0).all() and torch.equal(draft[0], draft[1])
+
+
+def test_speculator_refuses_a_draft_dcp_size_the_target_cannot_host():
+    with pytest.raises(ValueError, match="draft_decode_context_parallel_size=4 is invalid"):
+        make_speculator(Speculator, cp_size=2, draft_dcp=4)
+
+
 def test_explicit_dcp_local_seq_lens_is_used_as_given(monkeypatch):
     spec, (builder,) = make_speculator(Speculator, cp_size=2, cp_rank=0, interleave=1)
     monkeypatch.setattr(speculator_module, "prepare_dcp_local_seq_lens",

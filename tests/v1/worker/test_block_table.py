@@ -98,6 +98,66 @@ def test_slot_mappings_match_brute_force(cp_size, interleave, data):
     assert sorted(stored) == list(range(len(positions))), "each token stored on exactly one rank"
 
 
+@settings(max_examples=30, deadline=None)
+@given(cp_size=st.integers(2, 4), interleave=st.sampled_from([1, 2]), data=st.data())
+def test_replicated_group_slots_cover_the_full_context_on_every_rank(cp_size, interleave, data):
+    """Group 0 is DCP-sharded (the target), group 1 replicated (a non-DCP drafter): group 1
+    stores EVERY token on EVERY rank, at the same slot everywhere, in the cp_size pages its block
+    id owns (b*cp_size .. b*cp_size + cp_size - 1), never colliding with another token; group 0
+    keeps the sharded layout."""
+    block_size = interleave * data.draw(st.integers(1, 2))
+    virtual = block_size * cp_size
+    num_reqs = data.draw(st.integers(1, 4))
+    slots_of_req = data.draw(st.permutations(list(range(6))))[:num_reqs]
+    # Disjoint block ids per request, as the pool hands them out.
+    pool = data.draw(st.permutations(list(range(40))))
+    ids = {s: pool[8 * i: 8 * i + 8] for i, s in enumerate(slots_of_req)}
+    lengths = [data.draw(st.integers(1, 8 * virtual)) for _ in range(num_reqs)]
+    positions, qsl, owner = [], [0], []
+    for i, L in enumerate(lengths):
+        positions += list(range(L))  # the whole context of every request
+        owner += [slots_of_req[i]] * L
+        qsl.append(qsl[-1] + L)
+    per_rank = []
+    for rank in range(cp_size):
+        bt = BlockTables([block_size, block_size], max_num_reqs=6, max_num_blocks_per_req=8,
+                         max_num_batched_tokens=512, device="cpu", cp_size=cp_size, cp_rank=rank,
+                         cp_interleave=interleave, dcp_sharded=[True, False])
+        for s in slots_of_req:
+            bt.append_block_ids(s, (ids[s], ids[s]), overwrite=False)
+        bt.gather_block_tables(torch.tensor(slots_of_req))
+        out = bt.compute_slot_mappings(torch.tensor(qsl, dtype=torch.int32),
+                                       torch.tensor(positions)).clone()
+        expected = []
+        for i, s in enumerate(slots_of_req):
+            expected += brute_slots(positions[qsl[i]:qsl[i + 1]], ids[s], block_size, cp_size,
+                                    rank, interleave, max_position=lengths[i])
+        assert out[0].tolist() == expected  # the sharded group is unchanged
+        per_rank.append(out[1].tolist())
+    replicated = per_rank[0]
+    assert all(r == replicated for r in per_rank), "replicated slots differ between ranks"
+    assert -1 not in replicated, "a replicated group stores every token on every rank"
+    assert len(set(replicated)) == len(replicated), "two tokens share a slot"
+    for slot, p, s in zip(replicated, positions, owner):
+        block_id = ids[s][p // virtual]
+        assert block_id * cp_size <= slot // block_size < (block_id + 1) * cp_size
+        assert slot < 40 * cp_size * block_size  # inside the group's pool of pages
+
+
+def test_replicated_group_capacity_and_errors():
+    bt = BlockTables([4, 4], max_num_reqs=2, max_num_blocks_per_req=3, max_num_batched_tokens=16,
+                     device="cpu", cp_size=2, dcp_sharded=[True, False])
+    assert bt.group_max_blocks == (3, 6) and bt.pages_per_block_id == (1, 2)
+    assert bt.group_cp_sizes == (2, 1) and bt.cp_size == 2  # cp_size stays the engine's
+    bt.append_block_ids(0, ([7, 3], [7, 3]), overwrite=False)
+    assert bt.host_block_tables[1, 0, :4].tolist() == [14, 15, 6, 7]
+    assert bt.host_block_tables[0, 0, :2].tolist() == [7, 3]
+    with pytest.raises(ValueError, match="max_num_blocks_per_req=3"):
+        bt.append_block_ids(0, ([1, 2], [1, 2]), overwrite=False)
+    with pytest.raises(ValueError, match="one bool per KV cache group"):
+        BlockTables([4, 4], 2, 3, 16, "cpu", cp_size=2, dcp_sharded=[False])
+
+
 def test_slot_mapping_rejects_position_beyond_table():
     bt = make_tables(block_sizes=(4,), cp_size=2)
     bt.append_block_ids(0, ([1],), overwrite=False)
@@ -131,9 +191,11 @@ def test_triton_slot_mappings_equal_torch_on_cuda():
             continue
         rank = int(torch.randint(0, cp_size, (1,), generator=gen))
         tables = {}
+        # Later trials pair a sharded group with a replicated one (non-DCP drafter).
+        sharded = [True, True] if trial < 20 else [trial % 2 == 0, trial % 2 == 1]
         for device in ("cpu", "cuda"):
             tables[device] = BlockTables([block_size, block_size], 32, 16, 2048, device, cp_size,
-                                         rank, interleave)
+                                         rank, interleave, dcp_sharded=sharded)
         num_reqs = int(torch.randint(1, 17, (1,), generator=gen))
         qsl, positions = [0], []
         for slot in range(32):

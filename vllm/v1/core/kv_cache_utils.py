@@ -1,8 +1,10 @@
 """KV cache sizing and bookkeeping: layer grouping, the block pool, blocks from a memory budget.
 
 All groups share one BlockPool: a request gets one list of block ids, copied into every group's
-block table, and every layer owns its own tensor [num_blocks, block_size, 576]. Under DCP one block
-id stands for a virtual block of block_size * dcp_size global tokens (DESIGN §2).
+block table, and every layer owns its own tensor [pages, block_size, 576]. Under DCP one block
+id stands for a virtual block of block_size * dcp_size global tokens (DESIGN §2); a DCP-sharded
+layer keeps one page per id, a replicated (non-DCP drafter) layer dcp_size pages per id, so the
+memory budget prices each layer by `spec.pages_per_block_id(dcp_size)`.
 """
 from __future__ import annotations
 
@@ -51,16 +53,26 @@ def group_layers_into_kv_cache_groups(
             for spec, names in groups.items()]
 
 
-def _page_sizes(specs: Mapping[str, KVCacheSpec] | Iterable[KVCacheSpec]) -> list[int]:
+def _page_sizes(specs: Mapping[str, KVCacheSpec] | Iterable[KVCacheSpec],
+                dcp_size: int = 1) -> list[int]:
+    """Bytes every layer spends per block id (replicated layers: dcp_size pages)."""
     values = specs.values() if isinstance(specs, Mapping) else specs
-    return [spec.page_size_bytes for spec in values]
+    return [spec.page_size_bytes * spec.pages_per_block_id(dcp_size) for spec in values]
 
 
-def get_num_blocks(memory_bytes: int, specs: Mapping[str, KVCacheSpec] | Iterable[KVCacheSpec]) -> int:
-    """How many block ids fit in `memory_bytes` when every layer holds one page per block id."""
+def _check_dcp_size(dcp_size) -> None:
+    if isinstance(dcp_size, bool) or not isinstance(dcp_size, int) or dcp_size < 1:
+        raise ValueError(f"dcp_size={dcp_size!r} is invalid: pass the DCP world size (an int >= 1).")
+
+
+def get_num_blocks(memory_bytes: int, specs: Mapping[str, KVCacheSpec] | Iterable[KVCacheSpec],
+                   dcp_size: int = 1) -> int:
+    """How many block ids fit in `memory_bytes`: a sharded layer holds one page per block id,
+    a replicated layer `dcp_size` pages (it keeps the whole virtual block)."""
     if not isinstance(memory_bytes, int) or memory_bytes < 0:
         raise ValueError(f"memory_bytes={memory_bytes!r} is invalid: it must be an int >= 0.")
-    page_sizes = _page_sizes(specs)
+    _check_dcp_size(dcp_size)
+    page_sizes = _page_sizes(specs, dcp_size)
     if not page_sizes:
         raise ValueError("specs is empty: there are no attention layers to size the cache for.")
     bytes_per_block = sum(page_sizes)
@@ -74,17 +86,20 @@ def get_num_blocks(memory_bytes: int, specs: Mapping[str, KVCacheSpec] | Iterabl
 
 
 def get_kv_cache_config(specs: Mapping[str, KVCacheSpec], memory_bytes: int | None = None,
-                        num_blocks: int | None = None) -> KVCacheConfig:
-    """Group the layers and size the pool from exactly one of `memory_bytes` or `num_blocks`."""
+                        num_blocks: int | None = None, dcp_size: int = 1) -> KVCacheConfig:
+    """Group the layers and size the pool from exactly one of `memory_bytes` or `num_blocks`.
+    `dcp_size` prices replicated (dcp_sharded=False) groups at dcp_size pages per block id."""
     if (memory_bytes is None) == (num_blocks is None):
         raise ValueError(
             f"pass exactly one of memory_bytes={memory_bytes!r} or num_blocks={num_blocks!r}.")
+    _check_dcp_size(dcp_size)
     if num_blocks is None:
-        num_blocks = get_num_blocks(memory_bytes, specs)
+        num_blocks = get_num_blocks(memory_bytes, specs, dcp_size)
     elif not isinstance(num_blocks, int) or num_blocks < 1:
         raise ValueError(f"num_blocks={num_blocks!r} is invalid: it must be an int >= 1.")
     return KVCacheConfig(num_blocks=num_blocks,
-                         kv_cache_groups=group_layers_into_kv_cache_groups(specs))
+                         kv_cache_groups=group_layers_into_kv_cache_groups(specs),
+                         dcp_size=dcp_size)
 
 
 class BlockPool:

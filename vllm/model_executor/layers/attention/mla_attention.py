@@ -11,6 +11,8 @@ Per token: c_kv = RMSNorm(kv_a(x)[:512]), k_pe = rope(kv_a(x)[512:]); the paged 
   ([q_nope W_UK | q_pe], 576 wide), the backend attends over the latent cache, W_UV applied to its
   512-wide output. Under DCP the absorbed q is gathered over the DCP group along heads, each rank
   attends over its KV shard, and the partial outputs are merged by LSE and scattered back.
+  A layer with `dcp_sharded = False` (a replicated drafter under a DCP target) keeps the whole
+  context in its own cache on every rank and attends its own heads locally: no gather, no merge.
 Both forms give the same q.k, so the same softmax scale (with DeepSeek's YaRN mscale) applies.
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ from torch import nn
 
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from vllm.model_executor.layers.parallel_utils import dcp_group, divide, tp_group
+from vllm.model_executor.layers.parallel_utils import SingleRankGroup, dcp_group, divide, tp_group
 from vllm.model_executor.layers.rotary_embedding import get_rope, yarn_softmax_scale_factor
 
 
@@ -91,6 +93,9 @@ class MLAAttention(nn.Module):
         self.scaling = self.qk_head_dim ** -0.5 * yarn_softmax_scale_factor(config)
 
         self.kv_cache: torch.Tensor | None = None  # [num_blocks, block_size, 576], bound by the runner
+        # False: this layer's KV is replicated over the DCP group (full context on every rank);
+        # set before get_kv_cache_spec() / bind_attention_backend() (draft_parallel.py).
+        self.dcp_sharded = True
         self._backend = None
         self._impl = None
 
@@ -99,7 +104,8 @@ class MLAAttention(nn.Module):
         from vllm.v1.kv_cache_interface import MLAAttentionSpec
         return MLAAttentionSpec(block_size=block_size, num_kv_heads=1,
                                 head_size=self.kv_lora_rank + self.qk_rope_head_dim, dtype=dtype,
-                                non_causal_multi_token_decode=self.non_causal)
+                                non_causal_multi_token_decode=self.non_causal,
+                                dcp_sharded=self.dcp_sharded)
 
     # ---- projections shared by all paths --------------------------------------------------------
     def project_q(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,10 +206,16 @@ class MLAAttention(nn.Module):
         k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.num_local_heads, -1)], dim=-1)
         return q, k, v
 
+    def attn_dcp_group(self):
+        """The group this layer's KV is split over: the DCP group, or a one-rank stand-in when
+        the layer's KV is replicated on every rank."""
+        return dcp_group() if self.dcp_sharded else SingleRankGroup()
+
     def bind_attention_backend(self, backend) -> None:
         """Called by the model runner with the backend resolved once for this layer's KV cache
         group: the layer's impl must match the group's metadata builder."""
-        num_heads = self.num_local_heads * dcp_group().world_size  # heads after the DCP q gather
+        # heads after the DCP q gather
+        num_heads = self.num_local_heads * self.attn_dcp_group().world_size
         self._backend = backend
         self._impl = backend.get_impl_cls()(
             num_heads=num_heads, scale=self.scaling, kv_lora_rank=self.kv_lora_rank,
@@ -224,7 +236,7 @@ class MLAAttention(nn.Module):
         w_uk, w_uv = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
         q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)
         q = torch.cat([q_latent, q_pe], dim=-1)  # [T, H_local, 576]
-        dcp = dcp_group()
+        dcp = self.attn_dcp_group()
         if dcp.world_size > 1:
             from vllm.v1.attention.ops.dcp_combine import cp_lse_ag_out_rs, dcp_all_gather_q
             q = dcp_all_gather_q(q.contiguous(), dcp)

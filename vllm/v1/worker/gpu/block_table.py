@@ -8,6 +8,11 @@ Layout (all persistent, allocated once):
 
 Under DCP (DESIGN §2) a block id covers a virtual block of block_size * cp_size global tokens; every
 rank uses the same block ids and stores only the tokens it owns, so slot mappings are rank specific.
+A REPLICATED group (`dcp_sharded[g]` False: a non-DCP drafter under a DCP target) keeps the whole
+virtual block on every rank: its table expands block id b into the cp_size pages
+b*cp_size .. b*cp_size + cp_size - 1 of its own (cp_size times larger) cache, and its slots follow
+the single-rank formula, identical on every rank. Each group thus has its own sharding and its own
+block count; the scheduler still hands out one list of block ids per request.
 On CUDA slot mappings come from a Triton kernel (no host sync, capturable); elsewhere from torch.
 """
 from __future__ import annotations
@@ -33,13 +38,13 @@ if HAS_TRITON:
         block_tables_ptr,  # [num_groups, max_num_reqs, max_blocks] int32 (gathered rows)
         table_group_stride,
         table_row_stride,
-        max_blocks,
         block_sizes_ptr,  # [num_groups] int32
+        group_cp_sizes_ptr,  # [num_groups] int32: cp_size (sharded) or 1 (replicated)
+        group_max_blocks_ptr,  # [num_groups] int32: table entries of a row in that group
         query_start_loc_ptr,  # [num_reqs + 1]
         positions_ptr,  # [num_tokens]
         num_reqs,
         num_tokens,
-        cp_size,
         cp_rank,
         cp_interleave,
         BLOCK: tl.constexpr,
@@ -55,7 +60,11 @@ if HAS_TRITON:
                 tl.store(out_ptr + offs, tl.full((BLOCK,), -1, tl.int64), mask=offs < num_tokens)
         else:
             block_size = tl.load(block_sizes_ptr + group).to(tl.int64)
-            virtual_block = block_size * cp_size
+            # A replicated group is a one-rank group: it owns every token (rank 0 of 1).
+            group_cp = tl.load(group_cp_sizes_ptr + group).to(tl.int64)
+            group_rank = tl.where(group_cp == 1, 0, cp_rank)
+            max_blocks = tl.load(group_max_blocks_ptr + group).to(tl.int64)
+            virtual_block = block_size * group_cp
             table_row_ptr = block_tables_ptr + group * table_group_stride + row * table_row_stride
             start = tl.load(query_start_loc_ptr + row).to(tl.int64)
             end = tl.load(query_start_loc_ptr + row + 1).to(tl.int64)
@@ -65,12 +74,12 @@ if HAS_TRITON:
                 pos = tl.load(positions_ptr + offs, mask=in_row, other=0).to(tl.int64)
                 block_index = pos // virtual_block
                 offset = pos - block_index * virtual_block
-                owned = ((offset // cp_interleave) % cp_size) == cp_rank
+                owned = ((offset // cp_interleave) % group_cp) == group_rank
                 # Out-of-table positions (a caller bug; the torch path raises) become PAD rather
                 # than overwriting block 0, which may belong to another request.
                 readable = in_row & (pos >= 0) & (block_index < max_blocks)
                 block_id = tl.load(table_row_ptr + block_index, mask=readable, other=0).to(tl.int64)
-                local_offset = (offset // (cp_interleave * cp_size)) * cp_interleave \
+                local_offset = (offset // (cp_interleave * group_cp)) * cp_interleave \
                     + offset % cp_interleave
                 slot = tl.where(owned & readable, block_id * block_size + local_offset, -1)
                 tl.store(out_ptr + offs, slot, mask=in_row)
@@ -79,10 +88,17 @@ if HAS_TRITON:
 class BlockTables:
     def __init__(self, block_sizes: list[int], max_num_reqs: int, max_num_blocks_per_req: int,
                  max_num_batched_tokens: int, device: torch.device | str, cp_size: int = 1,
-                 cp_rank: int = 0, cp_interleave: int = 1):
+                 cp_rank: int = 0, cp_interleave: int = 1,
+                 dcp_sharded: list[bool] | tuple[bool, ...] | None = None):
         _check_geometry(cp_size, cp_rank, cp_interleave)
         if len(block_sizes) == 0:
             raise ValueError("block_sizes is empty: pass one block size per KV cache group.")
+        if dcp_sharded is None:
+            dcp_sharded = [True] * len(block_sizes)
+        if len(dcp_sharded) != len(block_sizes) or not all(isinstance(f, bool)
+                                                           for f in dcp_sharded):
+            raise ValueError(f"dcp_sharded={dcp_sharded!r} is invalid: pass one bool per KV cache "
+                             f"group ({len(block_sizes)} groups).")
         for block_size in block_sizes:
             if not isinstance(block_size, int) or block_size < 1 or block_size % cp_interleave:
                 raise ValueError(
@@ -98,12 +114,20 @@ class BlockTables:
         self.max_num_blocks_per_req = max_num_blocks_per_req
         self.max_num_batched_tokens = max_num_batched_tokens
         self.device = torch.device(device)
+        # The ENGINE's DCP geometry (the target's). A group's own sharding is group_cp_sizes[g]:
+        # speculators must not read cp_size as their own DCP size.
         self.cp_size = cp_size
         self.cp_rank = cp_rank
         self.cp_interleave = cp_interleave
+        self.dcp_sharded = tuple(dcp_sharded)
+        self.group_cp_sizes = tuple(cp_size if f else 1 for f in dcp_sharded)
+        self.group_cp_ranks = tuple(cp_rank if f else 0 for f in dcp_sharded)
+        # Pages per block id: a replicated group expands every id into cp_size pages.
+        self.pages_per_block_id = tuple(1 if f else cp_size for f in dcp_sharded)
+        self.group_max_blocks = tuple(max_num_blocks_per_req * e for e in self.pages_per_block_id)
 
         num_groups = len(block_sizes)
-        table_shape = (num_groups, max_num_reqs, max_num_blocks_per_req)
+        table_shape = (num_groups, max_num_reqs, max(self.group_max_blocks))
         # One tensor per kind, so the slot-mapping kernel reaches every group through strides.
         self._block_tables = torch.zeros(table_shape, dtype=torch.int32, device=self.device)
         # Pinned host twin of every table: appends are written here and copied over without a
@@ -120,6 +144,10 @@ class BlockTables:
         self.input_block_tables = tuple(self._input_block_tables[g] for g in range(num_groups))
         self.num_blocks = np.zeros((num_groups, max_num_reqs), dtype=np.int32)  # host-side counts
         self._block_sizes = torch.tensor(block_sizes, dtype=torch.int32, device=self.device)
+        self._group_cp_sizes = torch.tensor(self.group_cp_sizes, dtype=torch.int32,
+                                            device=self.device)
+        self._group_max_blocks = torch.tensor(self.group_max_blocks, dtype=torch.int32,
+                                              device=self.device)
         self.slot_mappings = torch.full((num_groups, max_num_batched_tokens), PAD_SLOT_ID,
                                         dtype=torch.int64, device=self.device)
         self._num_gathered_reqs = 0
@@ -135,20 +163,26 @@ class BlockTables:
 
     def append_block_ids(self, req_index: int, block_ids: tuple[list[int], ...],
                          overwrite: bool) -> None:
-        """Append (or, with overwrite, replace) the block ids of one request, one list per group."""
+        """Append (or, with overwrite, replace) the block ids of one request, one list per group.
+        Ids are the scheduler's (virtual) block ids; a replicated group stores their expansion
+        into its own pages."""
         self._check_req_index(req_index)
         if len(block_ids) != self.num_kv_cache_groups:
             raise ValueError(
                 f"got block ids for {len(block_ids)} groups, expected {self.num_kv_cache_groups} "
                 "(one list per KV cache group).")
         for group, ids in enumerate(block_ids):
+            pages = self.pages_per_block_id[group]
+            if pages > 1 and len(ids) > 0:
+                ids = (np.asarray(ids, dtype=np.int64)[:, None] * pages
+                       + np.arange(pages, dtype=np.int64)).reshape(-1)
             start = 0 if overwrite else int(self.num_blocks[group, req_index])
             end = start + len(ids)
-            if end > self.max_num_blocks_per_req:
+            if end > self.group_max_blocks[group]:
                 raise ValueError(
-                    f"request slot {req_index} would hold {end} blocks in group {group}, more than "
-                    f"max_num_blocks_per_req={self.max_num_blocks_per_req}; raise max_model_len "
-                    "headroom or shorten the request.")
+                    f"request slot {req_index} would hold {end // pages} blocks in group {group}, "
+                    f"more than max_num_blocks_per_req={self.max_num_blocks_per_req}; raise "
+                    "max_model_len headroom or shorten the request.")
             if len(ids) > 0:
                 self.host_block_tables[group, req_index, start:end] = ids
                 self.block_tables[group][req_index, start:end].copy_(
@@ -216,16 +250,16 @@ class BlockTables:
         in_batch = row < num_reqs
         row = row.clamp(max=max(num_reqs - 1, 0))
         for group, block_size in enumerate(self.block_sizes):
+            group_cp, max_blocks = self.group_cp_sizes[group], self.group_max_blocks[group]
             block_index, owned, local_offset = _slot_geometry(
-                positions, block_size, self.cp_size, self.cp_rank, self.cp_interleave)
-            bad = in_batch & ((block_index >= self.max_num_blocks_per_req) | (positions < 0))
+                positions, block_size, group_cp, self.group_cp_ranks[group], self.cp_interleave)
+            bad = in_batch & ((block_index >= max_blocks) | (positions < 0))
             if bool(bad.any()):
                 raise ValueError(
-                    f"position {int(positions[bad][0])} falls outside the block table "
-                    f"({self.max_num_blocks_per_req} virtual blocks of "
-                    f"{block_size * self.cp_size} tokens).")
+                    f"position {int(positions[bad][0])} falls outside the block table of group "
+                    f"{group} ({max_blocks} blocks of {block_size * group_cp} tokens).")
             table = self.input_block_tables[group]
-            block_id = table[row, block_index.clamp(0, self.max_num_blocks_per_req - 1)]
+            block_id = table[row, block_index.clamp(0, max_blocks - 1)]
             slots = block_id.to(torch.int64) * block_size + local_offset
             slots = torch.where(owned & in_batch, slots, torch.full_like(slots, PAD_SLOT_ID))
             self.slot_mappings[group, :num_tokens].copy_(slots)
@@ -235,6 +269,6 @@ class BlockTables:
         _compute_slot_mappings_kernel[grid](
             self.slot_mappings, self.slot_mappings.stride(0),
             self._input_block_tables, self._input_block_tables.stride(0),
-            self._input_block_tables.stride(1), self.max_num_blocks_per_req,
-            self._block_sizes, query_start_loc, positions, num_reqs, num_tokens,
-            self.cp_size, self.cp_rank, self.cp_interleave, BLOCK=256)
+            self._input_block_tables.stride(1), self._block_sizes, self._group_cp_sizes,
+            self._group_max_blocks, query_start_loc, positions, num_reqs, num_tokens,
+            self.cp_rank, self.cp_interleave, BLOCK=256)

@@ -125,6 +125,10 @@ class GPUModelRunner:
         self.sampling_states = SamplingStates(self.max_num_reqs, vocab_size, self.device)
         if self.spec_config is not None:
             self.draft_model = get_draft_model(self.vllm_config, self.model)
+            from vllm.v1.worker.gpu.spec_decode.draft_parallel import (draft_kv_replicated,
+                                                                       mark_dcp_replicated)
+            if draft_kv_replicated(self.vllm_config):  # non-DCP drafter under a DCP target
+                mark_dcp_replicated(self.draft_model)
 
     def _attention_layers(self) -> dict[str, Any]:
         """layer_name -> attention module, target layers first, then the drafter's."""
@@ -165,10 +169,17 @@ class GPUModelRunner:
         if missing:
             raise ValueError(f"KV cache config has no group for layers {missing}; build it from "
                              "get_kv_cache_spec()")
+        sharded = [bool(getattr(g.kv_cache_spec, "dcp_sharded", True)) for g in groups]
+        if not all(sharded) and getattr(kv_cache_config, "dcp_size", 1) != self.dcp_size:
+            raise ValueError(f"KV cache config was sized for dcp_size={kv_cache_config.dcp_size} "
+                             f"but this rank runs DCP {self.dcp_size} with a replicated group; "
+                             f"build it with get_kv_cache_config(..., dcp_size={self.dcp_size})")
         for group in groups:
             spec = group.kv_cache_spec
+            # A replicated (non-DCP drafter) group keeps dcp_size pages per block id.
+            pages = kv_cache_config.num_blocks * spec.pages_per_block_id(self.dcp_size)
             for name in group.layer_names:
-                cache = torch.zeros(kv_cache_config.num_blocks, spec.block_size, spec.head_size,
+                cache = torch.zeros(pages, spec.block_size, spec.head_size,
                                     dtype=spec.dtype, device=self.device)
                 layers[name].kv_cache = cache
                 self.kv_caches[name] = cache
@@ -179,7 +190,7 @@ class GPUModelRunner:
         self.block_tables = BlockTables(
             [g.kv_cache_spec.block_size for g in groups], self.max_num_reqs, max_blocks,
             self.max_num_tokens, self.device, cp_size=self.dcp_size, cp_rank=self.dcp_rank,
-            cp_interleave=self.dcp_interleave)
+            cp_interleave=self.dcp_interleave, dcp_sharded=sharded)
 
         # One backend per KV cache group, resolved once: the group's builder makes the metadata
         # and every layer of the group runs that backend's impl (no per-layer fallback).

@@ -77,7 +77,7 @@ class Worker:
                 budget = self._free_gpu_memory_budget()
             else:
                 budget = _DEFAULT_CPU_KV_CACHE_BYTES
-        num_blocks = int(get_num_blocks(max(budget, 0), specs))
+        num_blocks = int(get_num_blocks(max(budget, 0), specs, self._dcp_size()))
         if self.device.type == "cpu" and getattr(cache, "kv_cache_memory_bytes", None) is None:
             # Enough for max_num_seqs full-length requests is all a CPU run can use anyway.
             num_blocks = min(num_blocks, self._blocks_for_full_batch())
@@ -100,6 +100,12 @@ class Worker:
                 "num_gpu_blocks_override")
         return budget
 
+    def _dcp_size(self) -> int:
+        """DCP size the KV pool is priced for (a replicated draft group costs dcp_size pages
+        per block id)."""
+        return int(getattr(self.vllm_config.parallel_config, "decode_context_parallel_size", 1)
+                   or 1)
+
     def _blocks_for_full_batch(self) -> int:
         cfg = self.vllm_config
         spec = cfg.speculative_config
@@ -112,7 +118,8 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         from vllm.v1.core.kv_cache_utils import get_kv_cache_config
         specs = self.model_runner.get_kv_cache_spec()
-        kv_cache_config = get_kv_cache_config(specs, num_blocks=num_blocks)
+        kv_cache_config = get_kv_cache_config(specs, num_blocks=num_blocks,
+                                              dcp_size=self._dcp_size())
         self.model_runner.initialize_kv_cache(kv_cache_config)
 
     # ---- steps -----------------------------------------------------------------------------

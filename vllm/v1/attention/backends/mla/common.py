@@ -134,6 +134,11 @@ class MLACommonMetadataBuilder:
         parallel = getattr(vllm_config, "parallel_config", None)
         self.dcp_world_size = int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
         self.dcp_interleave = int(getattr(parallel, "cp_kv_cache_interleave_size", 1) or 1)
+        # A replicated group (non-DCP drafter under a DCP target) holds the whole context on
+        # every rank: it is built exactly as at DCP 1 (global lengths, no merge).
+        self.dcp_sharded = bool(getattr(kv_cache_spec, "dcp_sharded", True))
+        if not self.dcp_sharded:
+            self.dcp_world_size, dcp_rank = 1, 0
         if dcp_rank is None:
             from vllm.distributed.parallel_state import get_dcp_group
             group = get_dcp_group()
@@ -430,6 +435,8 @@ def validate_dspark_dcp_backends(speculative_method: str | None,
         return
     n = decode_context_parallel_size
     for spec, builder_cls in group_builders:
+        if not isinstance(spec, bool) and not getattr(spec, "dcp_sharded", True):
+            continue  # replicated draft KV: served like DCP 1, no DCP capability needed
         non_causal = spec if isinstance(spec, bool) else _spec_is_non_causal(spec)
         name = builder_cls.__name__
         if non_causal and not getattr(builder_cls, "supports_non_causal_multi_token_dcp", False):

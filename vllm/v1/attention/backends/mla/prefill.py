@@ -478,7 +478,10 @@ def forward_mla_prefill(layer: Any, q_nope: torch.Tensor, q_pe: torch.Tensor,
     ctx_fn = context_attention_flashinfer if use_fi else context_attention_torch
     out, lse = self_fn(q, k, v, meta, layer.scaling)
     if meta.has_context:
-        dcp = dcp_group()
+        # The layer's own split (a replicated draft layer reads its full local cache); stand-in
+        # layers without one follow the engine's DCP group.
+        own_group = getattr(layer, "attn_dcp_group", None)
+        dcp = own_group() if own_group is not None else dcp_group()
         if dcp.world_size > 1:
             from vllm.v1.attention.ops.dcp_combine import cp_lse_ag_out_rs, dcp_all_gather_q
             q_group = dcp_all_gather_q(q.contiguous(), dcp)      # [T, N * H_local, Dqk]

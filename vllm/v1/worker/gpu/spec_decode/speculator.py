@@ -89,6 +89,18 @@ class Speculator:
         self.input_buffers = InputBuffers(max_num_reqs, max_num_tokens, self.device)
         # Host upper bound of the draft seq_lens (metadata aliases it, like the other buffers).
         self.seq_lens_cpu_upper_bound = torch.zeros(max_num_reqs, dtype=torch.int32)
+        # The drafter's OWN DCP geometry. `block_tables` is shared with the target, so its
+        # cp_size is the target's: a replicated drafter (draft_decode_context_parallel_size=1
+        # under a DCP target) must not recompute rank-local lengths from it.
+        own = getattr(spec_config, "draft_decode_context_parallel_size", None)
+        self.dcp_size = int(block_tables.cp_size if own is None else own)
+        if self.dcp_size not in (1, block_tables.cp_size):
+            raise ValueError(
+                f"draft_decode_context_parallel_size={self.dcp_size} is invalid with the target's "
+                f"decode_context_parallel_size={block_tables.cp_size}; set it to 1 or "
+                f"{block_tables.cp_size}.")
+        self.dcp_rank = block_tables.cp_rank if self.dcp_size > 1 else 0
+        self.dcp_interleave = block_tables.cp_interleave
         self.model: Any = None  # the drafter, set by the runner after loading it
         self.cudagraphs: Any = None  # CudaGraphManager of the draft step (block drafters)
         self.kv_cache_config: Any = None
@@ -226,19 +238,19 @@ class Speculator:
                                                        .astype(np.int32))
         elif buffers.seq_lens.device.type == "cpu":
             seq_lens_cpu = buffers.seq_lens[:num_reqs_padded]
-        cp_size = self.block_tables.cp_size
+        # The speculator's own DCP size, not block_tables.cp_size (the target's, shared): a
+        # replicated drafter's groups hold the full context and read global lengths.
+        cp_size = self.dcp_size
         dcp_local_cpu = None
         if cp_size > 1 and seq_lens_cpu is not None:
             from vllm.v1.worker.gpu.cp_utils import get_dcp_local_seq_lens
-            dcp_local_cpu = get_dcp_local_seq_lens(seq_lens_cpu, cp_size,
-                                                   self.block_tables.cp_rank,
-                                                   self.block_tables.cp_interleave)
+            dcp_local_cpu = get_dcp_local_seq_lens(seq_lens_cpu, cp_size, self.dcp_rank,
+                                                   self.dcp_interleave)
         if dcp_local_seq_lens is None and cp_size > 1:
             # Recompute from the draft's OWN seq_lens into the persistent buffer (DESIGN §6);
             # the target's local lengths would be stale after the draft advanced or rolled back.
             prepare_dcp_local_seq_lens(buffers.dcp_local_seq_lens, buffers.seq_lens, num_reqs,
-                                       cp_size, self.block_tables.cp_rank,
-                                       self.block_tables.cp_interleave)
+                                       cp_size, self.dcp_rank, self.dcp_interleave)
             dcp_local_seq_lens = buffers.dcp_local_seq_lens[:num_reqs_padded]
 
         slot_mappings = self.block_tables.compute_slot_mappings(
