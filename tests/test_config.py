@@ -52,7 +52,8 @@ def test_speculative_config_from_json():
                                         "rejection_sample_method": "probabilistic"})
     assert spec.to_dict() == {"method": "eagle", "model": "/d", "num_speculative_tokens": 3,
                               "draft_sample_method": "probabilistic",
-                              "rejection_sample_method": "probabilistic"}
+                              "rejection_sample_method": "probabilistic",
+                              "disable_by_batch_size": None}
     with pytest.raises(ValueError, match="unknown key 'num_spec_tokens'"):
         SpeculativeConfig.from_json('{"method": "mtp", "num_spec_tokens": 2}')
     with pytest.raises(ValueError, match="line 1 column 12"):
