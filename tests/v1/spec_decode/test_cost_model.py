@@ -13,7 +13,7 @@ import pytest
 
 from vllm.config import SpeculativeConfig
 from vllm.v1.spec_decode.cost_model import (PLAIN, REASON_BATCH, REASON_COST, REASON_EXPLORE,
-                                            SPEC, Candidate, CostModelConfig,
+                                            SPEC, Candidate, CostModelConfig, Decision,
                                             SpeculationCostModel, pow2_bucket)
 from vllm.v1.spec_decode.policy import SpeculationPolicy
 
@@ -85,10 +85,10 @@ def test_stops_drafting_where_it_cannot_pay():
     # Warm-up: spec timings, the plain exploration, the acceptance of one verify step.
     assert all(not any(entry.values()) for entry in loop.log[10:64])
     assert not any(loop.proposed[10:64])
-    # Afterwards only re-probes draft, each probe_len = 2 steps, at doubling intervals
-    # (64, 128, 256, 512 steps): at most 5 probes in 600 steps.
+    # Afterwards only re-probes draft, each probe_len = 2 steps plus one to get the second
+    # acceptance sample, at doubling intervals (64, 128, 256, 512 steps): at most 5 probes.
     late = sum(loop.proposed[10:])
-    assert 0 < late <= 5 * 2
+    assert 0 < late <= 5 * 3
     stats = loop.policy.stats()
     assert stats["num_skipped"][REASON_COST] > 1000
     assert stats["num_skipped"][REASON_EXPLORE] == 2 * 2  # min_samples plain steps, 2 requests
@@ -116,7 +116,8 @@ def test_per_request_decisions_in_one_batch():
 def test_hysteresis_keeps_the_current_state_inside_the_band():
     h = 0.05
     model = SpeculationCostModel(K, CostModelConfig(hysteresis=h, probe_interval=10**6,
-                                                    max_probe_interval=10**6))
+                                                    max_probe_interval=10**6,
+                                                    min_acceptance_samples=1))
     for _ in range(3):
         model.observe_step(SPEC, 1, 500, 2.0)
         model.observe_step(PLAIN, 1, 500, 1.0)
@@ -137,6 +138,18 @@ def test_hysteresis_keeps_the_current_state_inside_the_band():
     assert not model.decide(cand)["r"].draft
     model.observe_acceptance("r", 2.2)
     assert model.decide(cand)["r"].draft
+
+
+def test_one_verify_step_is_not_enough_to_judge_a_request():
+    model = SpeculationCostModel(K, CostModelConfig(min_acceptance_samples=2))
+    for _ in range(2):
+        model.observe_step(SPEC, 1, 500, 2.0)
+        model.observe_step(PLAIN, 1, 500, 1.0)
+    cand = [Candidate("r", 500)]
+    model.observe_acceptance("r", 1.0)
+    assert model.decide(cand)["r"].draft and model.acceptance("r") is None
+    model.observe_acceptance("r", 1.0)
+    assert model.decide(cand)["r"] == Decision(False, REASON_COST)
 
 
 def test_reprobe_revives_a_request_whose_drafts_started_to_match():

@@ -14,7 +14,8 @@ Three rules keep the decisions stable and the model fed:
 * hysteresis: a drafting request stops below 1 - h, an idle one restarts above 1 + h;
 * re-probe: every `probe_interval` steps, requests that stopped draft for `probe_len` steps (all
   together, so the probe steps are pure draft+verify steps that refresh t_spec too); their
-  acceptance restarts from what the probe measures. A probe that revives nobody doubles the
+  acceptance restarts from what the probe measures (a request keeps drafting until it has
+  `min_acceptance_samples` of them). A probe that revives nobody doubles the
   interval (up to `max_probe_interval`): where drafting cannot pay, probing costs ~nothing;
 * exploration: a bucket with too few plain-step timings runs `min_samples` plain steps (once the
   spec timing is known); a bucket with too few spec-step timings drafts.
@@ -45,6 +46,7 @@ class CostModelConfig:
     acceptance_alpha: float = 0.2  # weight of a new acceptance sample in a request's EMA
     hysteresis: float = 0.05       # h: stop below 1 - h, restart above 1 + h
     min_samples: int = 2           # timings a bucket needs before they are trusted
+    min_acceptance_samples: int = 2  # verify steps a request needs before it is judged
     probe_interval: int = 64       # steps between re-probes of requests that stopped
     max_probe_interval: int = 1024
     probe_len: int = 2             # steps per probe (the first proposes, the second verifies)
@@ -57,7 +59,7 @@ class CostModelConfig:
                 raise ValueError(f"{name}={value!r} is invalid: it must be in (0, 1].")
         if not 0.0 <= self.hysteresis < 1.0:
             raise ValueError(f"hysteresis={self.hysteresis!r} is invalid: it must be in [0, 1).")
-        for name in ("min_samples", "probe_interval", "max_probe_interval", "probe_len",
+        for name in ("min_samples", "min_acceptance_samples", "probe_interval", "max_probe_interval", "probe_len",
                      "min_context_bucket"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -161,7 +163,8 @@ class SpeculationCostModel:
         if self.acceptance_override is not None:
             return float(self.acceptance_override)
         state = self._requests.get(req_id)
-        if state is None or state.acceptance.count == 0:
+        # One verify step is too noisy to judge a request on (a single rejected block).
+        if state is None or state.acceptance.count < self.config.min_acceptance_samples:
             return None
         return state.acceptance.value
 
