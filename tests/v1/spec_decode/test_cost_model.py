@@ -184,9 +184,25 @@ def test_explores_plain_steps_before_trusting_a_bucket():
         model.observe_step(SPEC, 1, 100, 2.0)
     reasons = [model.decide(cand)["r"] for _ in range(3)]
     assert all(not d.draft and d.reason == REASON_EXPLORE for d in reasons)
-    # A new bucket (batch 3 -> bucket 4) knows nothing: it drafts again to measure.
+    # A new bucket (batch 3 -> bucket 4) while no bucket has both timings: it drafts to measure.
     assert all(d.draft for d in model.decide([Candidate(f"q{i}", 100) for i in range(3)])
                .values())
+
+
+def test_a_new_bucket_borrows_the_nearest_measured_ratio():
+    model = SpeculationCostModel(K, CostModelConfig(min_samples=2, min_acceptance_samples=1))
+    for _ in range(2):
+        model.observe_step(SPEC, 1, 100, 3.0)    # bucket (1, 256): ratio 3
+        model.observe_step(PLAIN, 1, 100, 1.0)
+        model.observe_step(SPEC, 64, 100, 1.2)   # bucket (64, 256): ratio 1.2
+        model.observe_step(PLAIN, 64, 100, 1.0)
+    assert model.cost_ratio(1, 100) == pytest.approx(3.0)
+    assert model.cost_ratio(2, 100) == pytest.approx(3.0)     # nearer to batch 1 than to 64
+    assert model.cost_ratio(32, 100) == pytest.approx(1.2)
+    batch = [Candidate(f"r{i}", 100) for i in range(3)]      # bucket (4, 256): borrows 3.0
+    for c in batch:
+        model.observe_acceptance(c.req_id, 2.0)             # speedup 2 / 3
+    assert all(d == Decision(False, REASON_COST) for d in model.decide(batch).values())
 
 
 def test_disable_by_batch_size_thresholds():

@@ -17,8 +17,9 @@ Three rules keep the decisions stable and the model fed:
   acceptance restarts from what the probe measures (a request keeps drafting until it has
   `min_acceptance_samples` of them). A probe that revives nobody doubles the
   interval (up to `max_probe_interval`): where drafting cannot pay, probing costs ~nothing;
-* exploration: a bucket with too few plain-step timings runs `min_samples` plain steps (once the
-  spec timing is known); a bucket with too few spec-step timings drafts.
+* exploration: until some bucket has both timings, a bucket with too few spec-step timings
+  drafts and one with too few plain-step timings then runs `min_samples` plain steps; later, a
+  bucket without both borrows the cost ratio of its nearest measured neighbour.
 """
 from __future__ import annotations
 
@@ -172,14 +173,34 @@ class SpeculationCostModel:
         self._requests.pop(req_id, None)
 
     # ---- decisions ---------------------------------------------------------------------------
-    def expected_speedup(self, req_id: str, batch_size: int, context_len: int) -> float | None:
-        """a * t_plain / t_spec, None while any of the three is unknown."""
-        a = self.acceptance(req_id)
-        t_spec = self.step_time(SPEC, batch_size, context_len)
-        t_plain = self.step_time(PLAIN, batch_size, context_len)
-        if a is None or t_spec is None or t_plain is None:
+    def cost_ratio(self, batch_size: int, context_len: int) -> float | None:
+        """t_spec / t_plain of the bucket; a bucket without both timings borrows the ratio of
+        the nearest bucket that has them (a ratio carries over between neighbouring buckets far
+        better than absolute times, and it spares every new bucket its own exploration)."""
+        want = self.bucket(batch_size, context_len)
+        known = {}
+        for (kind, b, c), ema in self._times.items():
+            if ema.count >= self.config.min_samples:
+                known.setdefault((b, c), {})[kind] = ema.value
+        pairs = {key: v[SPEC] / v[PLAIN] for key, v in known.items() if len(v) == 2}
+        if not pairs:
             return None
-        return a * t_plain / t_spec
+        if want in pairs:
+            return pairs[want]
+
+        def distance(key):
+            return (abs(key[0].bit_length() - want[0].bit_length())
+                    + abs(key[1].bit_length() - want[1].bit_length()), key)
+
+        return pairs[min(pairs, key=distance)]
+
+    def expected_speedup(self, req_id: str, batch_size: int, context_len: int) -> float | None:
+        """a * t_plain / t_spec, None while the acceptance or the cost ratio is unknown."""
+        a = self.acceptance(req_id)
+        ratio = self.cost_ratio(batch_size, context_len)
+        if a is None or ratio is None:
+            return None
+        return a / ratio
 
     def decide(self, candidates: Iterable[Candidate]) -> dict[str, Decision]:
         """Per request: draft this step or not. Call once per engine step."""
@@ -192,13 +213,12 @@ class SpeculationCostModel:
         batch = len(candidates)
         context = sum(c.context_len for c in candidates) // batch
         bucket = self.bucket(batch, context)
-        t_spec = self.step_time(SPEC, batch, context)
-        t_plain = self.step_time(PLAIN, batch, context)
+        ratio = self.cost_ratio(batch, context)
 
-        if t_spec is None:
+        if ratio is None and self.step_time(SPEC, batch, context) is None:
             # Nothing to compare with yet: draft (what the user configured) and measure.
             return {c.req_id: Decision(True) for c in candidates}
-        if t_plain is None:
+        if ratio is None:
             # Measure plain steps now: min_samples of them in a row, the whole batch at once.
             left = self._explore_left.setdefault(bucket, cfg.min_samples)
             if left > 0:
@@ -216,7 +236,7 @@ class SpeculationCostModel:
             if a is None:
                 decisions[c.req_id] = Decision(True)  # no acceptance yet: measure it
                 continue
-            speedup = a * t_plain / t_spec
+            speedup = a / ratio
             if state.drafting and speedup < 1.0 - cfg.hysteresis:
                 state.drafting = False
             elif not state.drafting and speedup > 1.0 + cfg.hysteresis:
