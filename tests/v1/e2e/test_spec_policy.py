@@ -123,11 +123,13 @@ def test_auto_stops_drafting_where_it_cannot_pay(plain_greedy, method):
     out, spec, proposes, drafted, skipped = run(method, "auto", cannot_pay)
     assert out == plain_greedy
     assert skipped[REASON_COST] > 0 and skipped[REASON_EXPLORE] > 0
-    # Warm-up only (spec timings, the plain exploration, two verify steps per request); with
-    # 39 decode steps per request and the first re-probe at step 64, drafting then stops.
-    assert spec["num_drafts"] <= 4 * len(PROMPTS)
-    assert skipped[REASON_COST] >= len(PROMPTS) * (MAX_TOKENS - 1) - 8 * len(PROMPTS)
+    # Drafting is confined to the warm-up (two timed spec steps, two verify steps per request)
+    # and one re-probe (step 32 of ~40: two steps, plus one for a second acceptance sample).
+    assert spec["num_drafts"] <= 5 * len(PROMPTS) and drafted <= 6 * len(PROMPTS)
+    decode_steps = drafted + sum(skipped.values())
+    assert skipped[REASON_COST] >= 0.6 * decode_steps
     if method == "dspark":
+        # The draft pass ran only in those steps (and after the prefill).
         assert proposes <= 8
 
 

@@ -48,7 +48,7 @@ class CostModelConfig:
     hysteresis: float = 0.05       # h: stop below 1 - h, restart above 1 + h
     min_samples: int = 2           # timings a bucket needs before they are trusted
     min_acceptance_samples: int = 2  # verify steps a request needs before it is judged
-    probe_interval: int = 64       # steps between re-probes of requests that stopped
+    probe_interval: int = 32       # steps between re-probes of requests that stopped
     max_probe_interval: int = 1024
     probe_len: int = 2             # steps per probe (the first proposes, the second verifies)
     min_context_bucket: int = 256  # contexts below this share one bucket
