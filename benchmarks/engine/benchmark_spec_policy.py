@@ -23,74 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
-VARIANTS = ("none", "always", "never", "auto", "auto-nopay")
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-        torch.cuda.synchronize()
-
-
-def run_variant(args, variant: str, batch: int) -> dict:
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.engine.llm_engine import LLMEngine
-
-    spec = None
-    if variant != "none":
-        policy = {"always": None, "never": 1, "auto": "auto", "auto-nopay": "auto"}[variant]
-        spec = {"method": args.method, "num_speculative_tokens": args.num_spec_tokens,
-                "disable_by_batch_size": policy}
-        if args.draft_model:
-            spec["model"] = args.draft_model
-    max_len = args.context + args.output_len + args.num_spec_tokens + 8
-    kwargs = {"device": args.device} if args.device != "cuda" else {}
-    engine_args = EngineArgs(
-        model=args.model, dtype=args.dtype, max_model_len=max_len,
-        attention_backend=args.attention_backend, speculative_config=spec,
-        max_num_seqs=max(batch, 1), max_num_batched_tokens=max(4096, batch * (args.context + 1)),
-        enforce_eager=args.enforce_eager, seed=0, **kwargs)
-    engine = LLMEngine.from_engine_args(engine_args)
-    try:
-        policy = engine.scheduler.spec_policy
-        if variant == "auto-nopay":
-            policy.cost_model.acceptance_override = args.forced_acceptance
-        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-        for i in range(batch):
-            prompt = [(7 * i + 13 * j) % 200 + 20 for j in range(args.context)]
-            engine.add_request(f"r{i}", prompt, params)
-        outputs: dict[str, list[int]] = {}
-        # Prefill and the first decode steps (graphs warm, the cost model fed) are not timed.
-        steps = 0
-        while engine.has_unfinished_requests() and steps < args.warmup_steps:
-            for o in engine.step():
-                outputs[o.request_id] = list(o.outputs[0].token_ids)
-            steps += 1
-        tokens_before = engine._num_generation_tokens
-        _sync(args.device)
-        start = time.perf_counter()
-        timed_steps = 0
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                outputs[o.request_id] = list(o.outputs[0].token_ids)
-            timed_steps += 1
-        _sync(args.device)
-        seconds = time.perf_counter() - start
-        tokens = engine._num_generation_tokens - tokens_before
-        spec_stats = engine.scheduler.get_stats().get("spec_decode") or {}
-        return {"variant": variant, "batch": batch, "context": args.context,
-                "tok_s": tokens / seconds if seconds > 0 else float("nan"),
-                "timed_steps": timed_steps, "timed_tokens": tokens,
-                "mean_acceptance_length": spec_stats.get("mean_acceptance_length"),
-                "num_drafts": spec_stats.get("num_drafts"),
-                "policy": spec_stats.get("policy"),
-                "tokens": [outputs[f"r{i}"] for i in range(batch)]}
-    finally:
-        engine.shutdown()
-
+from vllm.benchmarks.spec_policy import VARIANTS, SpecPolicyCase, run_case
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -115,15 +49,19 @@ def main() -> None:
     args = parser.parse_args()
     if "none" not in args.variants:
         parser.error("--variants must include 'none' (the baseline every ratio is taken to)")
-    if args.warmup_steps >= args.output_len:
-        parser.error(f"--warmup-steps={args.warmup_steps} must be smaller than --output-len="
-                     f"{args.output_len}: nothing would be timed")
     os.makedirs(args.out, exist_ok=True)
     rows = []
     for batch in args.batch_sizes:
         for variant in args.variants:
             # Best of --repeats runs: the first engine of a process also pays one-time warm-up.
-            runs = [run_variant(args, variant, batch) for _ in range(args.repeats)]
+            case = SpecPolicyCase(
+                variant, batch, context=args.context, output_len=args.output_len,
+                warmup_steps=args.warmup_steps, method=args.method,
+                num_spec_tokens=args.num_spec_tokens, model=args.model,
+                draft_model=args.draft_model, forced_acceptance=args.forced_acceptance,
+                device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
+                enforce_eager=args.enforce_eager)
+            runs = [run_case(case) for _ in range(args.repeats)]
             row = max(runs, key=lambda r: r["tok_s"])
             row["tok_s_runs"] = [r["tok_s"] for r in runs]
             rows.append(row)
@@ -143,9 +81,17 @@ def main() -> None:
               f"{r['x_none']:7.3f} {'-' if al is None else f'{al:.2f}':>5} "
               f"{policy.get('num_drafted', '-')!s:>8} {json.dumps(policy.get('num_skipped', {})):>24} "
               f"{'ok' if r['greedy_equal'] else 'DIFF':>7}")
+    never = {r["batch"]: r for r in rows if r["variant"] == "never"}
     for r in rows:
         if r["variant"] == "auto-nopay":
             verdict = "within 5%" if r["x_none"] >= 0.95 else "NOT within 5%"
+            # "never" drafts nothing but still carries the drafter (block drafters write their
+            # context KV inside every target step) and runs plain decodes of a speculative
+            # engine: auto-nopay / never is the policy's own cost, never / none the engine's.
+            if r["batch"] in never:
+                print(f"B={r['batch']}: auto-nopay / never = "
+                      f"{r['tok_s'] / never[r['batch']]['tok_s']:.3f}, never / none = "
+                      f"{never[r['batch']]['x_none']:.3f}")
             print(f"B={r['batch']}: auto-nopay at {r['x_none']:.3f}x of no speculation "
                   f"({verdict}); cost model step times: "
                   f"{json.dumps(((r['policy'] or {}).get('cost_model') or {}).get('step_times'))}")
