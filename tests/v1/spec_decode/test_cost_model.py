@@ -176,6 +176,19 @@ def test_probe_interval_backs_off_while_nobody_revives():
     assert max(gaps) == 64
 
 
+def test_probes_while_everyone_drafts_do_not_back_off():
+    # Acceptance 4 (pays) for 300 steps, then 1: the first probe after the switch comes within
+    # probe_interval + probe_len steps, not after a backed-off interval.
+    acceptance = {"a": lambda step: 4.0 if step < 300 else 1.0,
+                  "b": lambda step: 4.0 if step < 300 else 1.0}
+    loop = Loop(auto_policy(probe_interval=16, max_probe_interval=1024), acceptance,
+                t_spec=1.5).run(400)
+    assert all(all(entry.values()) for entry in loop.log[10:300])
+    stopped = next(i for i in range(300, 400) if not loop.proposed[i])
+    first_probe = next(i for i in range(stopped, 400) if loop.proposed[i])
+    assert first_probe - stopped <= 16 + 2
+
+
 def test_explores_plain_steps_before_trusting_a_bucket():
     model = SpeculationCostModel(K, CostModelConfig(min_samples=3))
     cand = [Candidate("r", 100)]

@@ -126,6 +126,7 @@ class SpeculationCostModel:
         self._probe_start = -self.config.probe_len - 1  # no probe yet
         self._review_pending = False
         self._revived = False
+        self._probed_any = False
         self._explore_left: dict[tuple[int, int], int] = {}
 
     # ---- buckets and measurements ------------------------------------------------------------
@@ -247,14 +248,16 @@ class SpeculationCostModel:
             elif probing:
                 if step == self._probe_start:
                     state.restart_acceptance = True  # judge it on what the probe measures
+                self._probed_any = True
                 decisions[c.req_id] = Decision(True)
             else:
                 decisions[c.req_id] = Decision(False, REASON_COST)
         if self._review_pending and step >= self._probe_start + cfg.probe_len:
             # The step after a probe has seen its acceptance: nobody revived -> probe half as
-            # often (down to max_probe_interval); somebody did -> back to probe_interval.
+            # often (down to max_probe_interval); somebody did, or nobody needed probing
+            # (everyone drafted) -> back to probe_interval.
             self._review_pending = False
-            if self._revived:
+            if self._revived or not self._probed_any:
                 self._probe_interval = cfg.probe_interval
             else:
                 self._probe_interval = min(2 * self._probe_interval, cfg.max_probe_interval)
@@ -268,6 +271,7 @@ class SpeculationCostModel:
             self._next_probe = step + self._probe_interval  # provisional, see the review
             self._review_pending = True
             self._revived = False
+            self._probed_any = False
         return self._probe_start <= step < self._probe_start + self.config.probe_len
 
     # ---- introspection -----------------------------------------------------------------------
