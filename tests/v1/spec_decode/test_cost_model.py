@@ -289,3 +289,20 @@ def test_cost_model_config_errors_name_the_value():
         CostModelConfig(time_alpha=0.0)
     with pytest.raises(ValueError, match="step kind 'draft' is invalid"):
         SpeculationCostModel(K).observe_step("draft", 1, 1, 1.0)
+
+
+def test_a_revival_resets_the_probe_interval():
+    # Off from the start (acceptance 1); from step 100 on, "a"'s drafts match (4). Probes back
+    # off while nobody revives; the probe that revives "a" resets the interval to 16 (judged
+    # once "a" has its two fresh samples), then "b" alone backs it off again.
+    acceptance = {"a": lambda step: 1.0 if step < 100 else 4.0, "b": 1.0}
+    policy = auto_policy(probe_interval=16, max_probe_interval=1024)
+    loop = Loop(policy, acceptance, t_spec=1.5)
+    intervals = []
+    for _ in range(300):
+        loop.one_step()
+        intervals.append(policy.cost_model.snapshot()["probe_interval"])
+    assert max(intervals[:100]) >= 64
+    revived = next(i for i in range(100, 300) if all(e["a"] for e in loop.log[i:]))
+    assert 16 in intervals[revived:revived + 8]
+    assert all(entry["a"] for entry in loop.log[revived:])

@@ -252,10 +252,12 @@ class SpeculationCostModel:
                 decisions[c.req_id] = Decision(True)
             else:
                 decisions[c.req_id] = Decision(False, REASON_COST)
-        if self._review_pending and step >= self._probe_start + cfg.probe_len:
-            # The step after a probe has seen its acceptance: nobody revived -> probe half as
-            # often (down to max_probe_interval); somebody did, or nobody needed probing
-            # (everyone drafted) -> back to probe_interval.
+        # A probed request is judged once it has min_acceptance_samples fresh samples: the
+        # probe's last step gives the first, each further drafting step one more.
+        if self._review_pending and step >= (self._probe_start + cfg.probe_len
+                                             + cfg.min_acceptance_samples - 1):
+            # Nobody revived -> probe half as often (down to max_probe_interval); somebody
+            # did, or nobody needed probing (everyone drafted) -> back to probe_interval.
             self._review_pending = False
             if self._revived or not self._probed_any:
                 self._probe_interval = cfg.probe_interval
