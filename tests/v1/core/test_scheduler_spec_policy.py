@@ -3,6 +3,8 @@ plain decode (1 token, no drafts), `propose_drafts` says whether anybody needs t
 the step timing reaches the cost model only for pure decode steps, and the output is unchanged."""
 import dataclasses
 
+import pytest
+
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.spec_decode.cost_model import REASON_BATCH, SPEC
 
@@ -81,3 +83,14 @@ def test_auto_times_only_pure_decode_steps_and_stops_when_drafts_never_match():
     # After the warm-up only the re-probe at step 32 would draft: none within 30 tokens
     # once the first few steps are past.
     assert not any(kinds[8:])
+
+
+def test_auto_is_refused_where_every_rank_schedules_on_its_own():
+    cfg = make_config(max_model_len=64, block_size=4, num_spec=K)
+    cfg.speculative_config = dataclasses.replace(cfg.speculative_config,
+                                                 disable_by_batch_size="auto")
+    cfg.parallel_config.distributed_executor_backend = "external_launcher"
+    with pytest.raises(ValueError, match="external_launcher.*use an int N"):
+        Scheduler(cfg, num_blocks=200)
+    cfg.speculative_config = dataclasses.replace(cfg.speculative_config, disable_by_batch_size=4)
+    assert Scheduler(cfg, num_blocks=200).spec_policy.mode == "batch_size"

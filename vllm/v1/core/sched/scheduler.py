@@ -118,6 +118,15 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # runner must drop these at the next step
         self.spec_decoding_stats = SpecDecodingStats(self.num_spec_tokens) if spec_config else None
         # Which decoding requests draft each step (disable_by_batch_size: None / N / "auto").
+        if (spec_config is not None and spec_config.disable_by_batch_size == "auto"
+                and getattr(parallel_config, "distributed_executor_backend", None)
+                == "external_launcher"):
+            # Each torchrun process schedules on its own: decisions from each process's own
+            # clock would differ between ranks and break their lock-step.
+            raise ValueError("disable_by_batch_size='auto' decides from this process's own step "
+                             "times, but with distributed_executor_backend='external_launcher' "
+                             "every rank schedules on its own and the ranks would diverge; use "
+                             "an int N (same decision on every rank) or null")
         self.spec_policy = SpeculationPolicy.from_config(spec_config) if spec_config else None
         self.num_preemptions = 0
 
