@@ -60,6 +60,11 @@ class SpeculationPolicy:
         self.num_skipped: Counter[str] = Counter()
         self._timed: tuple[int, str, int, int] | None = None  # (id(output), kind, batch, ctx)
 
+    @property
+    def active(self) -> bool:
+        """False without a policy (disable_by_batch_size None): everyone drafts every step."""
+        return self.mode != MODE_ALWAYS
+
     @classmethod
     def from_config(cls, spec_config) -> SpeculationPolicy:
         return cls(int(spec_config.num_speculative_tokens),

@@ -193,7 +193,7 @@ class Scheduler:
         decodes = [r for r in self.running if not self._is_prefilling(r)]
         order = decodes + [r for r in self.running if self._is_prefilling(r)]
         plan = None
-        if self.spec_policy is not None:
+        if self.spec_policy is not None and self.spec_policy.active:
             # A request the policy keeps from drafting decodes plainly: its drafts are dropped.
             plan = self.spec_policy.plan([Candidate(r.request_id, r.num_tokens) for r in decodes],
                                          num_running=len(self.running))
@@ -283,11 +283,16 @@ class Scheduler:
         if plan is not None:
             scheduled_decodes = [r for r in decodes if r.request_id in num_scheduled]
             self.spec_policy.count(plan, (r.request_id for r in scheduled_decodes))
-            self.spec_policy.plan_timing(
-                output, plan,
-                {r.request_id: len(spec_tokens.get(r.request_id, ())) for r in scheduled_decodes},
-                [r.num_tokens for r in scheduled_decodes],
-                pure_decode=len(scheduled_decodes) == len(num_scheduled))
+            if self.spec_policy.cost_model is not None:
+                self.spec_policy.plan_timing(
+                    output, plan,
+                    {r.request_id: len(spec_tokens.get(r.request_id, ()))
+                     for r in scheduled_decodes},
+                    [r.num_tokens for r in scheduled_decodes],
+                    pure_decode=len(scheduled_decodes) == len(num_scheduled))
+        elif self.spec_policy is not None:
+            # No policy: every scheduled decode drafts (a count, no per-request work).
+            self.spec_policy.num_drafted += sum(1 for r in decodes if r.request_id in num_scheduled)
         return output
 
     def record_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
