@@ -53,6 +53,7 @@ def test_speculative_config_from_json():
     assert spec.to_dict() == {"method": "eagle", "model": "/d", "num_speculative_tokens": 3,
                               "draft_sample_method": "probabilistic",
                               "rejection_sample_method": "probabilistic",
+                              "disable_by_batch_size": None,
                               "draft_tensor_parallel_size": None,
                               "draft_decode_context_parallel_size": None}
     with pytest.raises(ValueError, match="unknown key 'num_spec_tokens'"):

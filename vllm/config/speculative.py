@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-from vllm.config._checks import check_choice, check_positive_int
+from vllm.config._checks import check_choice, check_positive_int, is_int
 
 SPECULATIVE_METHODS = ("eagle", "mtp", "dflash", "dspark")
 METHOD_ALIASES = {"deepseek_mtp": "mtp"}  # upstream's name for DeepSeek's MTP
@@ -34,6 +34,10 @@ class SpeculativeConfig:
     num_speculative_tokens: int | None = None
     draft_sample_method: str = "greedy"
     rejection_sample_method: str = "strict"
+    # Upstream's key: stop drafting while N or more requests run (None: always draft). "auto":
+    # a cost model drafts per request only while measured step times and the request's own
+    # acceptance say drafting pays (vllm/v1/spec_decode/cost_model.py).
+    disable_by_batch_size: int | str | None = None
 
     # ---- decoupled draft parallelism (upstream RFC #53673) ----
     # None = the target's tensor_parallel_size; only that value is implemented (the drafter
@@ -67,6 +71,7 @@ class SpeculativeConfig:
         self.rejection_sample_method = check_choice(
             "rejection_sample_method", method,
             REJECTION_SAMPLE_METHODS + tuple(_REJECTION_ALIASES))
+        self.disable_by_batch_size = _check_disable_by_batch_size(self.disable_by_batch_size)
         check_positive_int("draft_tensor_parallel_size", self.draft_tensor_parallel_size,
                            optional=True)
         check_positive_int("draft_decode_context_parallel_size",
@@ -158,6 +163,22 @@ class SpeculativeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _check_disable_by_batch_size(value):
+    """None, "auto" or an int N >= 1 (a digit string from dotted CLI keys counts as N).
+    Upstream requires N >= 2; N = 1 is kept here as "never draft" (an A/B switch)."""
+    if value is None or is_int(value) and value >= 1:
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return "auto"
+        if text.isdigit() and int(text) >= 1:
+            return int(text)
+    raise ValueError(f"disable_by_batch_size={value!r} is invalid: use an int N >= 1 (no drafting "
+                     "while N or more requests run), 'auto' (a cost model decides per request) "
+                     "or null (always draft).")
 
 
 def infer_method(draft_config, where: str = "config.json") -> str:

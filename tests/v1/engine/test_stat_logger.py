@@ -28,3 +28,20 @@ def test_interval_lines_hand_computed():
     # Next interval without new drafts: no SpecDecoding line, zero throughput.
     lines = logger.lines(now=logger._last_time + 5.0)
     assert len(lines) == 1 and "Avg prompt throughput: 0.0 tokens/s" in lines[0]
+
+
+def test_speculation_policy_line_hand_computed():
+    def snap(drafted, skipped):
+        return {"spec_decode": {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+                                "policy": {"mode": "auto", "num_drafted": drafted,
+                                           "num_skipped": skipped}}}
+    snaps = [snap(4, {"explore": 2}), snap(10, {"cost": 30, "explore": 2})]
+    state = {"i": 0}
+    logger = LoggingStatLogger(lambda: snaps[state["i"]], interval_s=10)
+    logger.lines(now=logger._last_time)
+    state["i"] = 1
+    lines = logger.lines(now=logger._last_time + 10.0)
+    assert lines[-1] == ("Speculation policy (auto): drafted 6 request-steps, skipped 30 "
+                         "(cost: 30, explore: 0)")
+    # Nothing new: no policy line.
+    assert not any("Speculation policy" in line for line in logger.lines(now=logger._last_time + 1))

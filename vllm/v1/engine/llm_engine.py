@@ -252,6 +252,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if not self.scheduler.has_unfinished_requests():
             return []
+        step_start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         scheduled_at = time.perf_counter()
         num_prompt_tokens = 0
@@ -263,6 +264,9 @@ class LLMEngine:
         runner_output = self.executor.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         now = time.perf_counter()
+        # Host wall time of the whole step (schedule, model, update): the speculation cost
+        # model's measurement. No device sync is added: the runner's step ends in its own copy.
+        self.scheduler.record_step_time(scheduler_output, now - step_start)
         outputs = []
         step_logprobs = runner_output.logprobs or {}
         step_prompt_logprobs = runner_output.prompt_logprobs or {}

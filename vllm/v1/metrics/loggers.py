@@ -68,6 +68,18 @@ class LoggingStatLogger:
                 f"Accepted: {int(accepted)} tokens, Drafted: {int(drafted)} tokens, "
                 f"Per-position acceptance rate: {rates}, "
                 f"Avg Draft acceptance rate: {100.0 * accepted / max(drafted, 1):.1f}%")
+        policy, policy_prev = spec.get("policy") or {}, spec_prev.get("policy") or {}
+        if policy and policy.get("mode") != "always":
+            # disable_by_batch_size N / "auto": how many request-steps drafted since the last line.
+            drafted_steps = delta("num_drafted", policy, policy_prev)
+            skipped_prev = policy_prev.get("num_skipped") or {}
+            skipped = {reason: n - skipped_prev.get(reason, 0)
+                       for reason, n in sorted((policy.get("num_skipped") or {}).items())}
+            if drafted_steps > 0 or any(skipped.values()):
+                lines.append(
+                    f"Speculation policy ({policy['mode']}): drafted {int(drafted_steps)} "
+                    f"request-steps, skipped {sum(skipped.values())} ("
+                    + ", ".join(f"{reason}: {n}" for reason, n in skipped.items()) + ")")
         self._last = copy.deepcopy(snap)
         self._last_time = now
         return lines

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from vllm.v1.metrics.stats import RequestTimer, mean_acceptance_length
+from vllm.v1.spec_decode.cost_model import REASON_BATCH, REASON_COST, REASON_EXPLORE
 
 # Upstream vLLM turns the `*_created` samples off (they double every counter / histogram).
 prometheus_client.disable_created_metrics()
@@ -36,6 +37,8 @@ _PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2
 # Tokens per engine step and per request: 1-2-5 steps up to 1M (upstream's build_1_2_5_buckets).
 _TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5) if m * 10**e <= 10**6)
 ENGINE_INDEX = "0"
+# Every reason label is exported from the start (at 0), so rate() sees the series appear.
+_POLICY_REASONS = (REASON_BATCH, REASON_COST, REASON_EXPLORE)
 
 
 class _EngineStateCollector:
@@ -92,6 +95,21 @@ class _EngineStateCollector:
         yield gauge("vllm:spec_decode_mean_acceptance_length",
                     "Tokens gained per verification step (1 + accepted drafts per step).",
                     spec.get("mean_acceptance_length", mean_acceptance_length(num_drafts, num_accepted)))
+        policy = spec.get("policy")
+        if policy:
+            # The speculation policy's per-request decisions (disable_by_batch_size N / "auto").
+            yield counter("vllm:spec_decode_policy_drafted",
+                          "Decode request-steps the speculation policy let draft.",
+                          policy.get("num_drafted", 0))
+            skipped = CounterMetricFamily(
+                "vllm:spec_decode_policy_skipped",
+                "Decode request-steps the speculation policy kept from drafting, by reason "
+                "(batch_size: disable_by_batch_size; cost: drafting does not pay; explore: a "
+                "plain step timed for the cost model).", labels=labels + ["reason"])
+            counts = policy.get("num_skipped", {}) or {}
+            for reason in sorted(set(_POLICY_REASONS) | set(counts)):
+                skipped.add_metric(values + [reason], float(counts.get(reason, 0)))
+            yield skipped
 
 
 class PrometheusMetrics:

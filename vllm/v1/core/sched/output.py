@@ -57,6 +57,8 @@ class SchedulerOutput:
     `scheduled_spec_decode_tokens[req_id]` lists the drafts to verify this step (absent: none).
     `finished_req_ids` / `preempted_req_ids`: requests whose runner state must be dropped before
     this step runs (finished or aborted since the last step / preempted by recompute this step).
+    `propose_drafts`: False when the speculation policy lets no request draft after this step,
+    so the runner may skip the draft pass (every row's next step is a plain decode).
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -66,6 +68,7 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    propose_drafts: bool = True
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:

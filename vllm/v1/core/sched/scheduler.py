@@ -24,6 +24,8 @@ from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, Schedul
 from vllm.v1.core.sched.request import Request, RequestStatus
 from vllm.v1.metrics.stats import mean_acceptance_length, per_position_acceptance
 from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.spec_decode.cost_model import Candidate
+from vllm.v1.spec_decode.policy import SpeculationPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +117,17 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: newest last
         self.finished_req_ids: set[str] = set()  # runner must drop these at the next step
         self.spec_decoding_stats = SpecDecodingStats(self.num_spec_tokens) if spec_config else None
+        # Which decoding requests draft each step (disable_by_batch_size: None / N / "auto").
+        if (spec_config is not None and spec_config.disable_by_batch_size == "auto"
+                and getattr(parallel_config, "distributed_executor_backend", None)
+                == "external_launcher"):
+            # Each torchrun process schedules on its own: decisions from each process's own
+            # clock would differ between ranks and break their lock-step.
+            raise ValueError("disable_by_batch_size='auto' decides from this process's own step "
+                             "times, but with distributed_executor_backend='external_launcher' "
+                             "every rank schedules on its own and the ranks would diverge; use "
+                             "an int N (same decision on every rank) or null")
+        self.spec_policy = SpeculationPolicy.from_config(spec_config) if spec_config else None
         self.num_preemptions = 0
 
     # ---- requests in / out -------------------------------------------------------------------
@@ -156,6 +169,8 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request.request_id)
         self.finished_req_ids.add(request.request_id)
+        if self.spec_policy is not None:
+            self.spec_policy.remove_request(request.request_id)
         del self.requests[request.request_id]
 
     def has_unfinished_requests(self) -> bool:
@@ -177,6 +192,11 @@ class Scheduler:
         # max_num_running_reqs guarantees they all fit), then the unfinished prefills.
         decodes = [r for r in self.running if not self._is_prefilling(r)]
         order = decodes + [r for r in self.running if self._is_prefilling(r)]
+        plan = None
+        if self.spec_policy is not None and self.spec_policy.active:
+            # A request the policy keeps from drafting decodes plainly: its drafts are dropped.
+            plan = self.spec_policy.plan([Candidate(r.request_id, r.num_tokens) for r in decodes],
+                                         num_running=len(self.running))
         for request in order:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
@@ -189,6 +209,8 @@ class Scheduler:
             else:
                 # Drafts must not run past max_model_len (the last token sits at num_tokens - 1).
                 drafts = request.spec_token_ids[:max(0, self.max_model_len - request.num_tokens)]
+                if plan is not None and not plan.drafts(request.request_id):
+                    drafts = []
                 num_new = 1 + len(drafts)
                 assert num_new <= token_budget, "max_num_running_reqs keeps decode steps in budget"
             need = self._slots_needed(request, num_new)
@@ -255,9 +277,29 @@ class Scheduler:
             scheduled_spec_decode_tokens=spec_tokens,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
+            propose_drafts=plan.propose if plan is not None else True,
         )
         self.finished_req_ids = set()
+        if plan is not None:
+            scheduled_decodes = [r for r in decodes if r.request_id in num_scheduled]
+            self.spec_policy.count(plan, (r.request_id for r in scheduled_decodes))
+            if self.spec_policy.cost_model is not None:
+                self.spec_policy.plan_timing(
+                    output, plan,
+                    {r.request_id: len(spec_tokens.get(r.request_id, ()))
+                     for r in scheduled_decodes},
+                    [r.num_tokens for r in scheduled_decodes],
+                    pure_decode=len(scheduled_decodes) == len(num_scheduled))
+        elif self.spec_policy is not None:
+            # No policy: every scheduled decode drafts (a count, no per-request work).
+            self.spec_policy.num_drafted += sum(1 for r in decodes if r.request_id in num_scheduled)
         return output
+
+    def record_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
+        """The engine's host wall time of the step that ran `scheduler_output` (the cost
+        model's measurement; the step already ends in the runner's one device->host copy)."""
+        if self.spec_policy is not None:
+            self.spec_policy.observe_step_time(scheduler_output, seconds)
 
     @staticmethod
     def _is_prefilling(request: Request) -> bool:
@@ -319,6 +361,8 @@ class Scheduler:
             request.num_computed_tokens += num_scheduled - (len(drafts) - num_accepted)
             if self.spec_decoding_stats is not None:
                 self.spec_decoding_stats.observe(len(drafts), num_accepted)
+            if self.spec_policy is not None:
+                self.spec_policy.observe_acceptance(req_id, len(drafts), num_accepted)
 
             new_tokens: list[int] = []
             for token in sampled:
@@ -361,5 +405,12 @@ class Scheduler:
             "num_free_blocks": kv.num_free_blocks,
             "num_total_blocks": kv.num_total_blocks,
             "num_preemptions": self.num_preemptions,
-            "spec_decode": self.spec_decoding_stats.as_dict() if self.spec_decoding_stats else None,
+            "spec_decode": self._spec_decode_stats(),
         }
+
+    def _spec_decode_stats(self) -> dict | None:
+        if self.spec_decoding_stats is None:
+            return None
+        stats = self.spec_decoding_stats.as_dict()
+        stats["policy"] = self.spec_policy.stats()
+        return stats

@@ -352,9 +352,13 @@ class GPUModelRunner:
             self.requests.set_num_computed(state, int(num_computed_new[i]))
 
         spec_token_ids = None
-        if self.speculator is not None:
+        if self.speculator is not None and (
+                getattr(scheduler_output, "propose_drafts", True)
+                or not getattr(self.speculator, "can_skip_propose", False)):
             spec_token_ids = self._propose(batch, hidden, aux_hidden, sample_rows,
                                            num_computed_new, out_tokens)
+        elif self.speculator is not None:
+            spec_token_ids = [[] for _ in req_ids]  # the policy lets nobody draft: no draft pass
         return ModelRunnerOutput(req_ids=list(req_ids), sampled_token_ids=out_tokens,
                                  spec_token_ids=spec_token_ids, num_draft_tokens=num_draft_list,
                                  num_accepted_tokens=num_accepted, logprobs=logprobs,

@@ -17,6 +17,10 @@ from vllm.v1.worker.gpu.spec_decode.speculator import DraftInputs, Speculator
 
 class BlockSpeculator(Speculator):
 
+    # The context KV is written inside the target forward (precompute_context), every step:
+    # skipping the block pass loses nothing a later step reads.
+    can_skip_propose = True
+
     @property
     def query_len(self) -> int:
         """Q: tokens in the draft block."""

@@ -64,6 +64,10 @@ class DraftInputs:
 class Speculator:
     """Base of the four speculators; subclasses implement `propose`."""
 
+    # May the runner skip propose() in a step after which nobody drafts? Not for EAGLE/MTP:
+    # their first draft pass writes the draft KV of the step's tokens, which later drafts read.
+    can_skip_propose = False
+
     def __init__(self, vllm_config: Any, device: torch.device | str, block_tables: Any,
                  max_num_reqs: int, max_num_tokens: int):
         self.vllm_config = vllm_config

@@ -1,0 +1,105 @@
+"""Speculation policy benchmark: does speculation that cannot pay cost nothing once the policy
+has switched it off? (issue 15, "Speculation policy").
+
+For each batch size it runs the same greedy decode through the real engine (LLMEngine.step) and
+reports steady-state output tok/s of:
+  none          no speculation (the baseline)
+  always        DSpark drafting every step (speculative_config without a policy)
+  never         disable_by_batch_size=1 (upstream's switch at its extreme: nobody drafts)
+  auto          disable_by_batch_size="auto", the cost model on measured step times and the
+                drafter's real acceptance
+  auto-nopay    "auto" with the cost model's acceptance forced to --forced-acceptance (1.0: every
+                draft counted as rejected) on measured step times: drafting cannot pay, so the
+                engine must stop drafting and come back to within 5% of `none`
+and, next to each, its ratio to `none`, the drafted / skipped decisions and the cost model's
+measured step times. Greedy tokens of every variant are compared with `none`'s (they must match).
+
+Usage (GPU, after the decode-speed work):
+  python benchmarks/engine/benchmark_spec_policy.py --batch-sizes 1 8 --context 1024
+  (CPU smoke run: --device cpu --dtype float32 --attention-backend TORCH_MLA --enforce-eager)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from vllm.benchmarks.spec_policy import VARIANTS, SpecPolicyCase, run_case
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="model dir (default: built-in tiny)")
+    parser.add_argument("--draft-model", default=None, help="drafter dir (default: built-in)")
+    parser.add_argument("--method", default="dspark")
+    parser.add_argument("--num-spec-tokens", type=int, default=4)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--context", type=int, default=1024, help="prompt tokens per request")
+    parser.add_argument("--output-len", type=int, default=512)
+    parser.add_argument("--warmup-steps", type=int, default=32,
+                        help="untimed engine steps (prefill, cost-model exploration)")
+    parser.add_argument("--forced-acceptance", type=float, default=1.0,
+                        help="acceptance length the auto-nopay cost model assumes")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--repeats", type=int, default=2, help="runs per variant (best kept)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--attention-backend", default="FLASHINFER_MLA")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--out", default="out/spec_policy")
+    args = parser.parse_args()
+    if "none" not in args.variants:
+        parser.error("--variants must include 'none' (the baseline every ratio is taken to)")
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    for batch in args.batch_sizes:
+        for variant in args.variants:
+            # Best of --repeats runs: the first engine of a process also pays one-time warm-up.
+            case = SpecPolicyCase(
+                variant, batch, context=args.context, output_len=args.output_len,
+                warmup_steps=args.warmup_steps, method=args.method,
+                num_spec_tokens=args.num_spec_tokens, model=args.model,
+                draft_model=args.draft_model, forced_acceptance=args.forced_acceptance,
+                device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
+                enforce_eager=args.enforce_eager)
+            runs = [run_case(case) for _ in range(args.repeats)]
+            row = max(runs, key=lambda r: r["tok_s"])
+            row["tok_s_runs"] = [r["tok_s"] for r in runs]
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "tokens"}), flush=True)
+    base = {r["batch"]: r for r in rows if r["variant"] == "none"}
+    print(f"{'variant':11} {'B':>3} {'ctx':>6} {'tok/s':>9} {'x none':>7} {'AL':>5} "
+          f"{'drafted':>8} {'skipped':>24} {'greedy':>7}")
+    ok = True
+    for r in rows:
+        b = base[r["batch"]]
+        r["x_none"] = r["tok_s"] / b["tok_s"]
+        r["greedy_equal"] = r["tokens"] == b["tokens"]
+        ok &= r["greedy_equal"]
+        policy = r["policy"] or {}
+        al = r["mean_acceptance_length"]
+        print(f"{r['variant']:11} {r['batch']:>3} {r['context']:>6} {r['tok_s']:9.1f} "
+              f"{r['x_none']:7.3f} {'-' if al is None else f'{al:.2f}':>5} "
+              f"{policy.get('num_drafted', '-')!s:>8} {json.dumps(policy.get('num_skipped', {})):>24} "
+              f"{'ok' if r['greedy_equal'] else 'DIFF':>7}")
+    never = {r["batch"]: r for r in rows if r["variant"] == "never"}
+    for r in rows:
+        if r["variant"] == "auto-nopay":
+            verdict = "within 5%" if r["x_none"] >= 0.95 else "NOT within 5%"
+            # "never" drafts nothing but still carries the drafter (block drafters write their
+            # context KV inside every target step) and runs plain decodes of a speculative
+            # engine: auto-nopay / never is the policy's own cost, never / none the engine's.
+            if r["batch"] in never:
+                print(f"B={r['batch']}: auto-nopay / never = "
+                      f"{r['tok_s'] / never[r['batch']]['tok_s']:.3f}, never / none = "
+                      f"{never[r['batch']]['x_none']:.3f}")
+            print(f"B={r['batch']}: auto-nopay at {r['x_none']:.3f}x of no speculation "
+                  f"({verdict}); cost model step times: "
+                  f"{json.dumps(((r['policy'] or {}).get('cost_model') or {}).get('step_times'))}")
+    with open(os.path.join(args.out, "spec_policy.json"), "w") as f:
+        json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    if not ok:
+        raise SystemExit("greedy tokens differ from no speculation: a correctness bug")
+
+
+if __name__ == "__main__":
+    main()

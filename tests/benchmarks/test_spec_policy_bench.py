@@ -1,0 +1,27 @@
+"""The speculation-policy benchmark's runner on the tiny model (CPU): every variant decodes the
+same greedy tokens as no speculation, and the policies' decisions are what each variant means."""
+import pytest
+
+from vllm.benchmarks.spec_policy import VARIANTS, SpecPolicyCase, run_case
+
+pytestmark = pytest.mark.slow
+
+
+def test_every_variant_decodes_the_same_greedy_tokens():
+    rows = {v: run_case(SpecPolicyCase(v, 2, context=16, output_len=48, warmup_steps=8,
+                                       num_spec_tokens=3, device="cpu", dtype="float32",
+                                       attention_backend="TORCH_MLA", enforce_eager=True))
+            for v in VARIANTS}
+    for v, row in rows.items():
+        assert row["tokens"] == rows["none"]["tokens"], v
+        assert row["timed_tokens"] > 0 and row["tok_s"] > 0
+    assert rows["never"]["num_drafts"] == 0
+    assert rows["always"]["policy"]["mode"] == "always" and rows["always"]["num_drafts"] > 0
+    assert rows["auto-nopay"]["policy"]["num_skipped"]["cost"] > 0
+
+
+def test_bad_cases_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match="variant='sometimes' is invalid"):
+        SpecPolicyCase("sometimes", 1)
+    with pytest.raises(ValueError, match="warmup_steps=64 must be smaller than output_len=64"):
+        SpecPolicyCase("none", 1, output_len=64, warmup_steps=64)

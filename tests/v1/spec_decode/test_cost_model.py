@@ -1,0 +1,308 @@
+"""The speculation policy and its cost model under synthetic step times and acceptance.
+
+A small loop plays the scheduler/engine protocol exactly as vllm/v1/core/sched/scheduler.py does:
+plan the step, drop the drafts of requests that do not draft, time the step (a synthetic clock:
+t_spec for a draft+verify step, t_plain for a plain one, their mean for a mixed one), observe the
+acceptance of the requests that verified drafts, and give every request drafts for the next step
+iff the drafter ran. The expectations are the arithmetic of the rule (speedup = a * t_plain /
+t_spec), not numbers taken from the code under test.
+"""
+from __future__ import annotations
+
+import pytest
+
+from vllm.config import SpeculativeConfig
+from vllm.v1.spec_decode.cost_model import (PLAIN, REASON_BATCH, REASON_COST, REASON_EXPLORE,
+                                            SPEC, Candidate, CostModelConfig, Decision,
+                                            SpeculationCostModel, pow2_bucket)
+from vllm.v1.spec_decode.policy import SpeculationPolicy
+
+K = 4
+
+
+class Loop:
+    """Requests with fixed contexts and a per-request acceptance length (callable of step)."""
+
+    def __init__(self, policy: SpeculationPolicy, acceptance: dict, t_spec=2.0, t_plain=1.0,
+                 context=1000):
+        self.policy, self.acceptance = policy, acceptance
+        self.t_spec, self.t_plain, self.context = t_spec, t_plain, context
+        self.has_drafts = {r: False for r in acceptance}
+        self.step = 0
+        self.log: list[dict[str, bool]] = []   # per step: request -> verified drafts
+        self.proposed: list[bool] = []
+
+    def run(self, steps: int) -> Loop:
+        for _ in range(steps):
+            self.one_step()
+        return self
+
+    def one_step(self) -> None:
+        policy = self.policy
+        reqs = list(self.acceptance)
+        plan = policy.plan([Candidate(r, self.context) for r in reqs], num_running=len(reqs))
+        verified = {r: self.has_drafts[r] and plan.drafts(r) for r in reqs}
+        output = object()
+        policy.count(plan, reqs)
+        policy.plan_timing(output, plan, {r: K if verified[r] else 0 for r in reqs},
+                           [self.context] * len(reqs), pure_decode=True)
+        spec_rows = sum(verified.values())
+        if plan.propose and spec_rows == len(reqs):
+            seconds = self.t_spec
+        elif not plan.propose and spec_rows == 0:
+            seconds = self.t_plain
+        else:
+            seconds = (self.t_spec + self.t_plain) / 2
+        policy.observe_step_time(output, seconds)
+        for r in reqs:
+            if verified[r]:
+                a = self.acceptance[r]
+                a = a(self.step) if callable(a) else a
+                policy.observe_acceptance(r, K, int(round(a)) - 1)
+            self.has_drafts[r] = plan.propose  # the runner drafts for every row or none
+        self.log.append(verified)
+        self.proposed.append(plan.propose)
+        self.step += 1
+
+    def drafted_steps(self, req: str, since: int = 0) -> int:
+        return sum(entry[req] for entry in self.log[since:])
+
+
+def auto_policy(**cfg) -> SpeculationPolicy:
+    return SpeculationPolicy(K, "auto", SpeculationCostModel(K, CostModelConfig(**cfg)))
+
+
+def test_pow2_buckets():
+    assert [pow2_bucket(n) for n in (0, 1, 2, 3, 4, 5, 8, 9, 1000, 1024, 1025)] == \
+        [1, 1, 2, 4, 4, 8, 8, 16, 1024, 1024, 2048]
+    model = SpeculationCostModel(K, CostModelConfig(min_context_bucket=256))
+    assert model.bucket(3, 10) == (4, 256) and model.bucket(1, 3000) == (1, 4096)
+
+
+def test_stops_drafting_where_it_cannot_pay():
+    # acceptance 1.0 (every draft rejected), a draft+verify step costs 1.5 plain steps.
+    loop = Loop(auto_policy(probe_interval=64), {"a": 1.0, "b": 1.0}, t_spec=1.5).run(600)
+    # Warm-up: spec timings, the plain exploration, the acceptance of one verify step.
+    assert all(not any(entry.values()) for entry in loop.log[10:64])
+    assert not any(loop.proposed[10:64])
+    # Afterwards only re-probes draft, each probe_len = 2 steps plus one to get the second
+    # acceptance sample, at doubling intervals (64, 128, 256, 512 steps): at most 5 probes.
+    late = sum(loop.proposed[10:])
+    assert 0 < late <= 5 * 3
+    stats = loop.policy.stats()
+    assert stats["num_skipped"][REASON_COST] > 1000
+    assert stats["num_skipped"][REASON_EXPLORE] == 2 * 2  # min_samples plain steps, 2 requests
+
+
+def test_keeps_drafting_where_it_pays():
+    # 3 tokens per step for 1.5x the cost: speedup 2.
+    loop = Loop(auto_policy(), {"a": 3.0, "b": 3.0}, t_spec=1.5).run(300)
+    assert loop.policy.stats()["num_skipped"].get(REASON_COST, 0) == 0
+    # Only the exploration's plain steps (and the one step after them that proposes but has
+    # nothing to verify) go without drafts.
+    assert loop.drafted_steps("a") >= 300 - 4
+    assert all(all(entry.values()) for entry in loop.log[10:])
+
+
+def test_per_request_decisions_in_one_batch():
+    # t_spec / t_plain = 1.5: "good" gains 3 tokens (speedup 2), "bad" 1 token (0.67).
+    loop = Loop(auto_policy(probe_interval=500, max_probe_interval=500),
+                {"good": 3.0, "bad": 1.0}, t_spec=1.5).run(200)
+    assert all(entry["good"] for entry in loop.log[10:])
+    assert not any(entry["bad"] for entry in loop.log[10:])
+    assert all(loop.proposed[10:])  # the drafter still runs for "good"
+
+
+def test_hysteresis_keeps_the_current_state_inside_the_band():
+    h = 0.05
+    model = SpeculationCostModel(K, CostModelConfig(hysteresis=h, probe_interval=10**6,
+                                                    max_probe_interval=10**6,
+                                                    min_acceptance_samples=1))
+    for _ in range(3):
+        model.observe_step(SPEC, 1, 500, 2.0)
+        model.observe_step(PLAIN, 1, 500, 1.0)
+    cand = [Candidate("r", 500)]
+    # speedup = a / 2. A drafting request keeps drafting at speedup 0.97 (inside the band)...
+    model.observe_acceptance("r", 1.94)
+    assert model.decide(cand)["r"].draft
+    # ...and stops below 1 - h.
+    model = SpeculationCostModel(K, model.config)
+    for _ in range(3):
+        model.observe_step(SPEC, 1, 500, 2.0)
+        model.observe_step(PLAIN, 1, 500, 1.0)
+    model.observe_acceptance("r", 1.8)  # speedup 0.9
+    assert not model.decide(cand)["r"].draft
+    # Back to 2.06 (speedup 1.03, inside the band): it stays off; 2.2 (1.1) restarts it.
+    model.config.acceptance_alpha = 1.0
+    model.observe_acceptance("r", 2.06)
+    assert not model.decide(cand)["r"].draft
+    model.observe_acceptance("r", 2.2)
+    assert model.decide(cand)["r"].draft
+
+
+def test_one_verify_step_is_not_enough_to_judge_a_request():
+    model = SpeculationCostModel(K, CostModelConfig(min_acceptance_samples=2))
+    for _ in range(2):
+        model.observe_step(SPEC, 1, 500, 2.0)
+        model.observe_step(PLAIN, 1, 500, 1.0)
+    cand = [Candidate("r", 500)]
+    model.observe_acceptance("r", 1.0)
+    assert model.decide(cand)["r"].draft and model.acceptance("r") is None
+    model.observe_acceptance("r", 1.0)
+    assert model.decide(cand)["r"] == Decision(False, REASON_COST)
+
+
+def test_reprobe_revives_a_request_whose_drafts_started_to_match():
+    # Acceptance 1 for 150 steps, then 4 (speedup 4 / 1.5 = 2.7).
+    acceptance = {"a": lambda step: 1.0 if step < 150 else 4.0}
+    loop = Loop(auto_policy(probe_interval=32, max_probe_interval=256), acceptance,
+                t_spec=1.5).run(600)
+    off_steps = [i for i in range(10, 150) if not loop.log[i]["a"]]
+    assert len(off_steps) > 100  # it stopped
+    # Probes happened while off (drafts verified now and then before step 150)...
+    assert 0 < loop.drafted_steps("a", 10) - loop.drafted_steps("a", 150) <= 10
+    # ...and the first probe after the change revives it for good (the interval was at most
+    # 256 by then, so within 256 + 2 steps).
+    revived = next(i for i in range(150, 600) if all(loop.log[j]["a"] for j in range(i, 600)))
+    assert revived <= 150 + 256 + 3
+
+
+def test_probe_interval_backs_off_while_nobody_revives():
+    loop = Loop(auto_policy(probe_interval=16, max_probe_interval=64), {"a": 1.0},
+                t_spec=2.0).run(400)
+    probe_starts = [i for i in range(10, 400) if loop.proposed[i] and not loop.proposed[i - 1]]
+    gaps = [b - a for a, b in zip(probe_starts, probe_starts[1:])]
+    assert gaps[:3] == [32, 64, 64] or gaps[:2] == [32, 64], gaps
+    assert max(gaps) == 64
+
+
+def test_probes_while_everyone_drafts_do_not_back_off():
+    # Acceptance 4 (pays) for 300 steps, then 1: the first probe after the switch comes within
+    # probe_interval + probe_len steps, not after a backed-off interval.
+    acceptance = {"a": lambda step: 4.0 if step < 300 else 1.0,
+                  "b": lambda step: 4.0 if step < 300 else 1.0}
+    loop = Loop(auto_policy(probe_interval=16, max_probe_interval=1024), acceptance,
+                t_spec=1.5).run(400)
+    assert all(all(entry.values()) for entry in loop.log[10:300])
+    stopped = next(i for i in range(300, 400) if not loop.proposed[i])
+    first_probe = next(i for i in range(stopped, 400) if loop.proposed[i])
+    assert first_probe - stopped <= 16 + 2
+
+
+def test_explores_plain_steps_before_trusting_a_bucket():
+    model = SpeculationCostModel(K, CostModelConfig(min_samples=3))
+    cand = [Candidate("r", 100)]
+    assert model.decide(cand)["r"].draft          # no timings at all: draft and measure
+    for _ in range(3):
+        model.observe_step(SPEC, 1, 100, 2.0)
+    reasons = [model.decide(cand)["r"] for _ in range(3)]
+    assert all(not d.draft and d.reason == REASON_EXPLORE for d in reasons)
+    # A new bucket (batch 3 -> bucket 4) while no bucket has both timings: it drafts to measure.
+    assert all(d.draft for d in model.decide([Candidate(f"q{i}", 100) for i in range(3)])
+               .values())
+
+
+def test_a_new_bucket_borrows_the_nearest_measured_ratio():
+    model = SpeculationCostModel(K, CostModelConfig(min_samples=2, min_acceptance_samples=1))
+    for _ in range(2):
+        model.observe_step(SPEC, 1, 100, 3.0)    # bucket (1, 256): ratio 3
+        model.observe_step(PLAIN, 1, 100, 1.0)
+        model.observe_step(SPEC, 64, 100, 1.2)   # bucket (64, 256): ratio 1.2
+        model.observe_step(PLAIN, 64, 100, 1.0)
+    assert model.cost_ratio(1, 100) == pytest.approx(3.0)
+    assert model.cost_ratio(2, 100) == pytest.approx(3.0)     # nearer to batch 1 than to 64
+    assert model.cost_ratio(32, 100) == pytest.approx(1.2)
+    batch = [Candidate(f"r{i}", 100) for i in range(3)]      # bucket (4, 256): borrows 3.0
+    for c in batch:
+        model.observe_acceptance(c.req_id, 2.0)             # speedup 2 / 3
+    assert all(d == Decision(False, REASON_COST) for d in model.decide(batch).values())
+
+
+def test_disable_by_batch_size_thresholds():
+    policy = SpeculationPolicy(K, 3)
+    cands = [Candidate(f"r{i}", 10) for i in range(3)]
+    plan = policy.plan(cands[:2], num_running=2)
+    assert plan.propose and all(d.draft for d in plan.decisions.values())
+    plan = policy.plan(cands, num_running=3)  # >= N: nobody drafts
+    assert not plan.propose
+    assert all(not d.draft and d.reason == REASON_BATCH for d in plan.decisions.values())
+    policy.count(plan, [c.req_id for c in cands])
+    assert policy.stats()["num_skipped"] == {REASON_BATCH: 3}
+    # N = 1: never drafts, not even a lone request.
+    plan = SpeculationPolicy(K, 1).plan(cands[:1], num_running=1)
+    assert not plan.propose and not plan.drafts("r0")
+    # None: always drafts, no cost model.
+    policy = SpeculationPolicy(K, None)
+    assert policy.plan(cands, num_running=100).propose and policy.cost_model is None
+
+
+def test_mixed_and_prefill_steps_are_not_timed():
+    policy = auto_policy()
+    out = object()
+    plan = policy.plan([Candidate("a", 10), Candidate("b", 10)], num_running=2)
+    policy.plan_timing(out, plan, {"a": K, "b": 0}, [10, 10], pure_decode=True)  # mixed
+    policy.observe_step_time(out, 1.0)
+    policy.plan_timing(out, plan, {"a": K, "b": K}, [10, 10], pure_decode=False)  # prefill
+    policy.observe_step_time(out, 1.0)
+    assert policy.cost_model.snapshot()["step_times"] == {}
+    policy.plan_timing(out, plan, {"a": K, "b": K}, [10, 10], pure_decode=True)
+    policy.observe_step_time(object(), 1.0)  # another step's output: ignored
+    policy.plan_timing(out, plan, {"a": K, "b": K}, [10, 10], pure_decode=True)
+    policy.observe_step_time(out, 1.0)
+    assert policy.cost_model.snapshot()["step_times"] == {
+        "b2_c256": {SPEC: {"seconds": 1.0, "samples": 1}}}
+
+
+def test_injected_timer_and_acceptance():
+    model = SpeculationCostModel(K, acceptance_override=1.0,
+                                 step_time_fn=lambda kind, b, c: 3.0 if kind == SPEC else 1.0)
+    for kind in (SPEC, PLAIN, SPEC, PLAIN):
+        model.observe_step(kind, 1, 10, 123.0)  # the measured seconds are replaced
+    assert model.step_time(SPEC, 1, 10) == pytest.approx(3.0)
+    assert model.step_time(PLAIN, 1, 10) == pytest.approx(1.0)
+    assert model.expected_speedup("anyone", 1, 10) == pytest.approx(1.0 / 3.0)
+
+
+@pytest.mark.parametrize("value,expected", [(None, None), (4, 4), (1, 1), ("auto", "auto"),
+                                            ("AUTO", "auto"), ("8", 8)])
+def test_config_accepts(value, expected):
+    spec = SpeculativeConfig(method="dspark", num_speculative_tokens=4,
+                             disable_by_batch_size=value)
+    assert spec.disable_by_batch_size == expected
+    assert SpeculativeConfig.from_json({"method": "dspark", "disable_by_batch_size": value}) \
+        .disable_by_batch_size == expected
+
+
+@pytest.mark.parametrize("value", [0, -2, True, 2.5, "sometimes", ""])
+def test_config_rejects_with_the_fix(value):
+    with pytest.raises(ValueError) as info:
+        SpeculativeConfig(method="dspark", disable_by_batch_size=value)
+    message = str(info.value)
+    assert f"disable_by_batch_size={value!r}" in message and "'auto'" in message
+    assert "int N >= 1" in message
+
+
+def test_cost_model_config_errors_name_the_value():
+    with pytest.raises(ValueError, match="probe_len=8 must be smaller than probe_interval=8"):
+        CostModelConfig(probe_interval=8, probe_len=8)
+    with pytest.raises(ValueError, match=r"time_alpha=0\.0 is invalid"):
+        CostModelConfig(time_alpha=0.0)
+    with pytest.raises(ValueError, match="step kind 'draft' is invalid"):
+        SpeculationCostModel(K).observe_step("draft", 1, 1, 1.0)
+
+
+def test_a_revival_resets_the_probe_interval():
+    # Off from the start (acceptance 1); from step 100 on, "a"'s drafts match (4). Probes back
+    # off while nobody revives; the probe that revives "a" resets the interval to 16 (judged
+    # once "a" has its two fresh samples), then "b" alone backs it off again.
+    acceptance = {"a": lambda step: 1.0 if step < 100 else 4.0, "b": 1.0}
+    policy = auto_policy(probe_interval=16, max_probe_interval=1024)
+    loop = Loop(policy, acceptance, t_spec=1.5)
+    intervals = []
+    for _ in range(300):
+        loop.one_step()
+        intervals.append(policy.cost_model.snapshot()["probe_interval"])
+    assert max(intervals[:100]) >= 64
+    revived = next(i for i in range(100, 300) if all(e["a"] for e in loop.log[i:]))
+    assert 16 in intervals[revived:revived + 8]
+    assert all(entry["a"] for entry in loop.log[revived:])

@@ -1,0 +1,109 @@
+"""Decode tok/s under each speculation policy (benchmarks/engine/benchmark_spec_policy.py and the
+GPU test of "speculation that cannot pay costs nothing" share it).
+
+Variants: "none" (no speculation), "always" (drafting every step), "never"
+(disable_by_batch_size=1), "auto" (the cost model on measured step times and real acceptance),
+"auto-nopay" ("auto" with the cost model's acceptance forced to `forced_acceptance`, 1.0 = every
+draft counted as rejected: drafting cannot pay, so the engine must stop drafting).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+VARIANTS = ("none", "always", "never", "auto", "auto-nopay")
+_POLICY = {"always": None, "never": 1, "auto": "auto", "auto-nopay": "auto"}
+
+
+@dataclass
+class SpecPolicyCase:
+    variant: str
+    batch: int
+    context: int = 1024          # prompt tokens per request
+    output_len: int = 512
+    warmup_steps: int = 32       # untimed: prefill, graph warm-up, the cost model's exploration
+    method: str = "dspark"
+    num_spec_tokens: int = 4
+    model: str | None = None     # None: the built-in tiny model (and its drafter)
+    draft_model: str | None = None
+    forced_acceptance: float = 1.0
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    attention_backend: str = "FLASHINFER_MLA"
+    enforce_eager: bool = False
+
+    def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant={self.variant!r} is invalid: use one of {list(VARIANTS)}")
+        if self.warmup_steps >= self.output_len:
+            raise ValueError(f"warmup_steps={self.warmup_steps} must be smaller than output_len="
+                             f"{self.output_len}: nothing would be timed")
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+        torch.cuda.synchronize()
+
+
+def run_case(case: SpecPolicyCase) -> dict:
+    """Greedy decode of `batch` requests; tok/s over the steps after the warm-up."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    spec = None
+    if case.variant != "none":
+        spec = {"method": case.method, "num_speculative_tokens": case.num_spec_tokens,
+                "disable_by_batch_size": _POLICY[case.variant]}
+        if case.draft_model:
+            spec["model"] = case.draft_model
+    extra = {} if case.device == "cuda" else {"device": case.device}
+    engine_args = EngineArgs(
+        model=case.model, dtype=case.dtype,
+        max_model_len=case.context + case.output_len + case.num_spec_tokens + 8,
+        attention_backend=case.attention_backend, speculative_config=spec,
+        max_num_seqs=max(case.batch, 1),
+        max_num_batched_tokens=max(4096, case.batch * (case.context + 1)),
+        enforce_eager=case.enforce_eager, seed=0, **extra)
+    engine = LLMEngine.from_engine_args(engine_args)
+    try:
+        if case.variant == "auto-nopay":
+            engine.scheduler.spec_policy.cost_model.acceptance_override = case.forced_acceptance
+        params = SamplingParams(temperature=0.0, max_tokens=case.output_len, ignore_eos=True)
+        for i in range(case.batch):
+            prompt = [(7 * i + 13 * j) % 200 + 20 for j in range(case.context)]
+            engine.add_request(f"r{i}", prompt, params)
+        outputs: dict[str, list[int]] = {}
+
+        def step() -> None:
+            for o in engine.step():
+                outputs[o.request_id] = list(o.outputs[0].token_ids)
+
+        for _ in range(case.warmup_steps):
+            if engine.has_unfinished_requests():
+                step()
+        tokens_before = engine._num_generation_tokens
+        _sync(case.device)
+        start = time.perf_counter()
+        timed_steps = 0
+        while engine.has_unfinished_requests():
+            step()
+            timed_steps += 1
+        _sync(case.device)
+        seconds = time.perf_counter() - start
+        tokens = engine._num_generation_tokens - tokens_before
+        if tokens == 0:
+            raise ValueError(f"{case.variant} B={case.batch}: every token was generated in the "
+                             f"{case.warmup_steps} warm-up steps; raise output_len "
+                             f"(now {case.output_len}) or lower warmup_steps")
+        spec_stats = engine.scheduler.get_stats().get("spec_decode") or {}
+        return {"variant": case.variant, "batch": case.batch, "context": case.context,
+                "tok_s": tokens / seconds,
+                "timed_steps": timed_steps, "timed_tokens": tokens,
+                "mean_acceptance_length": spec_stats.get("mean_acceptance_length"),
+                "num_drafts": spec_stats.get("num_drafts"),
+                "policy": spec_stats.get("policy"),
+                "tokens": [outputs[f"r{i}"] for i in range(case.batch)]}
+    finally:
+        engine.shutdown()

@@ -1,0 +1,287 @@
+"""When does drafting pay? A cost model from measured step times and per-request acceptance.
+
+A request that drafts gains `a` tokens per step (its running acceptance length: accepted drafts
++ the bonus token) in a step that costs t_spec (draft + verify); without drafts it gains 1 token
+in a step that costs t_plain. Drafting pays while
+
+    speedup = a * t_plain / t_spec > 1.
+
+Upstream measured (issue #54691) that the break-even `a` rises with context and batch size, so
+the times are kept per (batch-size bucket, context bucket) as exponential moving averages of
+steps measured on the host (the engine's wall clock around a step; no device syncs).
+
+Three rules keep the decisions stable and the model fed:
+* hysteresis: a drafting request stops below 1 - h, an idle one restarts above 1 + h;
+* re-probe: every `probe_interval` steps, requests that stopped draft for `probe_len` steps (all
+  together, so the probe steps are pure draft+verify steps that refresh t_spec too); their
+  acceptance restarts from what the probe measures (a request keeps drafting until it has
+  `min_acceptance_samples` of them). A probe that revives nobody doubles the
+  interval (up to `max_probe_interval`): where drafting cannot pay, probing costs ~nothing;
+* exploration: until some bucket has both timings, a bucket with too few spec-step timings
+  drafts and one with too few plain-step timings then runs `min_samples` plain steps; later, a
+  bucket without both borrows the cost ratio of its nearest measured neighbour.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+SPEC = "spec"    # a step that verified drafts for every row and proposed new ones
+PLAIN = "plain"  # a step without drafts and without a draft pass
+
+# Reasons a request does not draft this step (the label of the skipped counter).
+REASON_COST = "cost"          # the cost model says drafting does not pay
+REASON_EXPLORE = "explore"    # a plain step measured for the cost model
+REASON_BATCH = "batch_size"   # disable_by_batch_size: too many running requests
+
+
+def pow2_bucket(n: int) -> int:
+    """The smallest power of two >= n (n <= 1 -> 1): buckets of batch size and context."""
+    n = int(n)
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@dataclass
+class CostModelConfig:
+    time_alpha: float = 0.2        # weight of a new step-time sample in its bucket's EMA
+    acceptance_alpha: float = 0.2  # weight of a new acceptance sample in a request's EMA
+    hysteresis: float = 0.05       # h: stop below 1 - h, restart above 1 + h
+    min_samples: int = 2           # timings a bucket needs before they are trusted
+    min_acceptance_samples: int = 2  # verify steps a request needs before it is judged
+    probe_interval: int = 32       # steps between re-probes of requests that stopped
+    max_probe_interval: int = 1024
+    probe_len: int = 2             # steps per probe (the first proposes, the second verifies)
+    min_context_bucket: int = 256  # contexts below this share one bucket
+
+    def __post_init__(self):
+        for name in ("time_alpha", "acceptance_alpha"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"{name}={value!r} is invalid: it must be in (0, 1].")
+        if not 0.0 <= self.hysteresis < 1.0:
+            raise ValueError(f"hysteresis={self.hysteresis!r} is invalid: it must be in [0, 1).")
+        for name in ("min_samples", "min_acceptance_samples", "probe_interval", "max_probe_interval", "probe_len",
+                     "min_context_bucket"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} is invalid: it must be an int >= 1.")
+        if self.probe_len >= self.probe_interval:
+            raise ValueError(f"probe_len={self.probe_len} must be smaller than probe_interval="
+                             f"{self.probe_interval}; lengthen the interval or shorten the probe")
+        if self.max_probe_interval < self.probe_interval:
+            raise ValueError(f"max_probe_interval={self.max_probe_interval} is smaller than "
+                             f"probe_interval={self.probe_interval}; raise it")
+
+
+@dataclass
+class _Ema:
+    value: float = 0.0
+    count: int = 0
+
+    def add(self, sample: float, alpha: float) -> None:
+        self.value = sample if self.count == 0 else (1 - alpha) * self.value + alpha * sample
+        self.count += 1
+
+
+@dataclass
+class _RequestState:
+    drafting: bool = True         # hysteresis state
+    acceptance: _Ema = field(default_factory=_Ema)
+    restart_acceptance: bool = False  # set by a probe: the next sample replaces the average
+
+
+@dataclass
+class Candidate:
+    """A running request the scheduler may let draft this step."""
+
+    req_id: str
+    context_len: int
+
+
+@dataclass
+class Decision:
+    draft: bool
+    reason: str | None = None  # why not (REASON_*), None when it drafts
+
+
+class SpeculationCostModel:
+
+    def __init__(self, num_spec_tokens: int, config: CostModelConfig | None = None,
+                 acceptance_override: float | None = None,
+                 step_time_fn: Callable[[str, int, int], float] | None = None):
+        if num_spec_tokens < 1:
+            raise ValueError(f"num_spec_tokens={num_spec_tokens} is invalid: the cost model "
+                             "needs speculation (k >= 1)")
+        self.num_spec_tokens = int(num_spec_tokens)
+        self.config = config or CostModelConfig()
+        # Test / benchmark hooks: a fixed acceptance length instead of the measured one, and
+        # synthetic step times (kind, batch size, context) instead of the measured ones.
+        self.acceptance_override = acceptance_override
+        self.step_time_fn = step_time_fn
+        self._times: dict[tuple[str, int, int], _Ema] = {}
+        self._requests: dict[str, _RequestState] = {}
+        self._step = 0
+        self._probe_interval = self.config.probe_interval
+        self._next_probe = self._probe_interval
+        self._probe_start = -self.config.probe_len - 1  # no probe yet
+        self._review_pending = False
+        self._revived = False
+        self._probed_any = False
+        self._explore_left: dict[tuple[int, int], int] = {}
+
+    # ---- buckets and measurements ------------------------------------------------------------
+    def bucket(self, batch_size: int, context_len: int) -> tuple[int, int]:
+        return (pow2_bucket(batch_size),
+                pow2_bucket(max(int(context_len), self.config.min_context_bucket)))
+
+    def observe_step(self, kind: str, batch_size: int, context_len: int, seconds: float) -> None:
+        """One measured decode step of `kind` (SPEC or PLAIN) over `batch_size` requests whose
+        mean context is `context_len`."""
+        if kind not in (SPEC, PLAIN):
+            raise ValueError(f"step kind {kind!r} is invalid: use {SPEC!r} or {PLAIN!r}")
+        if self.step_time_fn is not None:
+            seconds = float(self.step_time_fn(kind, batch_size, context_len))
+        if not seconds > 0.0:
+            return  # a clock that did not move says nothing
+        key = (kind, *self.bucket(batch_size, context_len))
+        self._times.setdefault(key, _Ema()).add(float(seconds), self.config.time_alpha)
+
+    def step_time(self, kind: str, batch_size: int, context_len: int) -> float | None:
+        """The bucket's average step time, None until it has min_samples timings."""
+        ema = self._times.get((kind, *self.bucket(batch_size, context_len)))
+        if ema is None or ema.count < self.config.min_samples:
+            return None
+        return ema.value
+
+    def observe_acceptance(self, req_id: str, acceptance_length: float) -> None:
+        """Tokens a request gained in one step that verified its drafts (1 + accepted)."""
+        state = self._requests.setdefault(req_id, _RequestState())
+        if state.restart_acceptance:
+            state.acceptance = _Ema()
+            state.restart_acceptance = False
+        state.acceptance.add(float(acceptance_length), self.config.acceptance_alpha)
+
+    def acceptance(self, req_id: str) -> float | None:
+        if self.acceptance_override is not None:
+            return float(self.acceptance_override)
+        state = self._requests.get(req_id)
+        # One verify step is too noisy to judge a request on (a single rejected block).
+        if state is None or state.acceptance.count < self.config.min_acceptance_samples:
+            return None
+        return state.acceptance.value
+
+    def remove_request(self, req_id: str) -> None:
+        self._requests.pop(req_id, None)
+
+    # ---- decisions ---------------------------------------------------------------------------
+    def cost_ratio(self, batch_size: int, context_len: int) -> float | None:
+        """t_spec / t_plain of the bucket; a bucket without both timings borrows the ratio of
+        the nearest bucket that has them (a ratio carries over between neighbouring buckets far
+        better than absolute times, and it spares every new bucket its own exploration)."""
+        want = self.bucket(batch_size, context_len)
+        known = {}
+        for (kind, b, c), ema in self._times.items():
+            if ema.count >= self.config.min_samples:
+                known.setdefault((b, c), {})[kind] = ema.value
+        pairs = {key: v[SPEC] / v[PLAIN] for key, v in known.items() if len(v) == 2}
+        if not pairs:
+            return None
+        if want in pairs:
+            return pairs[want]
+
+        def distance(key):
+            return (abs(key[0].bit_length() - want[0].bit_length())
+                    + abs(key[1].bit_length() - want[1].bit_length()), key)
+
+        return pairs[min(pairs, key=distance)]
+
+    def expected_speedup(self, req_id: str, batch_size: int, context_len: int) -> float | None:
+        """a * t_plain / t_spec, None while the acceptance or the cost ratio is unknown."""
+        a = self.acceptance(req_id)
+        ratio = self.cost_ratio(batch_size, context_len)
+        if a is None or ratio is None:
+            return None
+        return a / ratio
+
+    def decide(self, candidates: Iterable[Candidate]) -> dict[str, Decision]:
+        """Per request: draft this step or not. Call once per engine step."""
+        candidates = list(candidates)
+        step = self._step
+        self._step += 1
+        if not candidates:
+            return {}
+        cfg = self.config
+        batch = len(candidates)
+        context = sum(c.context_len for c in candidates) // batch
+        bucket = self.bucket(batch, context)
+        ratio = self.cost_ratio(batch, context)
+
+        if ratio is None and self.step_time(SPEC, batch, context) is None:
+            # Nothing to compare with yet: draft (what the user configured) and measure.
+            return {c.req_id: Decision(True) for c in candidates}
+        if ratio is None:
+            # Measure plain steps now: min_samples of them in a row, the whole batch at once.
+            left = self._explore_left.setdefault(bucket, cfg.min_samples)
+            if left > 0:
+                self._explore_left[bucket] = left - 1
+                return {c.req_id: Decision(False, REASON_EXPLORE) for c in candidates}
+            # Explored but the samples were lost (steps with prefills are not timed): go again.
+            self._explore_left[bucket] = cfg.min_samples
+            return {c.req_id: Decision(True) for c in candidates}
+
+        probing = self._probe_window(step)
+        decisions = {}
+        for c in candidates:
+            state = self._requests.setdefault(c.req_id, _RequestState())
+            a = self.acceptance(c.req_id)
+            if a is None:
+                decisions[c.req_id] = Decision(True)  # no acceptance yet: measure it
+                continue
+            speedup = a / ratio
+            if state.drafting and speedup < 1.0 - cfg.hysteresis:
+                state.drafting = False
+            elif not state.drafting and speedup > 1.0 + cfg.hysteresis:
+                state.drafting = True
+                self._revived = True
+            if state.drafting:
+                decisions[c.req_id] = Decision(True)
+            elif probing:
+                if step == self._probe_start:
+                    state.restart_acceptance = True  # judge it on what the probe measures
+                self._probed_any = True
+                decisions[c.req_id] = Decision(True)
+            else:
+                decisions[c.req_id] = Decision(False, REASON_COST)
+        # A probed request is judged once it has min_acceptance_samples fresh samples: the
+        # probe's last step gives the first, each further drafting step one more.
+        if self._review_pending and step >= (self._probe_start + cfg.probe_len
+                                             + cfg.min_acceptance_samples - 1):
+            # Nobody revived -> probe half as often (down to max_probe_interval); somebody
+            # did, or nobody needed probing (everyone drafted) -> back to probe_interval.
+            self._review_pending = False
+            if self._revived or not self._probed_any:
+                self._probe_interval = cfg.probe_interval
+            else:
+                self._probe_interval = min(2 * self._probe_interval, cfg.max_probe_interval)
+            self._next_probe = max(self._probe_start + self._probe_interval, step + 1)
+        return decisions
+
+    def _probe_window(self, step: int) -> bool:
+        """True during the probe steps [start, start + probe_len)."""
+        if step >= self._next_probe:
+            self._probe_start = step
+            self._next_probe = step + self._probe_interval  # provisional, see the review
+            self._review_pending = True
+            self._revived = False
+            self._probed_any = False
+        return self._probe_start <= step < self._probe_start + self.config.probe_len
+
+    # ---- introspection -----------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """Bucketed averages for the engine's stats (seconds)."""
+        times = {}
+        for (kind, batch, context), ema in sorted(self._times.items()):
+            times.setdefault(f"b{batch}_c{context}", {})[kind] = {"seconds": ema.value,
+                                                                   "samples": ema.count}
+        return {"step_times": times, "probe_interval": self._probe_interval,
+                "num_requests_not_drafting": sum(not s.drafting for s in self._requests.values())}

@@ -1,0 +1,138 @@
+"""The scheduler's speculation policy: which decoding requests draft this step.
+
+`speculative_config.disable_by_batch_size`:
+* None   -> every request drafts every step (no policy);
+* N      -> upstream's rule: nobody drafts while N or more requests run;
+* "auto" -> the cost model (cost_model.py) decides per request from measured step times and the
+            request's running acceptance length.
+
+A request that does not draft is scheduled as a plain decode (its drafts, if any, are dropped), so
+greedy output is the same whatever the policy decides. The decision for step t also says whether
+the drafter must run after step t (`propose`): drafts proposed at step t are verified at t + 1.
+Counters feed `/metrics` (vllm:spec_decode_policy_*) and the engine's stats.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from vllm.v1.spec_decode.cost_model import (PLAIN, REASON_BATCH, SPEC, Candidate, Decision,
+                                            SpeculationCostModel)
+
+MODE_ALWAYS = "always"
+MODE_BATCH = "batch_size"
+MODE_AUTO = "auto"
+
+
+@dataclass
+class StepPlan:
+    """This step's decisions as the scheduler applies them."""
+
+    decisions: dict[str, Decision]
+    propose: bool  # must the drafter run after this step?
+
+    def drafts(self, req_id: str) -> bool:
+        decision = self.decisions.get(req_id)
+        return decision is None or decision.draft
+
+
+class SpeculationPolicy:
+
+    def __init__(self, num_spec_tokens: int, disable_by_batch_size: int | str | None = None,
+                 cost_model: SpeculationCostModel | None = None):
+        self.num_spec_tokens = int(num_spec_tokens)
+        self.disable_by_batch_size = disable_by_batch_size
+        if disable_by_batch_size is None:
+            self.mode = MODE_ALWAYS
+        elif disable_by_batch_size == "auto":
+            self.mode = MODE_AUTO
+        elif isinstance(disable_by_batch_size, int) and not isinstance(disable_by_batch_size, bool) \
+                and disable_by_batch_size >= 1:
+            self.mode = MODE_BATCH
+        else:
+            raise ValueError(f"disable_by_batch_size={disable_by_batch_size!r} is invalid: use an "
+                             "int N >= 1, 'auto' or None.")
+        self.cost_model = None
+        if self.mode == MODE_AUTO:
+            self.cost_model = cost_model or SpeculationCostModel(self.num_spec_tokens)
+        self.num_drafted = 0
+        self.num_skipped: Counter[str] = Counter()
+        self._timed: tuple[int, str, int, int] | None = None  # (id(output), kind, batch, ctx)
+
+    @property
+    def active(self) -> bool:
+        """False without a policy (disable_by_batch_size None): everyone drafts every step."""
+        return self.mode != MODE_ALWAYS
+
+    @classmethod
+    def from_config(cls, spec_config) -> SpeculationPolicy:
+        return cls(int(spec_config.num_speculative_tokens),
+                   getattr(spec_config, "disable_by_batch_size", None))
+
+    # ---- per step ----------------------------------------------------------------------------
+    def plan(self, decoding: Iterable[Candidate], num_running: int) -> StepPlan:
+        """Decisions for the requests that decode this step; `num_running` is the size of the
+        running batch (upstream's disable_by_batch_size compares it with N)."""
+        decoding = list(decoding)
+        if self.mode == MODE_ALWAYS:
+            return StepPlan({}, propose=True)
+        if self.mode == MODE_BATCH:
+            off = num_running >= self.disable_by_batch_size
+            decisions = {c.req_id: Decision(not off, REASON_BATCH if off else None)
+                         for c in decoding}
+            return StepPlan(decisions, propose=not off)
+        decisions = self.cost_model.decide(decoding)
+        # No decoding request yet (only prefills): draft, as the user configured, and measure.
+        propose = any(d.draft for d in decisions.values()) if decisions else True
+        return StepPlan(decisions, propose=propose)
+
+    def count(self, plan: StepPlan, scheduled_decodes: Iterable[str]) -> None:
+        """Count the decisions of the decode rows that were actually scheduled."""
+        for req_id in scheduled_decodes:
+            decision = plan.decisions.get(req_id)
+            if decision is None or decision.draft:
+                self.num_drafted += 1
+            else:
+                self.num_skipped[decision.reason or "unknown"] += 1
+
+    def plan_timing(self, output, plan: StepPlan, decode_drafts: dict[str, int],
+                    contexts: list[int], pure_decode: bool) -> None:
+        """Remember what the step about to run measures: a SPEC step (every row verifies drafts
+        and the drafter runs after) or a PLAIN one (no drafts, no draft pass); steps with
+        prefills or a mix of both are not timed."""
+        self._timed = None
+        if self.cost_model is None or not pure_decode or not decode_drafts:
+            return
+        with_drafts = sum(1 for n in decode_drafts.values() if n > 0)
+        if plan.propose and with_drafts == len(decode_drafts):
+            kind = SPEC
+        elif not plan.propose and with_drafts == 0:
+            kind = PLAIN
+        else:
+            return
+        self._timed = (id(output), kind, len(decode_drafts), sum(contexts) // len(contexts))
+
+    def observe_step_time(self, output, seconds: float) -> None:
+        """The engine's host wall time of the step that ran `output`."""
+        timed, self._timed = self._timed, None
+        if timed is None or timed[0] != id(output):
+            return
+        _, kind, batch, context = timed
+        self.cost_model.observe_step(kind, batch, context, seconds)
+
+    def observe_acceptance(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
+        if self.cost_model is not None and num_drafts > 0:
+            self.cost_model.observe_acceptance(req_id, 1 + num_accepted)
+
+    def remove_request(self, req_id: str) -> None:
+        if self.cost_model is not None:
+            self.cost_model.remove_request(req_id)
+
+    # ---- stats -------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        out = {"mode": self.mode, "num_drafted": self.num_drafted,
+               "num_skipped": dict(self.num_skipped)}
+        if self.cost_model is not None:
+            out["cost_model"] = self.cost_model.snapshot()
+        return out
