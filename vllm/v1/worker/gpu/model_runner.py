@@ -100,6 +100,14 @@ class GPUModelRunner:
             from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
             sizes = vllm_config.compilation_config.resolve(self.max_num_reqs)
             self.cudagraphs = CudaGraphManager(sizes, 1 + self.num_spec_tokens, self.device)
+        # One manager per captured query length. A speculation policy may schedule plain Q = 1
+        # decodes in a speculative engine (disable_by_batch_size): those get graphs of their own.
+        self._graph_managers: dict[int, Any] = {}
+        if self.cudagraphs is not None:
+            self._graph_managers[self.cudagraphs.query_len] = self.cudagraphs
+            policy = getattr(self.spec_config, "disable_by_batch_size", None)
+            if self.num_spec_tokens > 0 and policy is not None:
+                self._graph_managers[1] = CudaGraphManager(sizes, 1, self.device)
         self.generators = RequestGenerators(self.device, int(getattr(model_config, "seed", 0)))
         self.sampler = Sampler()
         self.rejection_sampler = (RejectionSampler(self.spec_config.rejection_sample_method)
@@ -227,12 +235,14 @@ class GPUModelRunner:
                 logger.warning("CUDA graphs are not wired for the FlashInfer Blackwell path yet; "
                                "running eagerly")
                 self.cudagraphs = None
+                self._graph_managers = {}
             else:
                 self.capture_model()
 
     @torch.inference_mode()
     def capture_model(self) -> None:
-        self.cudagraphs.capture_all(self._dummy_graph_batch, self._forward)
+        for q, manager in self._graph_managers.items():
+            manager.capture_all(lambda size, q=q: self._dummy_graph_batch(size, q), self._forward)
         # The dummy batches wrote into slots' host state; hand every slot back clean.
         self.requests.num_computed.np[:] = 0
         spec = self.speculator
@@ -242,10 +252,10 @@ class GPUModelRunner:
             spec.capture_graphs(CudaGraphManager(self.cudagraphs.capture_sizes, spec.query_len,
                                                  self.device))
 
-    def _dummy_graph_batch(self, num_reqs_padded: int) -> InputBatch:
-        """A uniform decode batch of num_reqs_padded rows over slots 0.. (block 0, KV empty)."""
+    def _dummy_graph_batch(self, num_reqs_padded: int, q: int) -> InputBatch:
+        """A uniform decode batch of num_reqs_padded rows of q tokens over slots 0.. (block 0,
+        KV empty)."""
         from vllm.v1.worker.gpu.request_states import RequestState
-        q = self.cudagraphs.query_len
         rows = []
         for slot in range(num_reqs_padded):
             rows.append(RequestState(f"_graph_{slot}", slot, [], 1))
@@ -313,7 +323,8 @@ class GPUModelRunner:
         batch = self._prepare_inputs(scheduler_output)
         num_reqs = batch.num_reqs
         if batch.cudagraph:
-            hidden, aux_hidden, logits_all = self.cudagraphs.replay(batch.num_reqs_padded)
+            manager = self._graph_managers[batch.uniform_query_len]
+            hidden, aux_hidden, logits_all = manager.replay(batch.num_reqs_padded)
             # Uniform decode: every real token is a logit row, in order.
             logits = logits_all[: batch.num_tokens]
         else:
@@ -385,7 +396,7 @@ class GPUModelRunner:
             logits = self.model.compute_logits(hidden)
             # Captured with the forward: the greedy verification of the uniform batch
             # (used when _sample's host checks allow it; see graph_sampling.py).
-            captured_greedy_step(logits, batch.num_reqs_padded, self.cudagraphs.query_len,
+            captured_greedy_step(logits, batch.num_reqs_padded, batch.uniform_query_len,
                                  batch.idx_mapping[: batch.num_reqs_padded],
                                  batch.query_start_loc[: batch.num_reqs_padded + 1],
                                  self.requests.draft_tokens, self.requests.last_sampled,
@@ -640,11 +651,12 @@ class GPUModelRunner:
                 self.requests.draft_tokens[idx, :w] = self._forced.gpu[idx, :w]
         layout = (rows, counts, num_drafts, samples, host_ids)
         padded = None
-        if self.cudagraphs is not None:
-            q = self.cudagraphs.query_len
+        manager = self._graph_managers.get(counts[0]) if counts else None
+        if manager is not None:
+            q = manager.query_len
             if (all(c == q for c in counts) and all(samples)
                     and all(h is None for h in host_ids)):
-                padded = self.cudagraphs.padded_num_reqs(len(rows))
+                padded = manager.padded_num_reqs(len(rows))
         return self._build_batch(layout, padded, cudagraph=padded is not None)
 
     def _build_batch(self, layout, num_reqs_padded: int | None, cudagraph: bool) -> InputBatch:
