@@ -370,6 +370,7 @@ class GPUModelRunner:
                                            num_computed_new, out_tokens)
         elif self.speculator is not None:
             spec_token_ids = [[] for _ in req_ids]  # the policy lets nobody draft: no draft pass
+            self._last_drafts = None  # no drafts were proposed by this step
         return ModelRunnerOutput(req_ids=list(req_ids), sampled_token_ids=out_tokens,
                                  spec_token_ids=spec_token_ids, num_draft_tokens=num_draft_list,
                                  num_accepted_tokens=num_accepted, logprobs=logprobs,
