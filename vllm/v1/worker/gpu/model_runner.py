@@ -363,9 +363,13 @@ class GPUModelRunner:
             self.requests.set_num_computed(state, int(num_computed_new[i]))
 
         spec_token_ids = None
-        if self.speculator is not None and (
-                getattr(scheduler_output, "propose_drafts", True)
-                or not getattr(self.speculator, "can_skip_propose", False)):
+        # A drafter whose context KV is written inside the target forward (block drafters) may
+        # skip its draft pass when nobody uses the drafts: the policy lets nobody draft, or every
+        # row is an unfinished prefill chunk (drafting starts when the prefill finishes).
+        skippable = getattr(self.speculator, "can_skip_propose", False)
+        nobody_samples = not bool(batch.samples_np[:batch.num_reqs].any())
+        if self.speculator is not None and not (skippable and nobody_samples) and (
+                getattr(scheduler_output, "propose_drafts", True) or not skippable):
             spec_token_ids = self._propose(batch, hidden, aux_hidden, sample_rows,
                                            num_computed_new, out_tokens)
         elif self.speculator is not None:
