@@ -467,8 +467,12 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
                 kv_len_arr=torch.zeros(num_requests, dtype=torch.int32, device=self.device))
             wrapper = fi.mla.BatchMLAPagedAttentionWrapper(
                 self._get_workspace(), use_cuda_graph=True, backend="fa3", **buffers)
+            # Depth 2: a graph wrapper is planned once per step and every step ends with the
+            # runner's synchronisation, so its previous staging set is always consumed (the eager
+            # wrapper keeps depth 8: EAGLE/MTP plan it k times within one step). The sets are sized
+            # for full-length requests; a deeper ring would multiply that pinned memory.
             slot = self._graph_slots[(num_requests, causal)] = _WrapperSlot(
-                wrapper, staging=PlanStaging(num_requests, max_pages))
+                wrapper, staging=PlanStaging(num_requests, max_pages, depth=2))
         return slot
 
     def _max_pages_per_request(self) -> int:
