@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
+import json
 import logging
 import os
 import secrets
 
+
+import pydantic
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -211,15 +215,42 @@ def build_app(llm: AsyncLLM, tokenizer=None, model_name: str | None = None,
         return StreamingResponse(result, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
+    parse_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                       thread_name_prefix="vllm-parse")
+
+    async def parse_body(raw: Request, model):
+        """JSON + validation of a (possibly huge) body on a worker thread, not the event loop."""
+        body = await raw.body()
+
+        def parse():
+            try:
+                data = json.loads(body)
+            except UnicodeDecodeError:
+                raise APIError("the request body is not valid UTF-8 JSON; send a UTF-8 encoded "
+                               "JSON object", 400) from None
+            except json.JSONDecodeError as error:
+                raise APIError(f"the body is not valid JSON: {error.msg} at position "
+                               f"{error.pos}", 400) from None
+            if not isinstance(data, dict):
+                raise APIError(f"the body must be a JSON object, got {type(data).__name__}", 400)
+            try:
+                return model.model_validate(data)
+            except pydantic.ValidationError as error:
+                raise RequestValidationError(error.errors()) from None
+
+        return await asyncio.get_running_loop().run_in_executor(parse_pool, parse)
+
     @app.post("/v1/completions")
-    async def completions(request: CompletionRequest, raw: Request):
+    async def completions(raw: Request):
+        request = await parse_body(raw, CompletionRequest)
         serving.check_model(request.model, model_aliases)
         request.model = None  # alias accepted above
         return await _until_disconnect(
             raw, lambda: _respond_after(serving.create_completion(request)))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest, raw: Request):
+    async def chat_completions(raw: Request):
+        request = await parse_body(raw, ChatCompletionRequest)
         serving.check_model(request.model, model_aliases)
         request.model = None
         return await _until_disconnect(

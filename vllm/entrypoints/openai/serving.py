@@ -93,11 +93,17 @@ def longest_token_chars(tokenizer) -> int | None:
     """Characters in the longest vocabulary entry: a text of C characters has at least
     C / this many tokens (byte-level BPE and SentencePiece store one character per byte or
     piece; special tokens only add to the count). None if the vocabulary cannot be read."""
-    get_vocab = getattr(tokenizer, "get_vocab", None)
-    if get_vocab is None:
-        return None
     try:
-        vocab = get_vocab()
+        for holder in (tokenizer, getattr(tokenizer, "backend", None)):
+            get_vocab = getattr(holder, "get_vocab", None)
+            if get_vocab is not None:
+                vocab = list(get_vocab())
+                break
+        else:
+            size = getattr(tokenizer, "vocab_size", None)
+            if not isinstance(size, int):
+                return None
+            vocab = [t for t in tokenizer.convert_ids_to_tokens(range(size)) if t is not None]
     except Exception:  # noqa: BLE001 - no bound is better than a wrong one
         return None
     return max((len(token) for token in vocab), default=None) or None
@@ -114,7 +120,8 @@ class OpenAIServing:
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="vllm-tokenizer")
         longest = longest_token_chars(tokenizer) if max_model_len else None
-        self.max_prompt_chars = max_model_len * longest if longest else None
+        # x2 margin: a normalizer may merge characters (NFC composes "e" + U+0301 into one).
+        self.max_prompt_chars = 2 * max_model_len * longest if longest else None
 
     async def run_tokenizer(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(
