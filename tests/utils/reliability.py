@@ -76,6 +76,50 @@ class HealthSampler:
         self._thread.join()
 
 
+_PROBE = """
+import json, sys, time, httpx
+url, interval, stop_file = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+import os
+out = []
+with httpx.Client(timeout=10) as client:
+    while not os.path.exists(stop_file):
+        start = time.perf_counter()
+        code = client.get(url).status_code
+        out.append((time.perf_counter() - start, code))
+        time.sleep(interval)
+print(json.dumps(out))
+"""
+
+
+class HealthProbeProcess:
+    """Like HealthSampler, but polls from a separate process, so the latencies measure the
+    server and not the GIL of a test process that is busy sending megabytes."""
+
+    def __init__(self, base_url: str, stop_file: str, interval: float = 0.02):
+        self.args = [f"{base_url}/health", str(interval), stop_file]
+        self.stop_file = stop_file
+        self.latencies: list[float] = []
+        self.codes: list[int] = []
+
+    def __enter__(self):
+        import subprocess
+        import sys
+
+        self.proc = subprocess.Popen([sys.executable, "-c", _PROBE, *self.args],
+                                     stdout=subprocess.PIPE, text=True)
+        time.sleep(1.0)  # the probe's own start-up (httpx import) is not the server's latency
+        return self
+
+    def __exit__(self, *exc):
+        import json
+
+        open(self.stop_file, "w").close()
+        out, _ = self.proc.communicate(timeout=30)
+        samples = json.loads(out)
+        self.latencies = [s[0] for s in samples]
+        self.codes = [s[1] for s in samples]
+
+
 def child_pids(pid: int) -> list[int]:
     """Direct children of `pid`, oldest first (Linux /proc)."""
     children = []
