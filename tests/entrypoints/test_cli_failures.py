@@ -71,3 +71,9 @@ def test_worker_death_during_generate(monkeypatch, capsys):
     code, err = run_main(["generate", "--device", "cpu", "--no-progress", "--max-tokens", "2"],
                          capsys)
     check_one_line_error(code, err, ["worker rank 1 died during `execute_model`", "boom"])
+
+
+def test_generate_top_k_beyond_int64_is_one_line(capsys):
+    code, err = run_main(["generate", "--device", "cpu", "--no-progress", "--top-k",
+                          str(2**63)], capsys)
+    check_one_line_error(code, err, ["top_k=9223372036854775808", "2147483647"])
