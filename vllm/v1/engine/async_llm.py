@@ -246,6 +246,12 @@ class AsyncLLM:
         engine_shutdown = getattr(self.engine, "shutdown", None)
         if engine_shutdown is not None and not self._thread.is_alive():
             engine_shutdown()
+        elif self._dead_error is not None:
+            # The engine thread is stuck in a step the watchdog gave up on: end the worker
+            # processes anyway so none outlives the server (a stopped one would hold its GPU).
+            executor = getattr(self.engine, "executor", None)
+            if getattr(executor, "processes", None) is not None:
+                executor.shutdown(graceful=False)
 
     # ---- engine thread -----------------------------------------------------------------------
     def _raise_if_dead(self) -> None:
@@ -375,15 +381,17 @@ class AsyncLLM:
             first = self._dead_error is None
             if first:
                 self._dead_error = error
-            dead = EngineDeadError(f"engine loop died: {error!r}")
-            for stream in self._streams.values():
-                stream._deliver(dead)
+            streams = list(self._streams.values())
             self._streams.clear()
-        if not first:
-            return
-        logger.error("Engine is dead (%s): %s", type(error).__name__, one_line(error))
-        for callback in self._dead_callbacks:
-            try:
-                callback(error)
-            except Exception:  # noqa: BLE001 - one bad callback must not hide the others
-                logger.exception("engine-death callback failed")
+        if first:
+            # Log and notify before the waiters hear of it: whoever reacts to a failed request
+            # finds the death already recorded.
+            logger.error("Engine is dead (%s): %s", type(error).__name__, one_line(error))
+            for callback in self._dead_callbacks:
+                try:
+                    callback(error)
+                except Exception:  # noqa: BLE001 - one bad callback must not hide the others
+                    logger.exception("engine-death callback failed")
+        dead = EngineDeadError(f"engine loop died: {error!r}")
+        for stream in streams:
+            stream._deliver(dead)

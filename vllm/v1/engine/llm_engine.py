@@ -341,6 +341,10 @@ class LLMEngine:
         if getattr(self.executor, "is_shutdown", False) or \
                 self._consecutive_failed_steps > MAX_CONSECUTIVE_FAILED_STEPS:
             raise error
+        # The runner may have raised before dropping the requests that finished since the last
+        # step: hand those ids to it again next step (dropping twice is harmless), or their
+        # runner slots would leak.
+        self.scheduler.finished_req_ids |= set(scheduler_output.finished_req_ids)
         scheduled = list(scheduler_output.num_scheduled_tokens)
         new_ids = {new.req_id for new in scheduler_output.scheduled_new_reqs}
         suspects = [r for r in scheduled if r in self._trials or (

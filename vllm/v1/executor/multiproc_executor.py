@@ -210,7 +210,11 @@ class MultiprocExecutor(Executor):
                 process.join(timeout=max(0.0, deadline - time.monotonic()))
         for process in self.processes:
             if process.is_alive():
-                process.terminate()
+                # A stopped process never acts on SIGTERM (it stays pending): kill it outright.
+                if _is_stopped(process.pid):
+                    process.kill()
+                else:
+                    process.terminate()
         for process in self.processes:
             process.join(timeout=_SHUTDOWN_GRACE_S)
             if process.is_alive():
