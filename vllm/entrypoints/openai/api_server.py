@@ -353,7 +353,7 @@ def run_server(llm: AsyncLLM, args: argparse.Namespace, model_dir: str, tokenize
 
     def _on_engine_dead(error: BaseException) -> None:
         # Called from an engine-side thread; uvicorn polls this flag in its main loop.
-        logger.error("shutting down the API server because the engine is dead")
+        logger.info("shutting down the API server because the engine is dead")
         server.should_exit = True
 
     llm.add_dead_callback(_on_engine_dead)
