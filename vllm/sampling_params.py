@@ -7,6 +7,19 @@ from dataclasses import dataclass
 # Below this temperature sampling is treated as greedy (argmax), as upstream does.
 _GREEDY_TEMPERATURE = 1e-5
 
+# Bounds of the integers that reach tensors / numpy buffers in the runner: counts and positions
+# live in int32 buffers, token ids, top-k and seeds in int64 ones (torch.Generator.manual_seed
+# takes int64). A value outside its bound would raise inside engine.step(), where it would hit
+# every request of the batch; here it is one request's ValueError. The API edge
+# (entrypoints/openai/protocol.py) uses the same constants.
+INT32_MAX = 2**31 - 1
+INT64_MIN = -2**63
+INT64_MAX = 2**63 - 1
+# n fans out into n engine requests; beyond this one request would occupy the whole batch.
+MAX_N = 1024
+# Stop strings / bad words / token-id lists are scanned per step; keep one request's share bounded.
+MAX_LIST_LEN = 1024
+
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -72,64 +85,60 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n={self.n!r} is invalid: it must be an int >= 1.")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not self.temperature >= 0:
-            raise ValueError(f"temperature={self.temperature!r} is invalid: it must be >= 0 "
-                             "(0 = greedy).")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
-                or not 0 < self.top_p <= 1:
+        _check_int("n", self.n, 1, MAX_N)
+        _check_float("temperature", self.temperature, 0.0, None, "(0 = greedy)")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p!r} is invalid: it must be in (0, 1].")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
             raise ValueError(f"top_k={self.top_k!r} is invalid: it must be -1, 0 (both = off) or "
-                             "a positive int.")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens={self.max_tokens!r} is invalid: it must be an int >= 1 "
-                             "(or None = up to max_model_len).")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens={self.min_tokens!r} is invalid: it must be an int >= 0.")
+                             f"an int in [1, {INT32_MAX}].")
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, INT32_MAX,
+                       "(or None = up to max_model_len)")
+        _check_int("min_tokens", self.min_tokens, 0, INT32_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} is invalid: it must be <= "
                              f"max_tokens={self.max_tokens}.")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed={self.seed!r} is invalid: it must be an int or None.")
+        if self.seed is not None:
+            # n > 1 gives sample i the seed seed + i, which must still fit int64.
+            _check_int("seed", self.seed, INT64_MIN, INT64_MAX - (self.n - 1), "or None")
+        _check_len("stop", self.stop)
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop entry {s!r} is invalid: stop strings must be non-empty str.")
-        for t in self.stop_token_ids:
-            if not _is_int(t) or t < 0:
-                raise ValueError(f"stop_token_ids entry {t!r} is invalid: token ids are ints >= 0.")
+        _check_token_ids("stop_token_ids", self.stop_token_ids)
         for name in ("ignore_eos", "detokenize", "skip_special_tokens",
                      "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: it must be a bool.")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < -1):
-                raise ValueError(f"{name}={value!r} is invalid: it must be an int >= 0, -1 (the "
-                                 "whole vocabulary) or None.")
+            if value is not None and (not _is_int(value) or not -1 <= value <= INT32_MAX):
+                raise ValueError(f"{name}={value!r} is invalid: it must be an int in "
+                                 f"[0, {INT32_MAX}], -1 (the whole vocabulary) or None.")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name}={value!r} is invalid: it must be a float in [-2, 2].")
         if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty={self.repetition_penalty!r} is invalid: it must "
-                             "be a float > 0 (1 = off).")
+                             "be a finite float > 0 (1 = off).")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p={self.min_p!r} is invalid: it must be a float in [0, 1].")
+        if self.logit_bias is not None and len(self.logit_bias) > MAX_LIST_LEN:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries: at most "
+                             f"{MAX_LIST_LEN} are allowed.")
         for token, bias in (self.logit_bias or {}).items():
-            if token < 0 or not math.isfinite(bias):
+            if not 0 <= token <= INT64_MAX or not math.isfinite(bias):
                 raise ValueError(f"logit_bias entry {token}: {bias} is invalid: token ids are "
-                                 "ints >= 0 and biases finite floats.")
+                                 f"ints in [0, {INT64_MAX}] and biases finite floats.")
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids=[] is invalid: give at least one token id "
                                  "(or None = all tokens).")
-            for t in self.allowed_token_ids:
-                if not _is_int(t) or t < 0:
-                    raise ValueError(f"allowed_token_ids entry {t!r} is invalid: token ids are "
-                                     "ints >= 0.")
+            # The allowed set becomes a vocabulary-sized mask, so its length is not capped.
+            _check_token_ids("allowed_token_ids", self.allowed_token_ids, cap=False)
+        _check_len("bad_words", self.bad_words or ())
         for w in self.bad_words or ():
             if not isinstance(w, str) or not w.strip():
                 raise ValueError(f"bad_words entry {w!r} is invalid: give non-empty strings.")
@@ -169,3 +178,32 @@ class SamplingParams:
     @property
     def top_k_enabled(self) -> bool:
         return self.top_k > 0
+
+
+def _check_int(name: str, value, low: int, high: int, note: str = "") -> None:
+    if not _is_int(value) or not low <= value <= high:
+        note = f" {note}" if note else ""
+        raise ValueError(f"{name}={value!r} is invalid: it must be an int in [{low}, {high}]"
+                         f"{note}.")
+
+
+def _check_float(name: str, value, low: float, high: float | None, note: str = "") -> None:
+    if not _is_number(value) or value < low or (high is not None and value > high):
+        upper = f"{high}]" if high is not None else "inf)"
+        note = f" {note}" if note else ""
+        raise ValueError(f"{name}={value!r} is invalid: it must be a finite float in "
+                         f"[{low}, {upper}{note}.")
+
+
+def _check_len(name: str, values) -> None:
+    if len(values) > MAX_LIST_LEN:
+        raise ValueError(f"{name} has {len(values)} entries: at most {MAX_LIST_LEN} are allowed.")
+
+
+def _check_token_ids(name: str, ids, cap: bool = True) -> None:
+    if cap:
+        _check_len(name, ids)
+    for t in ids:
+        if not _is_int(t) or not 0 <= t <= INT64_MAX:
+            raise ValueError(f"{name} entry {t!r} is invalid: token ids are ints in "
+                             f"[0, {INT64_MAX}].")

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from vllm.entrypoints.cli.engine_setup import add_model_and_engine_args
+from vllm.entrypoints.cli.errors import CLIError
 
 _MODEL_HELP = "local model directory (default: the built-in tiny model with its DSpark drafter)"
 
@@ -30,9 +32,24 @@ def register(subparsers) -> None:
     serve.set_defaults(dispatch=_run_serve)
 
 
+def check_output_path(path: str | None, flag: str = "--output-json") -> None:
+    """Refuse, before the benchmark runs, a result path whose directory does not exist: a typo
+    must not silently create directories (nor be found out only after the run)."""
+    if not path:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise CLIError(f"{flag} {path!r}: directory {parent!r} does not exist; create it first "
+                       "or pick an existing directory")
+    if os.path.isdir(path):
+        raise CLIError(f"{flag} {path!r} is a directory; give a file path such as "
+                       f"{os.path.join(path, 'result.json')!r}")
+
+
 def _run_latency(args: argparse.Namespace) -> int:
     from vllm.benchmarks.offline_bench import run_latency
 
+    check_output_path(getattr(args, "output_json", None))
     run_latency(args)
     return 0
 
@@ -40,6 +57,7 @@ def _run_latency(args: argparse.Namespace) -> int:
 def _run_throughput(args: argparse.Namespace) -> int:
     from vllm.benchmarks.offline_bench import run_throughput
 
+    check_output_path(getattr(args, "output_json", None))
     run_throughput(args)
     return 0
 

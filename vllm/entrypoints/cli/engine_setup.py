@@ -130,7 +130,11 @@ def preflight(config) -> None:
     tp = int(parallel.tensor_parallel_size)
     dcp = int(parallel.decode_context_parallel_size)
     interleave = int(getattr(parallel, "cp_kv_cache_interleave_size", 1) or 1)
-    _check_device(str(getattr(config.model_config, "device", "auto")), tp)
+    device = str(getattr(config.model_config, "device", "auto"))
+    _check_device(device, tp)
+    _check_distributed_backend(str(getattr(parallel, "distributed_backend", "auto")), device)
+    for directory in _checkpoint_dirs(config):
+        check_safetensors(directory)
     if dcp < 1 or tp % dcp != 0:  # ParallelConfig already refuses this; kept for other configs
         raise CLIError(f"--tensor-parallel-size {tp} is not divisible by "
                        f"--decode-context-parallel-size {dcp}; DCP reuses TP ranks, so pick a dcp "
@@ -179,3 +183,57 @@ def _check_device(device: str, tp: int) -> None:
     if torch.cuda.device_count() < tp:
         raise CLIError(f"--tensor-parallel-size {tp} needs {tp} GPUs but only "
                        f"{torch.cuda.device_count()} are visible; lower -tp or expose more GPUs")
+
+
+def _check_distributed_backend(backend: str, device: str) -> None:
+    import torch
+
+    if backend != "nccl":
+        return
+    if device.startswith("cpu") or not torch.cuda.is_available():
+        where = "--device cpu" if device.startswith("cpu") else "no CUDA device is visible"
+        raise CLIError(f"--distributed-backend nccl needs CUDA GPUs, but {where}; use "
+                       "--distributed-backend gloo (or auto) on CPU")
+
+
+def _checkpoint_dirs(config) -> list[str]:
+    dirs = [config.model_config.model]
+    spec = config.speculative_config
+    if spec is not None and getattr(spec, "model", None):
+        dirs.append(spec.model)
+    return [str(d) for d in dirs if d and os.path.isdir(str(d))]
+
+
+def check_safetensors(directory: str) -> None:
+    """Every *.safetensors file must hold its whole header and every tensor it declares: a
+    truncated download is named here, in one line, instead of failing deep inside the loader
+    (or inside a worker process)."""
+    for name in sorted(os.listdir(directory)):
+        if not name.endswith(".safetensors"):
+            continue
+        path = os.path.join(directory, name)
+        problem = _safetensors_problem(path)
+        if problem:
+            raise CLIError(f"checkpoint file {path!r} is truncated or corrupt ({problem}); "
+                           "re-download or re-write it")
+
+
+def _safetensors_problem(path: str) -> str | None:
+    size = os.path.getsize(path)
+    if size < 8:
+        return f"{size} bytes, shorter than the 8-byte header length"
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        if 8 + header_len > size:
+            return f"header of {header_len} bytes but the file has {size} bytes"
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            return f"unreadable header: {error}"
+    if not isinstance(header, dict):
+        return "the header is not a JSON object"
+    end = max((entry.get("data_offsets", (0, 0))[1] for key, entry in header.items()
+               if key != "__metadata__" and isinstance(entry, dict)), default=0)
+    if 8 + header_len + end > size:
+        return f"tensor data ends at byte {8 + header_len + end} but the file has {size} bytes"
+    return None

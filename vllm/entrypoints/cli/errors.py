@@ -14,6 +14,17 @@ import sys
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, json.JSONDecodeError)
 
 
+def _runtime_failures() -> tuple[type[BaseException], ...]:
+    from vllm.v1.engine.async_llm import EngineDeadError
+    from vllm.v1.executor.abstract import WorkerError
+
+    return (WorkerError, EngineDeadError)
+
+
+# Failures at run time that are not CLI bugs (a worker died or hung): one line, exit code 1.
+RUNTIME_FAILURES = _runtime_failures()
+
+
 class CLIError(ValueError):
     """A problem with what the user asked for; the message says what and how to fix it."""
 

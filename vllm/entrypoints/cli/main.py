@@ -4,8 +4,8 @@ from __future__ import annotations
 import sys
 
 from vllm.entrypoints.cli import bench, generate, serve, tiny_model
-from vllm.entrypoints.cli.errors import (USER_ERRORS, OneLineArgumentParser, debug_enabled,
-                                         report_and_exit)
+from vllm.entrypoints.cli.errors import (RUNTIME_FAILURES, USER_ERRORS, OneLineArgumentParser,
+                                         debug_enabled, one_line, report_and_exit)
 
 
 def build_parser() -> OneLineArgumentParser:
@@ -45,6 +45,15 @@ def main(argv: list[str] | None = None) -> None:
         if debug_enabled():
             raise
         report_and_exit(prog, error)
+    except RUNTIME_FAILURES as error:
+        # A worker that died / raised / hung, or a dead engine: not a bug in the CLI, and the
+        # worker's own traceback is already on stderr; say what happened in one line.
+        if debug_enabled():
+            raise
+        summary = error.summary() if hasattr(error, "summary") else one_line(error)
+        print(f"{prog}: error: {summary} (set VLLM_DEBUG=1 for the traceback)", file=sys.stderr,
+              flush=True)
+        sys.exit(1)
     sys.exit(code or 0)
 
 

@@ -29,6 +29,5 @@ def run(args: argparse.Namespace) -> int:
     llm = AsyncLLM.from_vllm_config(config, model_name=names[0])
     # The HTTP thread tokenizes with its own instance: tokenizer objects are not shared across
     # threads (the engine thread detokenizes concurrently).
-    run_server(llm, args, model_dir=config.model_config.model,
-               tokenizer=get_tokenizer_for(config.model_config), served_model_names=names)
-    return 0
+    return run_server(llm, args, model_dir=config.model_config.model,
+                      tokenizer=get_tokenizer_for(config.model_config), served_model_names=names)

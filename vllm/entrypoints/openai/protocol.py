@@ -11,15 +11,57 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 import vllm
+from vllm.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN, MAX_LIST_LEN, MAX_N
 
 # Upstream vLLM fills system_fingerprint with None; we name the engine build instead, so clients
 # that log it can tell which server answered.
 SYSTEM_FINGERPRINT = f"vllm-dspark-{vllm.__version__}"
+
+
+# Bounded field types: the same bounds SamplingParams enforces, checked at the API edge so a bad
+# value is an HTTP 400 naming the field before anything is tokenized. Integers that reach int32 /
+# int64 buffers must fit them; floats must be finite (JSON's NaN / Infinity / 1e999 are refused
+# by allow_inf_nan=False on every request model).
+Int32 = Annotated[int, Field(ge=0, le=INT32_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+_REQUEST_CONFIG = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+def check_unicode(value: Any, where: str) -> None:
+    """JSON may carry lone surrogates ("\\ud800"): valid JSON, not valid Unicode; tokenizers
+    raise on them deep inside. Refuse them here with the field's name (HTTP 400)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            bad = value[error.start:error.end]
+            raise ValueError(f"{where} contains the lone surrogate {bad!r} at character "
+                             f"{error.start}, which is not valid Unicode; send valid UTF-8 text "
+                             "(escape pairs must be complete)") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_unicode(key, where)
+            check_unicode(item, f"{where}.{key}")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_unicode(item, f"{where}[{i}]")
+
+
+class _UnicodeChecked(BaseModel):
+    model_config = _REQUEST_CONFIG
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value, info):
+        if isinstance(value, BaseModel):
+            return value  # nested models check their own fields
+        check_unicode(value, info.field_name)
+        return value
 
 
 class StreamOptions(BaseModel):
@@ -32,16 +74,14 @@ class ResponseFormat(BaseModel):
     type: str = "text"
 
 
-class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class _SamplingFields(_UnicodeChecked):
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    seed: int | None = None
-    stop: Union[str, list[str], None] = None
+    max_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
+    temperature: Annotated[float, Field(ge=0.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
+    stop: Union[str, Annotated[list[str], Field(max_length=MAX_LIST_LEN)], None] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
@@ -49,20 +89,20 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extensions (upstream names)
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
-    stop_token_ids: list[int] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    min_tokens: Int32 | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_LIST_LEN)] | None = None
     ignore_eos: bool | None = None
-    bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
+    bad_words: Annotated[list[str], Field(max_length=MAX_LIST_LEN)] | None = None
+    allowed_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     # Render logprob tokens as "token_id:{id}" (byte-level tokens often decode to the same "\ufffd").
     return_tokens_as_token_ids: bool | None = None
     # Declared so they can be refused by name (serving.check_supported).
-    best_of: int | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     response_format: ResponseFormat | None = None
     use_beam_search: bool | None = None
     guided_json: Any = None
@@ -72,33 +112,31 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
+    prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
+    max_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = 16  # OpenAI's default
     echo: bool = False
     suffix: str | None = None
-    logprobs: int | None = None  # top-k logprobs per token (OpenAI allows up to 5; we allow more)
-    prompt_logprobs: int | None = None  # vLLM extension
+    # top-k logprobs per token (OpenAI allows up to 5; we allow more); -1 = whole vocabulary.
+    logprobs: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None  # vLLM extension
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ChatMessage(_UnicodeChecked):
     role: str
     content: Union[str, list[dict[str, Any]], None] = None
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool | None = None
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TokenizeRequest(_UnicodeChecked):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -106,10 +144,9 @@ class TokenizeRequest(BaseModel):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class DetokenizeRequest(_UnicodeChecked):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # ---- responses ------------------------------------------------------------------------------------
@@ -277,6 +314,8 @@ ERROR_TYPES: dict[int, str] = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "PayloadTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }

@@ -5,13 +5,17 @@ Flow of one request: refuse what we cannot serve (HTTP 400 naming the field), to
 prompt against max_model_len (HTTP 400 stating both numbers), build SamplingParams (its ValueError
 becomes HTTP 400), admit every prompt into AsyncLLM *before* answering, so admission errors are
 real HTTP errors even for streaming requests; then either collect the final outputs or stream SSE
-chunks. The engine emits cumulative text / tokens / logprobs per sample (n > 1 lives in the
+chunks. Tokenization (and chat templating) runs on a one-thread pool, never on the event loop,
+after a character-count bound has refused prompts that cannot possibly fit (a 16 MB prompt is
+refused without being tokenized, and /health stays responsive meanwhile). The engine emits cumulative text / tokens / logprobs per sample (n > 1 lives in the
 engine: one RequestOutput carries all n samples); deltas are cut here. Choice index of sample j
 of prompt i is i * n + j (upstream).
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import json
 from typing import Any, AsyncIterator
 
@@ -24,7 +28,7 @@ from vllm.entrypoints.openai.protocol import (
     CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice,
     CompletionStreamResponse, DeltaMessage, DetokenizeRequest, DetokenizeResponse, PromptLogprob,
     TokenizeRequest, TokenizeResponse, error_body, new_id, now_s, usage)
-from vllm.v1.engine.async_llm import AsyncLLM, EngineDeadError
+from vllm.v1.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 
 # Request fields copied into SamplingParams as they are (upstream names on both sides).
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "min_tokens", "seed", "stop",
@@ -85,12 +89,53 @@ async def merge_streams(streams) -> AsyncIterator[tuple[int, Any]]:
             task.cancel()
 
 
+def longest_token_chars(tokenizer) -> int | None:
+    """Characters in the longest vocabulary entry: a text of C characters has at least
+    C / this many tokens (byte-level BPE and SentencePiece store one character per byte or
+    piece; special tokens only add to the count). None if the vocabulary cannot be read."""
+    try:
+        for holder in (tokenizer, getattr(tokenizer, "backend", None)):
+            get_vocab = getattr(holder, "get_vocab", None)
+            if get_vocab is not None:
+                vocab = list(get_vocab())
+                break
+        else:
+            size = getattr(tokenizer, "vocab_size", None)
+            if not isinstance(size, int):
+                return None
+            vocab = [t for t in tokenizer.convert_ids_to_tokens(range(size)) if t is not None]
+    except Exception:  # noqa: BLE001 - no bound is better than a wrong one
+        return None
+    return max((len(token) for token in vocab), default=None) or None
+
+
 class OpenAIServing:
     def __init__(self, llm: AsyncLLM, tokenizer, model_name: str, max_model_len: int | None):
         self.llm = llm
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
+        # One thread: the tokenizer instance is only ever used from it (not thread-safe), and the
+        # event loop stays free to answer /health and other clients while it works.
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="vllm-tokenizer")
+        longest = longest_token_chars(tokenizer) if max_model_len else None
+        # x2 margin: a normalizer may merge characters (NFC composes "e" + U+0301 into one).
+        self.max_prompt_chars = 2 * max_model_len * longest if longest else None
+
+    async def run_tokenizer(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_pool, functools.partial(fn, *args))
+
+    def check_text_length(self, text: str | int, index: int = 0, field: str = "prompt") -> None:
+        """Refuse a text (or a total character count) that cannot fit before tokenizing it."""
+        num_chars = text if isinstance(text, int) else len(text)
+        if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
+            where = f"{field} {index}" if index else f"the {field}"
+            raise APIError(
+                f"{where} has {num_chars} characters, so more tokens than this model's maximum "
+                f"context length (max_model_len) of {self.max_model_len} tokens; shorten it "
+                f"(at most {self.max_prompt_chars} characters can ever fit).", 400, field)
 
     # ---- shared validation -------------------------------------------------------------------
     def check_model(self, requested: str | None, aliases: tuple[str, ...] = ()) -> None:
@@ -202,21 +247,25 @@ class OpenAIServing:
         return self.tokenizer.decode([token_id])
 
     # ---- /v1/completions ---------------------------------------------------------------------
-    def _completion_prompts(self, prompt) -> list[list[int]]:
+    async def _completion_prompts(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
-            return [encode(self.tokenizer, prompt)]
+            self.check_text_length(prompt)
+            return [await self.run_tokenizer(encode, self.tokenizer, prompt)]
         if not prompt:
             raise APIError("prompt is an empty list; send a string or token ids", 400, "prompt")
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]
         if all(isinstance(p, str) for p in prompt):
-            return [encode(self.tokenizer, p) for p in prompt]
+            for i, p in enumerate(prompt):
+                self.check_text_length(p, i)
+            return await self.run_tokenizer(
+                lambda texts: [encode(self.tokenizer, t) for t in texts], prompt)
         return [list(p) for p in prompt]
 
     async def create_completion(self, request: CompletionRequest):
         self.check_model(request.model)
         self.check_supported(request)
-        prompts = self._completion_prompts(request.prompt)
+        prompts = await self._completion_prompts(request.prompt)
         # echo + logprobs also scores the prompt (upstream: prompt_logprobs = logprobs).
         prompt_lps = request.prompt_logprobs
         if request.echo and request.logprobs is not None:
@@ -300,6 +349,8 @@ class OpenAIServing:
                 finals[index] = output
         except EngineDeadError as error:
             raise APIError(f"the engine failed while generating: {error}", 500) from error
+        except RequestFailedError as error:
+            raise APIError(str(error), 500) from error
         return finals
 
     async def _stream_completion(self, request, request_id, created, prompts, streams):
@@ -347,6 +398,8 @@ class OpenAIServing:
         except EngineDeadError as error:
             yield sse(error_body(f"the engine failed while generating: {error}",
                                  "InternalServerError", 500))
+        except RequestFailedError as error:
+            yield sse(error_body(str(error), "InternalServerError", 500))
         finally:
             # A client that hangs up closes this generator mid-stream: free its KV blocks now
             # rather than whenever the garbage collector finalises the inner streams.
@@ -354,8 +407,23 @@ class OpenAIServing:
         yield sse("[DONE]")
 
     # ---- /v1/chat/completions ----------------------------------------------------------------
-    def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
+    def _check_messages_length(self, messages) -> None:
+        # Only the text parts count: the template adds characters, it never removes any.
+        total = 0
+        for m in messages:
+            if isinstance(m.content, str):
+                total += len(m.content)
+            elif isinstance(m.content, list):
+                total += sum(len(part.get("text") or "") for part in m.content
+                             if isinstance(part, dict) and isinstance(part.get("text"), str))
+        self.check_text_length(total, field="messages")
+
+    async def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
+        self._check_messages_length(request.messages)
         messages = [m.model_dump() for m in request.messages]
+        return await self.run_tokenizer(self._render_and_encode, messages)
+
+    def _render_and_encode(self, messages) -> list[int]:
         try:
             prompt_text = apply_chat_template(self.tokenizer, messages)
         except ValueError as error:
@@ -381,7 +449,7 @@ class OpenAIServing:
         self.check_supported(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError("top_logprobs needs logprobs=true", 400, "top_logprobs")
-        prompt_ids = self._chat_prompt(request)
+        prompt_ids = await self._chat_prompt(request)
         # `is not None`: an explicit max_completion_tokens of 0 must not fall back to max_tokens.
         max_tokens = (request.max_completion_tokens if request.max_completion_tokens is not None
                       else request.max_tokens)
@@ -446,6 +514,8 @@ class OpenAIServing:
         except EngineDeadError as error:
             yield sse(error_body(f"the engine failed while generating: {error}",
                                  "InternalServerError", 500))
+        except RequestFailedError as error:
+            yield sse(error_body(str(error), "InternalServerError", 500))
         finally:
             self._abort_unfinished([stream])
         yield sse("[DONE]")
@@ -463,6 +533,7 @@ class OpenAIServing:
                 raise APIError(str(error), 400, "messages") from error
         else:
             text = request.prompt
+            self.check_text_length(text)
         ids = encode(self.tokenizer, text, request.add_special_tokens)
         strs = [self.tokenizer.decode([t]) for t in ids] if request.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids,

@@ -8,8 +8,16 @@ the same engine batch.
 
 Failure model:
 * bad input found by the engine at `add_request` time (ValueError) is raised to the caller;
-* an exception inside `engine.step()` kills the engine: every waiting request receives
-  EngineDeadError, later requests are refused with it, and `is_healthy` turns False;
+* a failure the engine pins on one request inside a step (LLMEngine.take_request_errors) fails
+  that request alone with RequestFailedError; everyone else keeps being served;
+* an exception escaping `engine.step()`, a worker process that dies (the executor's monitor
+  reports it even while idle) or a step running past the watchdog
+  (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, upstream's name, default 300 s) kills the engine: one
+  ERROR line is logged, every waiting request receives EngineDeadError, later requests are
+  refused with it, `is_healthy` turns False and the death callbacks run (the server exits
+  non-zero on them, so a supervisor can restart it);
+* `is_healthy` is also False while the engine cannot make progress: a worker is stopped
+  (SIGSTOP) or one step has been running for longer than the stall limit;
 * a consumer that stops iterating before its request finished (client disconnect) aborts the
   request, so the engine frees its KV blocks and keeps serving everyone else.
 """
@@ -18,17 +26,54 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import logging
+import os
 import queue
 import threading
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from vllm.v1.metrics.prometheus import PrometheusMetrics
 from vllm.v1.metrics.stats import RequestTimer
 
 
+logger = logging.getLogger(__name__)
+
+# Upstream's name and default: a step that has not returned after this long is a hung engine.
+DEFAULT_EXECUTE_MODEL_TIMEOUT_S = 300.0
+# /health turns unhealthy once one step has been running this long (or the watchdog, if shorter).
+HEALTH_STALL_S = 30.0
+
+
+def execute_model_timeout_s() -> float:
+    raw = os.environ.get("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "")
+    try:
+        value = float(raw) if raw else DEFAULT_EXECUTE_MODEL_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS={raw!r} is invalid: give a number "
+                         "of seconds > 0") from None
+    if not value > 0:
+        raise ValueError(f"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS={raw!r} is invalid: give a number "
+                         "of seconds > 0")
+    return value
+
+
+def one_line(error: BaseException | str) -> str:
+    """A multi-line error (worker tracebacks) as one log-friendly line: its first and last."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__ if isinstance(error, BaseException) else "unknown error"
+    if len(lines) <= 2:
+        return " ".join(lines)
+    return f"{lines[0]} ... {lines[-1]}"
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop raised; no request can be served until the server restarts."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request (alone) failed inside an engine step; the engine keeps serving."""
 
 
 _ABORTED = object()  # queue sentinel: the request was aborted, end the stream quietly
@@ -94,12 +139,26 @@ class AsyncLLM:
         self._streams: dict[str, RequestStream] = {}  # engine-thread only
         self._snapshot: dict[str, Any] = {}
         self._dead_error: BaseException | None = None
+        self._dead_callbacks: list[Callable[[BaseException], None]] = []
+        # _streams is touched by the engine thread and, when it is stuck, by the watchdog.
+        self._lock = threading.RLock()
+        self._step_started: float | None = None  # perf_counter of the step in flight
+        self._watchdog_s = execute_model_timeout_s()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run_engine_loop, name="vllm-engine-loop",
                                         daemon=True)
+        self._watchdog = threading.Thread(target=self._run_watchdog, name="vllm-step-watchdog",
+                                          daemon=True)
+        executor = getattr(engine, "executor", None)
+        register = getattr(executor, "register_failure_callback", None)
+        if register is not None:
+            # A worker that dies while the engine is idle is noticed at once, not at the next
+            # request.
+            register(lambda reason: self._commands.put(("dead", reason)))
         self._refresh_snapshot()
         if start:
             self._thread.start()
+            self._watchdog.start()
 
     @classmethod
     def from_vllm_config(cls, vllm_config, model_name: str | None = None) -> "AsyncLLM":
@@ -116,7 +175,27 @@ class AsyncLLM:
 
     @property
     def is_healthy(self) -> bool:
-        return self._dead_error is None and self._thread.is_alive()
+        return self.health_problem() is None
+
+    def health_problem(self) -> str | None:
+        """None when the engine can make progress, else why not (for /health)."""
+        if self._dead_error is not None:
+            return f"engine is dead: {one_line(self._dead_error)}"
+        if not self._thread.is_alive():
+            return "engine thread stopped"
+        started = self._step_started
+        stall = min(HEALTH_STALL_S, self._watchdog_s)
+        if started is not None and time.perf_counter() - started > stall:
+            return (f"engine step running for {time.perf_counter() - started:.1f} s "
+                    f"(stall limit {stall:.0f} s)")
+        probe = getattr(getattr(self.engine, "executor", None), "liveness_problem", None)
+        return probe() if probe is not None else None
+
+    def add_dead_callback(self, callback: Callable[[BaseException], None]) -> None:
+        """Called once, from an engine-side thread, when the engine dies."""
+        self._dead_callbacks.append(callback)
+        if self._dead_error is not None:
+            callback(self._dead_error)
 
     @property
     def dead_error(self) -> BaseException | None:
@@ -136,7 +215,12 @@ class AsyncLLM:
         stream = RequestStream(request_id, self, asyncio.get_running_loop(), num_prompt_tokens)
         admitted: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("add", request_id, prompt, sampling_params, stream, admitted))
-        await asyncio.wrap_future(admitted)
+        try:
+            await asyncio.wrap_future(admitted)
+        except asyncio.CancelledError:
+            # The client went away while we waited for admission: the add may still land.
+            self.abort_nowait(request_id)
+            raise
         return stream
 
     async def generate(self, prompt: str | list[int], sampling_params,
@@ -162,6 +246,12 @@ class AsyncLLM:
         engine_shutdown = getattr(self.engine, "shutdown", None)
         if engine_shutdown is not None and not self._thread.is_alive():
             engine_shutdown()
+        elif self._dead_error is not None:
+            # The engine thread is stuck in a step the watchdog gave up on: end the worker
+            # processes anyway so none outlives the server (a stopped one would hold its GPU).
+            executor = getattr(self.engine, "executor", None)
+            if getattr(executor, "processes", None) is not None:
+                executor.shutdown(graceful=False)
 
     # ---- engine thread -----------------------------------------------------------------------
     def _raise_if_dead(self) -> None:
@@ -179,16 +269,34 @@ class AsyncLLM:
             try:
                 self._loop_once()
             except BaseException as error:  # noqa: BLE001 - any engine failure is fatal
+                self._step_started = None
                 self._fail_all(error)
+
+    def _run_watchdog(self) -> None:
+        """Turns a step that never returns (a hung worker, a deadlocked collective) into the
+        same clean death as a crash; the stuck engine thread is a daemon and dies with us."""
+        while not self._stopping.wait(0.25):
+            started = self._step_started
+            if (self._dead_error is None and started is not None
+                    and time.perf_counter() - started > self._watchdog_s):
+                self._fail_all(TimeoutError(
+                    f"an engine step did not finish within VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="
+                    f"{self._watchdog_s:g} s (hung worker?)"))
 
     def _loop_once(self) -> None:
         alive = self._dead_error is None
         self._handle_commands(block=not (alive and self.engine.has_unfinished_requests()))
         if self._dead_error is not None or not self.engine.has_unfinished_requests():
             return
+        self._step_started = time.perf_counter()
         outputs = self.engine.step()
+        self._step_started = None
+        if self._dead_error is not None:
+            return  # the watchdog gave up on this step meanwhile
         self.metrics.record_iteration(int(getattr(self.engine, "last_iteration_tokens", 0) or 0))
-        self._dispatch(outputs, time.perf_counter())
+        take_errors = getattr(self.engine, "take_request_errors", None)
+        errors = take_errors() if take_errors is not None else {}
+        self._dispatch(outputs, time.perf_counter(), errors)
         self._refresh_snapshot()
 
     def _handle_commands(self, block: bool) -> None:
@@ -211,8 +319,13 @@ class AsyncLLM:
         if kind == "stop":
             self._stopping.set()
             return False
+        if kind == "dead":
+            if self._dead_error is None:
+                self._fail_all(RuntimeError(command[1]))
+            return False
         if kind == "abort":
-            stream = self._streams.pop(command[1], None)
+            with self._lock:
+                stream = self._streams.pop(command[1], None)
             if stream is None:
                 return False  # already finished (or never admitted): nothing to free
             self.engine.abort_request([stream.request_id])  # raising here kills the loop
@@ -232,12 +345,22 @@ class AsyncLLM:
         except Exception as error:  # bad input: the caller reports it, the engine is fine
             admitted.set_exception(error)
             return False
-        self._streams[request_id] = stream
+        with self._lock:
+            self._streams[request_id] = stream
         self.metrics.record_admitted(stream.timer.num_prompt_tokens)
         admitted.set_result(None)
         return True
 
-    def _dispatch(self, outputs, now: float) -> None:
+    def _dispatch(self, outputs, now: float, errors: dict[str, str] | None = None) -> None:
+        with self._lock:
+            self._dispatch_locked(outputs, now, errors or {})
+
+    def _dispatch_locked(self, outputs, now: float, errors: dict[str, str]) -> None:
+        for request_id, message in errors.items():
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                self.metrics.record_aborted()
+                stream._deliver(RequestFailedError(message))
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
@@ -254,8 +377,21 @@ class AsyncLLM:
             stream._deliver(output)
 
     def _fail_all(self, error: BaseException) -> None:
-        self._dead_error = error
+        with self._lock:
+            first = self._dead_error is None
+            if first:
+                self._dead_error = error
+            streams = list(self._streams.values())
+            self._streams.clear()
+        if first:
+            # Log and notify before the waiters hear of it: whoever reacts to a failed request
+            # finds the death already recorded.
+            logger.error("Engine is dead (%s): %s", type(error).__name__, one_line(error))
+            for callback in self._dead_callbacks:
+                try:
+                    callback(error)
+                except Exception:  # noqa: BLE001 - one bad callback must not hide the others
+                    logger.exception("engine-death callback failed")
         dead = EngineDeadError(f"engine loop died: {error!r}")
-        for stream in self._streams.values():
+        for stream in streams:
             stream._deliver(dead)
-        self._streams.clear()

@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 
 # Latency samples kept for get_metrics() (the most recent ones).
 _MAX_LATENCY_SAMPLES = 4096
+# A step that raises is pinned on one request (see _recover_from_failed_step); this many failed
+# steps in a row means the fault is not requests' data but the engine's, which is fatal.
+MAX_CONSECUTIVE_FAILED_STEPS = 8
 
 
 def resolve_model_paths(vllm_config) -> None:
@@ -125,6 +128,12 @@ class LLMEngine:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._num_finished = 0
+        self._request_errors: dict[str, str] = {}
+        self._consecutive_failed_steps = 0
+        # Failure isolation (see _recover_from_failed_step): requests set aside after a failed
+        # step with several suspects, released one at a time as "trials".
+        self._quarantine: deque[Request] = deque()
+        self._trials: set[str] = set()
         self._shut_down = False
         self_ref = weakref.ref(self)
         self._atexit_hook = lambda: (self_ref() is not None and self_ref().shutdown())
@@ -239,17 +248,22 @@ class LLMEngine:
             expanded.extend(parent.child_ids if parent is not None else [req_id])
         request_ids = expanded
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        gone = set(request_ids)
+        if self._quarantine:
+            self._quarantine = deque(r for r in self._quarantine if r.request_id not in gone)
+        self._trials -= gone
         for req_id in request_ids:
             self._states.pop(req_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._quarantine)
 
     def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.get_num_unfinished_requests()
+        return self.scheduler.get_num_unfinished_requests() + len(self._quarantine)
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._release_trial()
         if not self.scheduler.has_unfinished_requests():
             return []
         step_start = time.perf_counter()
@@ -261,7 +275,13 @@ class LLMEngine:
             if new_state is not None and new_state.timer.first_scheduled_time is None:
                 new_state.timer.first_scheduled_time = scheduled_at
                 num_prompt_tokens += len(new_state.prompt_token_ids)
-        runner_output = self.executor.execute_model(scheduler_output)
+        try:
+            runner_output = self.executor.execute_model(scheduler_output)
+        except Exception as error:  # noqa: BLE001 - classified below
+            return self._recover_from_failed_step(scheduler_output, error)
+        self._consecutive_failed_steps = 0
+        if self._trials:
+            self._trials.difference_update(scheduler_output.num_scheduled_tokens)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         now = time.perf_counter()
         # Host wall time of the whole step (schedule, model, update): the speculation cost
@@ -305,6 +325,81 @@ class LLMEngine:
         self.last_iteration_tokens = num_prompt_tokens + sum(
             len(core.new_token_ids) for core in core_outputs)
         return self._dedupe_parents(outputs)
+
+    # ---- failure isolation -------------------------------------------------------------------
+    def take_request_errors(self) -> dict[str, str]:
+        """Requests failed by the last step(s): user request id -> message (then forgotten)."""
+        errors, self._request_errors = self._request_errors, {}
+        return errors
+
+    def _recover_from_failed_step(self, scheduler_output, error: Exception) -> list:
+        """An exception in the runner that left the executor usable (in-process worker) is
+        pinned on one request. Suspects are the step's requests that never completed a step: its
+        first-time admissions and released trials. One suspect: it fails alone (blocks freed,
+        finish_reason "error", the message in take_request_errors()). Several (or none, then
+        every scheduled request is a suspect): they are set aside and released one per step as
+        trials, so the next failure names its request. The step's other requests are preempted
+        and recomputed, since the runner may hold half-updated state for them. A dead executor
+        or MAX_CONSECUTIVE_FAILED_STEPS failures in a row are the engine's fault: re-raised."""
+        self._consecutive_failed_steps += 1
+        if getattr(self.executor, "is_shutdown", False) or \
+                self._consecutive_failed_steps > MAX_CONSECUTIVE_FAILED_STEPS:
+            raise error
+        # The runner may have raised before dropping the requests that finished since the last
+        # step: hand those ids to it again next step (dropping twice is harmless), or their
+        # runner slots would leak.
+        self.scheduler.finished_req_ids |= set(scheduler_output.finished_req_ids)
+        scheduled = list(scheduler_output.num_scheduled_tokens)
+        new_ids = {new.req_id for new in scheduler_output.scheduled_new_reqs}
+        suspects = [r for r in scheduled if r in self._trials or (
+            r in new_ids and (req := self.scheduler.requests.get(r)) is not None
+            and req.num_preemptions == 0 and req.num_output_tokens == 0)]
+        summary = f"{type(error).__name__}: {' '.join(str(error).split())[:500]}"
+        outputs = []
+        if len(suspects) == 1:
+            outputs = self._fail_request(suspects[0], summary)
+        else:
+            suspects = suspects or scheduled
+            self._set_aside(suspects)
+        logger.warning("engine step failed (%s); %s %s, recomputing the other scheduled "
+                       "request(s)", summary.splitlines()[0][:200],
+                       "failed request" if outputs else "isolating request(s)", suspects)
+        self.scheduler.requeue_for_recompute(
+            [r for r in scheduled if r in self._states and r not in suspects])
+        self.last_iteration_tokens = 0
+        return outputs
+
+    def _fail_request(self, req_id: str, summary: str) -> list[RequestOutput]:
+        state = self._states.get(req_id)
+        user_id = state.parent_id if state is not None and state.parent_id else req_id
+        parent = self._parents.get(user_id)
+        holder = parent if parent is not None else state
+        prompt = getattr(holder, "prompt", None)
+        prompt_ids = getattr(holder, "prompt_token_ids", [])
+        self.abort_request(user_id)  # all n samples of it; frees the blocks
+        self._trials.discard(req_id)
+        self._request_errors[user_id] = f"the request failed inside an engine step: {summary}"
+        return [RequestOutput(request_id=user_id, prompt=prompt, prompt_token_ids=prompt_ids,
+                              outputs=[CompletionOutput(0, "", [], "error")], finished=True)]
+
+    def _set_aside(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            request = self.scheduler.requests.get(req_id)
+            if request is None:
+                continue
+            self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)  # frees KV
+            request.num_computed_tokens = 0
+            request.spec_token_ids = []
+            self._trials.discard(req_id)
+            self._quarantine.append(request)
+
+    def _release_trial(self) -> None:
+        """One set-aside request at a time, once the previous trial completed a step."""
+        if not self._quarantine or self._trials:
+            return
+        request = self._quarantine.popleft()
+        self.scheduler.add_request(request)
+        self._trials.add(request.request_id)
 
     def _merge_child(self, state: _RequestState, output: RequestOutput) -> RequestOutput | None:
         parent = self._parents.get(state.parent_id)

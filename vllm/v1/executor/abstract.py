@@ -16,6 +16,18 @@ def resolve_qualname(qualname: str):
     return getattr(importlib.import_module(module_name), attr)
 
 
+class WorkerError(RuntimeError):
+    """A worker process raised, died or stopped answering; the executor is shut down."""
+
+    def summary(self) -> str:
+        """One line: the first line of the message plus, for a worker traceback, its last line
+        (the exception itself)."""
+        lines = [line.strip() for line in str(self).splitlines() if line.strip()]
+        if len(lines) <= 1:
+            return lines[0] if lines else "worker failure"
+        return f"{lines[0].rstrip(':')}: {lines[-1]}"
+
+
 class Executor(ABC):
 
     def __init__(self, vllm_config, worker_cls: str = DEFAULT_WORKER_CLS):

@@ -4,18 +4,25 @@ Every call is sent to all ranks and every rank answers ("ok", result) or ("error
 engine waits on the pipes AND the process sentinels, so a rank that raises or dies ends the wait at
 once with a RuntimeError naming the rank, instead of leaving the engine blocked on a rank that is
 itself blocked in a collective with the dead one. After a failure every worker is terminated.
+
+Liveness: a monitor thread watches the worker processes between calls too, so a rank that dies
+while the engine is idle is reported at once through the failure callbacks (AsyncLLM turns that
+into a clean engine death); `liveness_problem()` also names ranks that are stopped (SIGSTOP,
+state T in /proc), which can make no progress. `execute_model` waits at most
+VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (upstream's name, default 300 s) for a step.
 """
 from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 import traceback
 from multiprocessing.connection import wait as wait_for_any
 
 import torch.multiprocessing as mp
 
-from vllm.v1.executor.abstract import Executor, resolve_qualname
+from vllm.v1.executor.abstract import Executor, WorkerError, resolve_qualname
 
 # Model load (+ a FlashInfer JIT build on first use) can take minutes on a cold node.
 STARTUP_TIMEOUT_S = float(os.environ.get("VLLM_WORKER_STARTUP_TIMEOUT_S", "1200"))
@@ -63,6 +70,18 @@ def worker_main(worker_cls: str, vllm_config, rank: int, init_method: str, conn)
         conn.send(("ok", result))
 
 
+def _is_stopped(pid: int | None) -> bool:
+    """True if the process is stopped (state T / t in /proc/PID/stat; Linux only)."""
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("T", "t")
+
+
 def _send_quietly(conn, message) -> None:
     try:
         conn.send(message)
@@ -86,7 +105,46 @@ class MultiprocExecutor(Executor):
             child_conn.close()
             self.processes.append(process)
             self.conns.append(parent_conn)
+        self._failure_callbacks: list = []
         self._gather("start-up", STARTUP_TIMEOUT_S)
+        self._monitor = threading.Thread(target=self._monitor_workers, name="vllm-worker-monitor",
+                                         daemon=True)
+        self._monitor.start()
+
+    def register_failure_callback(self, callback) -> None:
+        """callback(reason: str), called from the monitor thread when a worker process exits
+        while the executor is running."""
+        self._failure_callbacks.append(callback)
+
+    def _monitor_workers(self) -> None:
+        sentinels = {process.sentinel: rank for rank, process in enumerate(self.processes)}
+        while not self.is_shutdown:
+            ready = wait_for_any(list(sentinels), timeout=0.5)
+            if self.is_shutdown:
+                return
+            if ready:
+                rank = sentinels[ready[0]]
+                reason = f"worker rank {rank} died{self._exit_note(rank)}"
+                for callback in list(self._failure_callbacks):
+                    callback(reason)
+                return
+
+    def liveness_problem(self) -> str | None:
+        """Why the workers cannot make progress right now, or None."""
+        if self.is_shutdown:
+            return "the workers are shut down"
+        for rank, process in enumerate(self.processes):
+            if not process.is_alive():
+                return f"worker rank {rank} is not running{self._exit_note(rank)}"
+            if _is_stopped(process.pid):
+                return f"worker rank {rank} (pid {process.pid}) is stopped (SIGSTOP?)"
+        return None
+
+    def execute_model(self, scheduler_output):
+        from vllm.v1.engine.async_llm import execute_model_timeout_s
+
+        return self.collective_rpc("execute_model", (scheduler_output,),
+                                   timeout=execute_model_timeout_s())[0]
 
     def collective_rpc(self, method, args=(), kwargs=None, timeout=None) -> list:
         if self.is_shutdown:
@@ -138,7 +196,7 @@ class MultiprocExecutor(Executor):
 
     def _fail(self, message: str):
         self.shutdown(graceful=False)
-        raise RuntimeError(message)
+        raise WorkerError(message)
 
     def shutdown(self, graceful: bool = True) -> None:
         if self.is_shutdown:
@@ -152,7 +210,11 @@ class MultiprocExecutor(Executor):
                 process.join(timeout=max(0.0, deadline - time.monotonic()))
         for process in self.processes:
             if process.is_alive():
-                process.terminate()
+                # A stopped process never acts on SIGTERM (it stays pending): kill it outright.
+                if _is_stopped(process.pid):
+                    process.kill()
+                else:
+                    process.terminate()
         for process in self.processes:
             process.join(timeout=_SHUTDOWN_GRACE_S)
             if process.is_alive():

@@ -331,6 +331,15 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def requeue_for_recompute(self, request_ids: Iterable[str]) -> None:
+        """Preempt these running requests (recompute policy) after a step that failed: their
+        runner state may be half-updated, so they are prefilled again from their tokens."""
+        for req_id in reversed(list(request_ids)):  # appendleft: keep their order at the front
+            request = self.requests.get(req_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+                self._preempt(request)
+
     # ---- results of a step -------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
