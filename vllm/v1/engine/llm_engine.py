@@ -22,7 +22,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.request import Request, RequestStatus
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
-from vllm.v1.executor.abstract import DEFAULT_WORKER_CLS, Executor
+from vllm.v1.executor.abstract import DEFAULT_WORKER_CLS, Executor, StepError
 from vllm.v1.metrics.stats import RequestTimer
 from vllm.v1.sample.metadata import is_greedy
 
@@ -354,7 +354,10 @@ class LLMEngine:
         suspects = [r for r in scheduled if r in self._trials or (
             r in new_ids and (req := self.scheduler.requests.get(r)) is not None
             and req.num_preemptions == 0 and req.num_output_tokens == 0)]
-        summary = f"{type(error).__name__}: {' '.join(str(error).split())[:500]}"
+        if isinstance(error, StepError):  # every rank raised: name the exception itself
+            summary = error.summary()[:500]
+        else:
+            summary = f"{type(error).__name__}: {' '.join(str(error).split())[:500]}"
         outputs = []
         if len(suspects) == 1:
             outputs = self._fail_request(suspects[0], summary)

@@ -28,6 +28,15 @@ class WorkerError(RuntimeError):
         return f"{lines[0].rstrip(':')}: {lines[-1]}"
 
 
+class StepError(RuntimeError):
+    """Every rank raised the same way inside one `execute_model` and kept serving: the executor
+    stays usable, so the engine may pin the failure on a request (LLMEngine's isolation)."""
+
+    def summary(self) -> str:
+        lines = [line.strip() for line in str(self).splitlines() if line.strip()]
+        return lines[-1] if lines else "step failure"
+
+
 class Executor(ABC):
 
     def __init__(self, vllm_config, worker_cls: str = DEFAULT_WORKER_CLS):

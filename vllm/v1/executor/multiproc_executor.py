@@ -5,6 +5,14 @@ engine waits on the pipes AND the process sentinels, so a rank that raises or di
 once with a RuntimeError naming the rank, instead of leaving the engine blocked on a rank that is
 itself blocked in a collective with the dead one. After a failure every worker is terminated.
 
+One exception: an `execute_model` that raises an Exception is answered ("step_error", traceback)
+and the worker keeps serving. When EVERY rank reports a step error (a request's data fails the
+same way on all ranks, e.g. an overflowing sampling parameter), the executor raises StepError and
+stays usable, so the engine fails that request alone and recomputes the others (their runner
+state is dropped through the next step's preempted ids). When only some ranks report one, the
+others are likely blocked in a collective with them: after a short grace the executor fails as
+before.
+
 Liveness: a monitor thread watches the worker processes between calls too, so a rank that dies
 while the engine is idle is reported at once through the failure callbacks (AsyncLLM turns that
 into a clean engine death); `liveness_problem()` also names ranks that are stopped (SIGSTOP,
@@ -22,13 +30,16 @@ from multiprocessing.connection import wait as wait_for_any
 
 import torch.multiprocessing as mp
 
-from vllm.v1.executor.abstract import Executor, WorkerError, resolve_qualname
+from vllm.v1.executor.abstract import Executor, StepError, WorkerError, resolve_qualname
 
 # Model load (+ a FlashInfer JIT build on first use) can take minutes on a cold node.
 STARTUP_TIMEOUT_S = float(os.environ.get("VLLM_WORKER_STARTUP_TIMEOUT_S", "1200"))
 # No healthy step takes this long; past it the engine gives up instead of hanging.
 RPC_TIMEOUT_S = float(os.environ.get("VLLM_WORKER_RPC_TIMEOUT_S", "900"))
 _SHUTDOWN_GRACE_S = 5.0
+# How long the other ranks may take to report once one rank reported a step error (a
+# data-caused failure reaches every rank at the same point of the step).
+_STEP_ERROR_GRACE_S = float(os.environ.get("VLLM_WORKER_STEP_ERROR_GRACE_S", "5"))
 _SPAWN_HINT = ("; its stderr has the reason. Workers are spawned, which re-imports the main "
                "script: a script that builds the engine at top level needs an "
                "`if __name__ == '__main__':` guard")
@@ -64,9 +75,15 @@ def worker_main(worker_cls: str, vllm_config, rank: int, init_method: str, conn)
             break
         try:
             result = getattr(worker, method)(*args, **kwargs)
+        except Exception:  # noqa: BLE001
+            if method == "execute_model":  # the engine may isolate the request and go on
+                _send_quietly(conn, ("step_error", traceback.format_exc()))
+                continue
+            _send_quietly(conn, ("error", traceback.format_exc()))
+            break  # the engine stops all ranks after any other failure
         except BaseException:  # noqa: BLE001
             _send_quietly(conn, ("error", traceback.format_exc()))
-            break  # the engine stops all ranks after any failure
+            break
         conn.send(("ok", result))
 
 
@@ -160,10 +177,16 @@ class MultiprocExecutor(Executor):
     def _gather(self, what: str, timeout: float) -> list:
         results: list = [None] * self.world_size
         pending = set(range(self.world_size))
+        step_errors: dict[int, str] = {}
         deadline = time.monotonic() + timeout
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                if step_errors:
+                    rank = min(step_errors)
+                    self._fail(f"worker rank {rank} raised during `{what}` and ranks "
+                               f"{sorted(pending)} did not answer (blocked in a collective "
+                               f"with it?):\n{step_errors[rank]}")
                 self._fail(f"worker ranks {sorted(pending)} did not answer `{what}` within "
                            f"{timeout:.0f}s")
             ready = set(wait_for_any([self.conns[r] for r in pending]
@@ -180,6 +203,9 @@ class MultiprocExecutor(Executor):
                                    f"{self._exit_note(rank)}")
                     if status == "error":
                         self._fail(f"worker rank {rank} raised during `{what}`:\n{payload}")
+                    if status == "step_error":
+                        step_errors[rank] = payload
+                        deadline = min(deadline, time.monotonic() + _STEP_ERROR_GRACE_S)
                     results[rank] = payload
                     pending.discard(rank)
             for rank in sorted(pending):
@@ -187,6 +213,14 @@ class MultiprocExecutor(Executor):
                     hint = _SPAWN_HINT if what == "start-up" else ""
                     self._fail(f"worker rank {rank} died during `{what}`{self._exit_note(rank)}"
                                f"{hint}")
+        if step_errors:
+            rank = min(step_errors)
+            if len(step_errors) < self.world_size:
+                ok = sorted(set(range(self.world_size)) - set(step_errors))
+                self._fail(f"worker rank {rank} raised during `{what}` while ranks {ok} "
+                           f"completed it (their states now differ):\n{step_errors[rank]}")
+            raise StepError(f"every worker rank raised during `{what}`; rank {rank}:\n"
+                            f"{step_errors[rank]}")
         return results
 
     def _exit_note(self, rank: int) -> str:
