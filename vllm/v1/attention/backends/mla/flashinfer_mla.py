@@ -119,7 +119,7 @@ class PlanStaging:
     FlashInfer copies them to the device with non-blocking copies, so a buffer may not be
     rewritten before the GPU has read it: a ring of `depth` buffer sets, each guarded by an event
     recorded after its plan. A set comes round again only `depth` plans later, long after the
-    step-end synchronisation, so `wait` normally finds the event complete and never blocks."""
+    step-end synchronisation, so `acquire` normally finds the event complete and never blocks."""
 
     def __init__(self, max_requests: int, max_pages: int, depth: int = 8):
         self.max_requests, self.max_pages = max_requests, max_pages
@@ -207,11 +207,12 @@ def plan_hopper_decode(decode: MLACommonDecodeMetadata, page_size: int,
         qo_t, kv_indptr_t, kv_len_t, kv_indices_t = staging.acquire()
         qo_t, kv_indptr_t, kv_len_t = qo_t[: total + 1], kv_indptr_t[: total + 1], kv_len_t[:total]
         kv_indices_t = kv_indices_t[:num_pages]
-    else:
-        qo_t = torch.zeros(total + 1, dtype=torch.int32)
-        kv_indptr_t = torch.zeros(total + 1, dtype=torch.int32)
-        kv_len_t = torch.zeros(total, dtype=torch.int32)
-        kv_indices_t = torch.zeros(num_pages, dtype=torch.int32)
+    else:  # pinned on CUDA hosts: FlashInfer's non-blocking staging copies then never sync
+        pin = torch.cuda.is_available()
+        qo_t = torch.zeros(total + 1, dtype=torch.int32, pin_memory=pin)
+        kv_indptr_t = torch.zeros(total + 1, dtype=torch.int32, pin_memory=pin)
+        kv_len_t = torch.zeros(total, dtype=torch.int32, pin_memory=pin)
+        kv_indices_t = torch.zeros(num_pages, dtype=torch.int32, pin_memory=pin)
     qo, kv_indptr, kv_len = qo_t.numpy(), kv_indptr_t.numpy(), kv_len_t.numpy()
     n = len(kvs)
     qo[0] = kv_indptr[0] = 0
