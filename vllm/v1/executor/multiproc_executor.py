@@ -225,8 +225,13 @@ class MultiprocExecutor(Executor):
 
     def _exit_note(self, rank: int) -> str:
         process = self.processes[rank]
-        process.join(timeout=0.5)
-        return f" (exit code {process.exitcode})" if process.exitcode is not None else ""
+        # The monitor thread may be reaping the same process: a waitpid that loses that race
+        # reads no status once, so look again for a moment (the winner records the exit code).
+        for _ in range(10):
+            process.join(timeout=0.2)
+            if process.exitcode is not None:
+                return f" (exit code {process.exitcode})"
+        return ""
 
     def _fail(self, message: str):
         self.shutdown(graceful=False)
