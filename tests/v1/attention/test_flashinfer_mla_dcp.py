@@ -278,5 +278,5 @@ def test_metadata_from_another_builder_is_an_error(monkeypatch):
     case = make_case([9, 30], [3, 3], num_heads=2, causal=True, dtype=torch.bfloat16)
     md, cache, _ = hopper_rank(case, 2, 1, 1)
     md.decode.backend_state = None
-    with pytest.raises(ValueError, match="one\s+backend per group"):
+    with pytest.raises(ValueError, match=r"one\s+backend per group"):
         FlashInferMLAImpl(num_heads=2, scale=case.scale).forward_decode(case.q, cache, md.decode)
