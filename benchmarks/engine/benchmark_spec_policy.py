@@ -15,7 +15,7 @@ and, next to each, its ratio to `none`, the drafted / skipped decisions and the 
 measured step times. Greedy tokens of every variant are compared with `none`'s (they must match).
 
 Usage (GPU, after the decode-speed work):
-  python benchmarks/engine/benchmark_spec_policy.py --batch-sizes 1 8 --context 1024
+  python benchmarks/engine/benchmark_spec_policy.py --batch-sizes 1 8
   (CPU smoke run: --device cpu --dtype float32 --attention-backend TORCH_MLA --enforce-eager)
 """
 from __future__ import annotations
@@ -33,8 +33,10 @@ def main() -> None:
     parser.add_argument("--method", default="dspark")
     parser.add_argument("--num-spec-tokens", type=int, default=4)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--context", type=int, default=1024, help="prompt tokens per request")
-    parser.add_argument("--output-len", type=int, default=512)
+    parser.add_argument("--context", type=int, default=None,
+                        help="prompt tokens per request (default 64 for the built-in tiny model, "
+                             "trained on 129-byte windows; 1024 otherwise)")
+    parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--warmup-steps", type=int, default=32,
                         help="untimed engine steps (prefill, cost-model exploration)")
     parser.add_argument("--forced-acceptance", type=float, default=1.0,
