@@ -7,8 +7,9 @@ alone on a fresh engine.
 """
 import pytest
 
+from tests.utils.engine_steps import greedy as greedy_params
+from tests.utils.engine_steps import run_to_completion
 from vllm.engine.arg_utils import EngineArgs
-from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.llm_engine import MAX_CONSECUTIVE_FAILED_STEPS, LLMEngine
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "1, 2, 3,"]
@@ -24,14 +25,7 @@ def make_engine():
 
 
 def greedy():
-    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-
-
-def run(engine, finals):
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
+    return greedy_params(MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +40,7 @@ def reference(engine):
     finals = {}
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"alone{i}", prompt, greedy())
-        run(engine, finals)
+        run_to_completion(engine, finals)
     return [finals[f"alone{i}"].outputs[0].text for i in range(len(PROMPTS))]
 
 
@@ -61,7 +55,7 @@ def test_bad_request_fails_alone_and_others_match_greedy(engine, reference):
     bad.top_k = 2**63  # what SamplingParams now refuses; the engine must survive it anyway
     engine.add_request("bad", PROMPTS[2], bad)
     engine.add_request("ok2", PROMPTS[2], greedy())  # admitted in the same step as "bad"
-    run(engine, finals)
+    run_to_completion(engine, finals)
     errors = engine.take_request_errors()
     assert set(errors) == {"bad"} and "OverflowError" in errors["bad"]
     assert finals["bad"].outputs[0].finish_reason == "error"
@@ -70,7 +64,7 @@ def test_bad_request_fails_alone_and_others_match_greedy(engine, reference):
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     # and it keeps serving
     engine.add_request("after", PROMPTS[0], greedy())
-    run(engine, finals)
+    run_to_completion(engine, finals)
     assert finals["after"].outputs[0].text == reference[0]
 
 

@@ -7,8 +7,9 @@ same prompts decoded greedily alone on the same engine before the failure.
 """
 import pytest
 
+from tests.utils.engine_steps import greedy as greedy_params
+from tests.utils.engine_steps import run_to_completion
 from vllm.engine.arg_utils import EngineArgs
-from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.llm_engine import LLMEngine
 from vllm.v1.executor.abstract import StepError, WorkerError
 
@@ -17,14 +18,7 @@ MAX_TOKENS = 6
 
 
 def greedy():
-    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-
-
-def run(engine, finals):
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
+    return greedy_params(MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +37,7 @@ def test_step_error_on_every_rank_fails_the_request_alone(engine):
     finals = {}
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"alone{i}", prompt, greedy())
-    run(engine, finals)
+    run_to_completion(engine, finals)
     reference = [finals[f"alone{i}"].outputs[0].text for i in range(len(PROMPTS))]
 
     engine.add_request("ok0", PROMPTS[0], greedy())
@@ -51,7 +45,7 @@ def test_step_error_on_every_rank_fails_the_request_alone(engine):
     bad.top_k = 2**63  # what SamplingParams refuses; the workers must survive it anyway
     engine.add_request("bad", PROMPTS[1], bad)
     engine.add_request("ok1", PROMPTS[1], greedy())
-    run(engine, finals)
+    run_to_completion(engine, finals)
     errors = engine.take_request_errors()
     assert set(errors) == {"bad"} and "OverflowError" in errors["bad"]
     assert finals["bad"].outputs[0].finish_reason == "error"

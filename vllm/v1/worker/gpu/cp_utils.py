@@ -11,7 +11,6 @@ CPU-only machines without a working Triton still import this module.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from vllm.triton_utils import HAS_TRITON, tl, triton  # noqa: F401
@@ -54,14 +53,6 @@ def get_dcp_local_seq_lens(seq_lens: torch.Tensor, dcp_size: int = 1, dcp_rank: 
         return _local_lens(seq_lens, dcp_size, dcp_rank, interleave).to(seq_lens.dtype)
     ranks = torch.arange(dcp_size, device=seq_lens.device, dtype=seq_lens.dtype)
     return _local_lens(seq_lens.unsqueeze(-1), dcp_size, ranks, interleave).to(seq_lens.dtype)
-
-
-def local_lens_np(seq_lens: np.ndarray, cp_size: int, rank: int, cp_interleave: int) -> np.ndarray:
-    """The local-length formula on host numpy arrays (host twins of per-step planners)."""
-    span = cp_size * cp_interleave
-    full_rounds = seq_lens // span
-    partial = np.clip(seq_lens - full_rounds * span - rank * cp_interleave, 0, cp_interleave)
-    return full_rounds * cp_interleave + partial
 
 
 if HAS_TRITON:

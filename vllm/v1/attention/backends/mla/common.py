@@ -27,7 +27,6 @@ from vllm.v1.attention.backends.mla.prefill import (DEFAULT_CONTEXT_CHUNK_TOKENS
                                                     MLACommonPrefillMetadata,
                                                     build_prefill_metadata)
 from vllm.v1.attention.backends.mla.row_seq_lens import row_seq_lens_triton
-from vllm.v1.worker.gpu.cp_utils import local_lens_np
 
 KV_LORA_RANK = 512
 QK_ROPE_HEAD_DIM = 64
@@ -386,7 +385,8 @@ class MLACommonMetadataBuilder:
             if cm.dcp_local_seq_lens_cpu is not None and not causal:
                 out[:live] = cm.dcp_local_seq_lens_cpu[:num_decodes].numpy()[req]
             else:
-                out[:live] = local_lens_np(g, n, r, inter)
+                # the foundation's formula, on a zero-copy view of the host array
+                out[:live] = dcp_local_lengths(torch.from_numpy(g), n, r, inter).numpy()
         else:
             out[:live] = g
         return torch.from_numpy(out)
