@@ -143,9 +143,26 @@ def _run_to_first_token(engine, rid: str, prompt: list[int], params, clock: Cloc
     return clock.now() - t0
 
 
+def _dump_memory_snapshot(args, context: int, budget: int) -> None:
+    """The allocation trace up to the end of the first timed prefill, gzip'd pickle (read it with
+    pytorch.org/memory_viz or scripts/memory_at_peak.py)."""
+    import gzip
+    import pickle
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    path = os.path.join(args.memory_snapshot, f"mem_L{context}_b{budget}.pickle.gz")
+    os.makedirs(args.memory_snapshot, exist_ok=True)
+    with gzip.open(path, "wb") as f:
+        pickle.dump(snap, f)
+    print(f"memory snapshot: {path}")
+
+
 def prefill_case(args, context: int, budget: int, device: torch.device) -> dict:
     from vllm.sampling_params import SamplingParams
     clock = Clock(device)
+    snapshot = bool(args.memory_snapshot) and device.type == "cuda"
+    if snapshot:  # allocation history with Python stacks, from before the engine exists
+        torch.cuda.memory._record_memory_history(max_entries=args.memory_snapshot_entries)
     engine, runner = _engine(args, context, budget, "none", decode_tokens=1)
     try:
         config = runner.model.config
@@ -165,6 +182,8 @@ def prefill_case(args, context: int, budget: int, device: torch.device) -> dict:
             times.append(_run_to_first_token(engine, f"p{r}", _prompt(context, vocab, r), one, clock))
             if cuda:
                 peaks.append(torch.cuda.max_memory_allocated(device))
+            if snapshot and r == 0:
+                _dump_memory_snapshot(args, context, budget)
         ttft = statistics.median(times)
         flops = prefill_flops(config, context)
         weights = _bytes_of(runner.model.parameters())
@@ -421,6 +440,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attn-repeats", type=int, default=10, help="timed calls per attention step")
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_PEAK_TFLOPS,
                    help="MFU denominator (H200 SXM bf16 dense tensor-core peak)")
+    p.add_argument("--memory-snapshot", default=None, metavar="DIR",
+                   help="CUDA: record the allocation history of each prefill case (engine start "
+                        "to the end of its first timed prefill) and dump it into DIR")
+    p.add_argument("--memory-snapshot-entries", type=int, default=40000,
+                   help="allocation events kept by --memory-snapshot (newest kept)")
     p.add_argument("--out", default="out/prefill", help="output directory")
     return p
 
