@@ -46,7 +46,9 @@ def _instrument(engine) -> None:
     _wrap(model_runner.GPUModelRunner, "execute_model", "runner.execute_model")
     _wrap(model_runner.GPUModelRunner, "_prepare_inputs", "runner._prepare_inputs")
     _wrap(model_runner.GPUModelRunner, "_sample", "runner._sample")
-    _wrap(model_runner.GPUModelRunner, "_copy_step_output", "runner._copy_step_output (incl. wait)")
+    _wrap(model_runner.GPUModelRunner, "_copy_step_output", "runner._copy_step_output (sync: incl. wait)")
+    _wrap(model_runner.GPUModelRunner, "_collect", "runner._collect (async: incl. wait)")
+    _wrap(model_runner.GPUModelRunner, "_retire_previous_step", "runner._retire_previous_step (async)")
     _wrap(model_runner.GPUModelRunner, "_propose", "runner._propose")
     _wrap(input_batch.InputBatchBuilder, "build", "InputBatchBuilder.build")
     _wrap(flashinfer_mla, "_plan", "flashinfer plan() (python + C++)")
@@ -109,6 +111,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="overlap step N+1's host work with step N (plain decoding)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     from vllm.engine.arg_utils import EngineArgs
@@ -119,7 +123,8 @@ def main() -> None:
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=args.model, dtype="bfloat16", max_model_len=args.context + 8 * args.steps + 64,
         max_num_seqs=max(args.batch, 1), speculative_config=spec,
-        attention_backend=args.attention_backend, **kwargs))
+        attention_backend=args.attention_backend, async_scheduling=args.async_scheduling,
+        **kwargs))
     params = SamplingParams(temperature=0.0, max_tokens=6 * args.steps, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(f"r{i}", [(7 * i + 3 * j + 1) % 250 for j in range(args.context)],

@@ -41,7 +41,8 @@ def _union_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1e3  # us -> ms
 
 
-def run_case(args, method: str, batch: int, context: int, eager: bool) -> dict:
+def run_case(args, method: str, batch: int, context: int, eager: bool,
+             async_scheduling: bool = False) -> dict:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.llm_engine import LLMEngine
@@ -56,7 +57,8 @@ def run_case(args, method: str, batch: int, context: int, eager: bool) -> dict:
         model=args.model, dtype="bfloat16", max_model_len=context + steps * (args.num_spec_tokens + 1) + 64,
         attention_backend=args.attention_backend, speculative_config=spec,
         max_num_seqs=max(batch, 1), max_num_batched_tokens=max(4096, batch * (context + 1)),
-        enforce_eager=eager, seed=0, **({"load_format": args.load_format}
+        enforce_eager=eager, seed=0, async_scheduling=async_scheduling,
+        **({"load_format": args.load_format}
                                          if args.load_format != "auto" else {}))
     engine = LLMEngine.from_engine_args(engine_args)
     try:
@@ -131,7 +133,7 @@ def run_case(args, method: str, batch: int, context: int, eager: bool) -> dict:
         ideal_ms = (weight_bytes + kv_bytes) / args.bandwidth * 1e3
         return {
             "method": method, "batch": batch, "context": context,
-            "mode": "eager" if eager else "graphs",
+            "mode": "eager" if eager else ("async" if async_scheduling else "graphs"),
             "step_ms": statistics.median(times) * 1e3,
             "kernel_ms": kernel_ms / n, "busy": busy_ms / wall_ms,
             "syncs_per_step": syncs / n, "launches_per_step": launches / n,
@@ -157,7 +159,9 @@ def main() -> None:
                              "model, which was trained on 129-byte windows: longer prompts leave "
                              "its drafters' acceptance unrepresentative)")
     parser.add_argument("--methods", nargs="+", default=["none", "dspark"])
-    parser.add_argument("--modes", nargs="+", default=["graphs", "eager"])
+    parser.add_argument("--modes", nargs="+", default=["graphs", "eager"],
+                        choices=["graphs", "eager", "async"],
+                        help="async = graphs + --async-scheduling (plain decoding only)")
     parser.add_argument("--num-spec-tokens", type=int, default=4)
     parser.add_argument("--warmup-steps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
@@ -178,7 +182,11 @@ def main() -> None:
         for batch in args.batch_sizes:
             for method in args.methods:
                 for mode in args.modes:
-                    row = run_case(args, method, batch, context, eager=(mode == "eager"))
+                    if mode == "async" and method != "none":
+                        print(f"skip {method} async: async scheduling runs plain decoding only")
+                        continue
+                    row = run_case(args, method, batch, context, eager=(mode == "eager"),
+                                   async_scheduling=(mode == "async"))
                     rows.append(row)
                     print(json.dumps({k: v for k, v in row.items() if k != "top_kernels_ms_per_step"}),
                           flush=True)
@@ -209,6 +217,11 @@ def main() -> None:
         if r["mode"] == "eager" and g:
             print(f"graphs vs eager {r['method']} B={r['batch']} ctx={r['context']}: "
                   f"{r['step_ms'] / g['step_ms']:.2f}x faster with graphs")
+        if r["mode"] == "async" and g:
+            print(f"async vs graphs {r['method']} B={r['batch']} ctx={r['context']}: step "
+                  f"{g['step_ms'] / r['step_ms']:.2f}x faster with async scheduling; busy "
+                  f"{g['busy']:.2f} -> {r['busy']:.2f}; step / kernel time "
+                  f"{r['step_ms'] / r['kernel_ms']:.2f}")
     for r in rows:
         if r["mode"] == "graphs":
             print(f"top kernels {r['method']} B={r['batch']}: " +

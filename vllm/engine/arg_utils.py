@@ -132,6 +132,9 @@ class EngineArgs:
     enable_chunked_prefill: bool = _opt(
         VllmConfig.enable_chunked_prefill, "prefill prompts longer than --max-num-batched-tokens "
         "in chunks (default on, as vLLM V1; --no-enable-chunked-prefill prefills prompts whole)")
+    async_scheduling: bool = _opt(
+        VllmConfig.async_scheduling, "schedule and prepare step N+1 while the GPU runs step N "
+        "(as upstream's --async-scheduling); TP=1, no speculative decoding")
     # ---- speculative decoding / compilation ----
     speculative_config: dict[str, Any] | str | None = _opt(
         None, 'JSON, e.g. \'{"method": "dspark", "model": DIR, "num_speculative_tokens": 4}\', or '
@@ -279,6 +282,7 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            async_scheduling=self.async_scheduling,
             compilation_config=self.create_compilation_config(),
             load_config=LoadConfig(load_format=self.load_format),
         )

@@ -135,6 +135,10 @@ class LLMEngine:
         self._quarantine: deque[Request] = deque()
         self._trials: set[str] = set()
         self._shut_down = False
+        # Async scheduling: (scheduler output, AsyncModelRunnerOutput, prompt tokens, launch
+        # time) of the launched step whose output is not collected yet.
+        self.async_scheduling = bool(getattr(vllm_config, "async_scheduling", False))
+        self._pending = None
         self_ref = weakref.ref(self)
         self._atexit_hook = lambda: (self_ref() is not None and self_ref().shutdown())
         atexit.register(self._atexit_hook)
@@ -256,7 +260,8 @@ class LLMEngine:
             self._states.pop(req_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._quarantine)
+        return (self.scheduler.has_unfinished_requests() or bool(self._quarantine)
+                or self._pending is not None)
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests() + len(self._quarantine)
@@ -264,10 +269,21 @@ class LLMEngine:
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self._release_trial()
+        if self.async_scheduling:
+            return self._step_async()
         if not self.scheduler.has_unfinished_requests():
             return []
         step_start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        num_prompt_tokens = self._mark_scheduled(scheduler_output)
+        try:
+            runner_output = self.executor.execute_model(scheduler_output)
+        except Exception as error:  # noqa: BLE001 - classified below
+            return self._recover_from_failed_step(scheduler_output, error)
+        return self._process_step(scheduler_output, runner_output, num_prompt_tokens, step_start)
+
+    def _mark_scheduled(self, scheduler_output) -> int:
+        """First-scheduled times of new requests; returns their prompt tokens."""
         scheduled_at = time.perf_counter()
         num_prompt_tokens = 0
         for new in scheduler_output.scheduled_new_reqs:
@@ -275,10 +291,56 @@ class LLMEngine:
             if new_state is not None and new_state.timer.first_scheduled_time is None:
                 new_state.timer.first_scheduled_time = scheduled_at
                 num_prompt_tokens += len(new_state.prompt_token_ids)
-        try:
-            runner_output = self.executor.execute_model(scheduler_output)
-        except Exception as error:  # noqa: BLE001 - classified below
-            return self._recover_from_failed_step(scheduler_output, error)
+        return num_prompt_tokens
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Async scheduling: schedule and launch step N+1, then collect step N (whose GPU work
+        ran while this host prepared N+1). Outputs trail the launch by one step."""
+        pending, self._pending = self._pending, None
+        launched = None
+        if self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            num_prompt_tokens = self._mark_scheduled(scheduler_output)
+            try:
+                handle = self.executor.execute_model_async(scheduler_output)
+            except Exception as error:  # noqa: BLE001 - classified in _recover_async
+                return self._recover_async(pending, scheduler_output, error)
+            launched = (scheduler_output, handle, num_prompt_tokens, time.perf_counter())
+        outputs: list[RequestOutput] = []
+        if pending is not None:
+            scheduler_output, handle, num_prompt_tokens, started = pending
+            try:
+                runner_output = handle.get_output()
+            except Exception as error:  # noqa: BLE001
+                # The step launched after the failed one was prepared from its state: both are
+                # recomputed.
+                self._pending = None
+                outputs = self._recover_from_failed_step(scheduler_output, error)
+                if launched is not None:
+                    self.scheduler.requeue_for_recompute(
+                        [r for r in launched[0].num_scheduled_tokens if r in self._states])
+                return outputs
+            outputs = self._process_step(scheduler_output, runner_output, num_prompt_tokens,
+                                         started)
+        self._pending = launched
+        return outputs
+
+    def _recover_async(self, pending, scheduler_output, error: Exception) -> list:
+        """A launch failed: collect the step still in flight first (its tokens are good), then
+        recover the failed one as a synchronous step would."""
+        outputs: list[RequestOutput] = []
+        if pending is not None:
+            prev_output, handle, num_prompt_tokens, started = pending
+            try:
+                outputs = self._process_step(prev_output, handle.get_output(),
+                                             num_prompt_tokens, started)
+            except Exception:  # noqa: BLE001 - the launch's error is the one reported
+                self.scheduler.requeue_for_recompute(
+                    [r for r in prev_output.num_scheduled_tokens if r in self._states])
+        return outputs + self._recover_from_failed_step(scheduler_output, error)
+
+    def _process_step(self, scheduler_output, runner_output, num_prompt_tokens: int,
+                      step_start: float) -> list[RequestOutput]:
         self._consecutive_failed_steps = 0
         if self._trials:
             self._trials.difference_update(scheduler_output.num_scheduled_tokens)

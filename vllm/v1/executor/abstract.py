@@ -86,6 +86,13 @@ class Executor(ABC):
     def execute_model(self, scheduler_output):
         return self.collective_rpc("execute_model", (scheduler_output,))[0]
 
+    def execute_model_async(self, scheduler_output):
+        """Launch a step and return its AsyncModelRunnerOutput without waiting for the sampled
+        ids (async scheduling). Only the in-process executor overlaps steps; VllmConfig refuses
+        async_scheduling for the others."""
+        raise NotImplementedError(f"{type(self).__name__} does not support async scheduling; "
+                                  "drop --async-scheduling")
+
     def check_health(self) -> None:
         self.collective_rpc("check_health")
 

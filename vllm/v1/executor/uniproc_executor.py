@@ -19,6 +19,11 @@ class UniProcExecutor(Executor):
             raise RuntimeError("the executor is shut down; create a new engine")
         return [getattr(self.worker, method)(*args, **(kwargs or {}))]
 
+    def execute_model_async(self, scheduler_output):
+        if self.is_shutdown:
+            raise RuntimeError("the executor is shut down; create a new engine")
+        return self.worker.execute_model_async(scheduler_output)
+
     def shutdown(self) -> None:
         if self.is_shutdown:
             return

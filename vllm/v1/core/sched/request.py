@@ -53,6 +53,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # Async scheduling: tokens of steps that were scheduled (and launched) but whose sampled
+    # ids have not arrived yet. The scheduler plans with num_tokens + these placeholders.
+    num_output_placeholders: int = 0
 
     def __post_init__(self):
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -11,6 +11,13 @@ A request that cannot get blocks preempts the newest running request not yet sch
 (or itself): its blocks are freed and it returns to the FRONT of the waiting queue with prompt +
 outputs as its new prompt, to be prefilled again, so a scheduled request's KV is never touched by
 anyone else. This works the same mid-prefill.
+
+Async scheduling (`async_scheduling=True`, plain decoding only): step N+1 is scheduled while step N
+still runs, before its sampled tokens are known. A scheduled request therefore advances
+`num_computed_tokens` at schedule time (exact without drafts: every scheduled token is computed)
+and, when the step samples, holds one output placeholder until `update_from_output` brings the
+token. A request whose pending token is its last (max_tokens, max_model_len) is not scheduled
+again; one that stops on EOS or a stop string runs one extra step whose output is dropped.
 """
 from __future__ import annotations
 
@@ -129,6 +136,11 @@ class Scheduler:
                              "an int N (same decision on every rank) or null")
         self.spec_policy = SpeculationPolicy.from_config(spec_config) if spec_config else None
         self.num_preemptions = 0
+        self.async_scheduling = bool(getattr(vllm_config, "async_scheduling", False))
+        if self.async_scheduling and spec_config is not None:
+            raise ValueError("async_scheduling does not support speculative decoding yet (the "
+                             "accepted counts of step N are needed to schedule step N+1); drop "
+                             "--async-scheduling or the speculative config")
 
     # ---- requests in / out -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -192,6 +204,9 @@ class Scheduler:
         # max_num_running_reqs guarantees they all fit), then the unfinished prefills.
         decodes = [r for r in self.running if not self._is_prefilling(r)]
         order = decodes + [r for r in self.running if self._is_prefilling(r)]
+        if self.async_scheduling:
+            # A request whose in-flight token is its last finishes when that token arrives.
+            order = [r for r in order if not self._finishes_with_placeholders(r)]
         plan = None
         if self.spec_policy is not None and self.spec_policy.active:
             # A request the policy keeps from drafting decodes plainly: its drafts are dropped.
@@ -200,7 +215,7 @@ class Scheduler:
         for request in order:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            remaining = request.num_tokens - request.num_computed_tokens
+            remaining = self._num_planned_tokens(request) - request.num_computed_tokens
             if remaining > 1:  # unfinished prefill: the next chunk, no drafts
                 drafts: list[int] = []
                 num_new = min(remaining, token_budget)
@@ -280,6 +295,8 @@ class Scheduler:
             propose_drafts=plan.propose if plan is not None else True,
         )
         self.finished_req_ids = set()
+        if self.async_scheduling:
+            self._advance_scheduled(num_scheduled)
         if plan is not None:
             scheduled_decodes = [r for r in decodes if r.request_id in num_scheduled]
             self.spec_policy.count(plan, (r.request_id for r in scheduled_decodes))
@@ -302,10 +319,29 @@ class Scheduler:
             self.spec_policy.observe_step_time(scheduler_output, seconds)
 
     @staticmethod
-    def _is_prefilling(request: Request) -> bool:
+    def _num_planned_tokens(request: Request) -> int:
+        """Known tokens plus the in-flight ones (async scheduling; 0 placeholders otherwise)."""
+        return request.num_tokens + request.num_output_placeholders
+
+    def _is_prefilling(self, request: Request) -> bool:
         """True while more than the last known token still needs its KV (an unfinished
         prefill); a decoding request has exactly one uncomputed token, its last sampled one."""
-        return request.num_tokens - request.num_computed_tokens > 1
+        return self._num_planned_tokens(request) - request.num_computed_tokens > 1
+
+    def _finishes_with_placeholders(self, request: Request) -> bool:
+        pending = request.num_output_placeholders
+        return pending > 0 and (request.num_output_tokens + pending >= request.max_tokens
+                                or request.num_tokens + pending >= self.max_model_len)
+
+    def _advance_scheduled(self, num_scheduled: dict[str, int]) -> None:
+        """Async scheduling: the scheduled tokens count as computed from now on (no drafts, so
+        none can be rejected), and a step that reaches the last planned token samples one
+        token, which is a placeholder until its id arrives."""
+        for req_id, num_new in num_scheduled.items():
+            request = self.requests[req_id]
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens == self._num_planned_tokens(request):
+                request.num_output_placeholders += 1
 
     def _slots_needed(self, request: Request, num_new: int) -> int:
         """Tokens the request's blocks must cover after this step: its tokens plus k + 1 of
@@ -327,6 +363,8 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        # An in-flight token of a preempted request still arrives (update_from_output keeps it).
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -345,6 +383,8 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         spec_out = runner_output.spec_token_ids
+        if self.async_scheduling:
+            return self._update_from_async_output(scheduler_output, runner_output)
         for row, req_id in enumerate(runner_output.req_ids):
             request = self.requests.get(req_id)
             num_scheduled = scheduler_output.num_scheduled_tokens.get(req_id)
@@ -385,6 +425,37 @@ class Scheduler:
             else:
                 request.spec_token_ids = list(spec_out[row]) if spec_out is not None else []
             outputs.append(EngineCoreOutput(req_id, new_tokens, request.get_finished_reason(),
+                                            request.stop_reason))
+        return outputs
+
+    def _update_from_async_output(self, scheduler_output: SchedulerOutput,
+                                  runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """The tokens of a step scheduled with placeholders (its computed counts advanced at
+        schedule time). A request preempted after the step was launched keeps its token: it is
+        prefilled again later with it."""
+        outputs: list[EngineCoreOutput] = []
+        for row, req_id in enumerate(runner_output.req_ids):
+            request = self.requests.get(req_id)
+            if request is None or req_id not in scheduler_output.num_scheduled_tokens:
+                continue  # finished or aborted while the step ran: its output is dropped
+            sampled = list(runner_output.sampled_token_ids[row])
+            if not sampled:
+                continue  # an unfinished prefill chunk
+            if len(sampled) != 1:
+                raise RuntimeError(f"model runner returned {len(sampled)} tokens for request "
+                                   f"{req_id!r} in an async step without drafts; expected 1")
+            running = request.status == RequestStatus.RUNNING
+            if running:
+                request.num_output_placeholders -= 1
+            elif request.status != RequestStatus.PREEMPTED:
+                continue
+            token = sampled[0]
+            request.output_token_ids.append(token)
+            self._check_stop(request, token)
+            if request.is_finished():
+                (self.running if running else self.waiting).remove(request)
+                self._free_request(request)
+            outputs.append(EngineCoreOutput(req_id, [token], request.get_finished_reason(),
                                             request.stop_reason))
         return outputs
 

@@ -25,6 +25,8 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.sample.metadata import RequestGenerators, SamplingMetadata, is_greedy
 from vllm.v1.sample.rejection_sampler import RejectionSampler, verification_layout
 from vllm.v1.sample.sampler import Sampler
+from vllm.v1.worker.gpu.async_utils import (AsyncModelRunnerOutput, LaunchedStep,
+                                             StepOutputBuffers)
 from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
 from vllm.v1.worker.gpu.block_table import BlockTables
 from vllm.v1.worker.gpu.buffer_utils import CpuGpuBuffer
@@ -76,10 +78,20 @@ class GPUModelRunner:
         self.input_buffers = self.batch_builder.buffers
         self.requests = RequestStates(self.max_num_reqs, self.device, self.num_spec_tokens)
         # The step's one device->host transfer: [rows, k + 2] = sampled tokens (-1 padded) and
-        # the number sampled, into pinned memory, completed by an event.
+        # the number sampled, packed on the device (`_step_out.gpu`, which the captured greedy
+        # step writes) and copied into one of two pinned buffers, completed by an event.
         self._step_out = CpuGpuBuffer(self.max_num_reqs, self.num_spec_tokens + 2,
                                       dtype=torch.int64, device=self.device)
-        self._step_event = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._step_buffers = StepOutputBuffers(self.max_num_reqs, self.num_spec_tokens + 2,
+                                               self.device)
+        # Async scheduling (execute_model_async): the launched step not collected yet, the event
+        # after its input copies (and after its sampling copies, when it made any), and host-twin
+        # writes held back until those copies have run (see _retire_previous_step).
+        self._inflight: AsyncModelRunnerOutput | None = None
+        self._inputs_event = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._sample_event = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._wait_inputs = self._wait_sample = False
+        self._deferred_num_computed: list[tuple[int, int]] = []
         # Per-slot sampling settings (filled when a request is admitted; pinned twins).
         self._temperature = CpuGpuBuffer(self.max_num_reqs, dtype=torch.float32, device=self.device)
         self._top_k = CpuGpuBuffer(self.max_num_reqs, dtype=torch.int64, device=self.device)
@@ -314,13 +326,29 @@ class GPUModelRunner:
     # ------------------------------------------------------------------- step
     @torch.inference_mode()
     def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
+        """Run one step and return its output (waits for the step's one transfer)."""
+        return self.execute_model_async(scheduler_output, overlap=False).get_output()
+
+    @torch.inference_mode()
+    def execute_model_async(self, scheduler_output: Any,
+                            overlap: bool = True) -> AsyncModelRunnerOutput:
+        """Enqueue one step. With `overlap` (async scheduling) a step that needs no host token
+        ids (no drafter, no penalties / logits processors / logprobs) returns before its
+        sampled ids reach the host; `get_output()` collects them. Other steps complete here."""
         if self.kv_cache_config is None:
             raise RuntimeError("call initialize_kv_cache() before execute_model()")
+        self._retire_previous_step()
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[],
-                                     spec_token_ids=[] if self.speculator else None)
+            return AsyncModelRunnerOutput.ready(ModelRunnerOutput(
+                req_ids=[], sampled_token_ids=[], spec_token_ids=[] if self.speculator else None))
         batch = self._prepare_inputs(scheduler_output)
+        overlap = overlap and self._can_overlap(batch)
+        if overlap and self._inputs_event is not None:
+            # Every pinned host twin of this step has been copied once the GPU gets here; the
+            # next step's host writes wait for it (not for the whole step).
+            self._inputs_event.record()
+            self._wait_inputs = True
         num_reqs = batch.num_reqs
         if batch.cudagraph:
             manager = self._graph_managers[batch.uniform_query_len]
@@ -339,9 +367,28 @@ class GPUModelRunner:
                 [self.requests[r].token_ids for r in batch.req_ids],
                 (batch.num_computed_np == 0).tolist())
         sampled, num_sampled, num_draft, sample_rows, rows_info = self._sample(batch, logits)
+        if overlap and sampled is not None and self._sample_event is not None:
+            # The eager sampling path copied host twins after the forward was enqueued.
+            self._sample_event.record()
+            self._wait_sample = True
         # The step's one device->host transfer.
-        host = self._copy_step_output(sampled, num_sampled, len(sample_rows))
+        if overlap:
+            index, event, _ = self._copy_step_output(sampled, num_sampled, len(sample_rows),
+                                                     wait=False)
+            return self._launched(batch, sample_rows, index, event)
+        _, _, host = self._copy_step_output(sampled, num_sampled, len(sample_rows))
+        previous = self._inflight
+        if previous is not None and not previous.done:
+            previous.get_output()  # collected in launch order (its copy finished before ours)
+        return AsyncModelRunnerOutput.ready(self._finish_step(
+            batch, scheduler_output, hidden, aux_hidden, logits, prompt_logprobs, host, num_draft,
+            sample_rows, rows_info))
 
+    def _finish_step(self, batch: InputBatch, scheduler_output: Any, hidden, aux_hidden, logits,
+                     prompt_logprobs, host: np.ndarray, num_draft, sample_rows,
+                     rows_info) -> ModelRunnerOutput:
+        """Host bookkeeping of a completed (synchronous) step, then the drafter's proposal."""
+        num_reqs = batch.num_reqs
         req_ids = batch.req_ids
         out_tokens: list[list[int]] = [[] for _ in range(num_reqs)]
         num_accepted = [0] * num_reqs
@@ -410,18 +457,85 @@ class GPUModelRunner:
             logits = self.model.compute_logits(hidden[batch.logits_indices])
         return hidden, aux_hidden, logits
 
-    def _copy_step_output(self, sampled: torch.Tensor, num_sampled: torch.Tensor,
-                          rows: int) -> "np.ndarray":
-        out = self._step_out
-        packed = out.gpu[:rows]
+    def _copy_step_output(self, sampled: torch.Tensor, num_sampled: torch.Tensor, rows: int,
+                          wait: bool = True):
+        """The step's one device->host transfer (pinned, non_blocking, event-completed).
+        Returns (buffer index, event, host rows or None when not waited for)."""
+        packed = self._step_out.gpu[:rows]
         if sampled is not None:  # None: the captured greedy step packed the rows already
             packed[:, : sampled.shape[1]].copy_(sampled)
             packed[:, -1].copy_(num_sampled)
-        out.cpu[:rows].copy_(packed, non_blocking=True)
-        if self._step_event is not None:
-            self._step_event.record()
-            self._step_event.synchronize()
-        return out.np[:rows]
+        index, event = self._step_buffers.launch(packed)
+        host = self._step_buffers.wait(index, event, rows) if wait else None
+        return index, event, host
+
+    # ------------------------------------------------------------ async steps
+    def _can_overlap(self, batch: InputBatch) -> bool:
+        """A step may return before its ids reach the host when nothing of the next step needs
+        them there: no drafter (it proposes from the accepted tokens), and no row whose sampling
+        reads host token history or returns logprobs."""
+        if self.speculator is not None:
+            return False
+        return not self.sampling_states.needs_host_tokens(batch.idx_mapping_np[: batch.num_reqs])
+
+    def _launched(self, batch: InputBatch, sample_rows: list[int], index: int,
+                  event) -> AsyncModelRunnerOutput:
+        """Advance the host state as the step will leave it (exact without drafts: every
+        scheduled token is computed, a sampling row gains one token) and hand back a handle."""
+        states, positions = [], []
+        num_computed_new = batch.num_computed_np + batch.num_scheduled_np
+        for i, req_id in enumerate(batch.req_ids):
+            state = self.requests[req_id]
+            state.num_computed_tokens = int(num_computed_new[i])
+            # The pinned twin may still be read by this step's input copy: written at the start
+            # of the next step, after that copy has run.
+            self._deferred_num_computed.append((state.slot, int(num_computed_new[i])))
+        for row in sample_rows:
+            state = self.requests[batch.req_ids[row]]
+            states.append(state)
+            positions.append(len(state.token_ids))
+            state.token_ids.append(-1)  # placeholder until get_output()
+        step = LaunchedStep(req_ids=list(batch.req_ids), sample_rows=list(sample_rows),
+                            states=states, positions=positions, buffer_index=index,
+                            num_rows=len(sample_rows), event=event)
+        previous = self._inflight
+        handle = AsyncModelRunnerOutput(_collect=lambda: self._collect(step, previous))
+        self._inflight = handle
+        return handle
+
+    def _collect(self, step: LaunchedStep, previous: AsyncModelRunnerOutput | None
+                 ) -> ModelRunnerOutput:
+        if previous is not None and not previous.done:
+            previous.get_output()  # launch order
+        host = self._step_buffers.wait(step.buffer_index, step.event, step.num_rows)
+        out_tokens: list[list[int]] = [[] for _ in step.req_ids]
+        for j, row in enumerate(step.sample_rows):
+            token = int(host[j, 0])
+            out_tokens[row] = [token]
+            state = step.states[j]
+            # A request dropped (finished, preempted) since the launch has no placeholder left
+            # to fill; a re-admitted one is a new RequestState.
+            if self.requests.by_id.get(state.req_id) is state:
+                state.token_ids[step.positions[j]] = token
+        zeros = [0] * len(step.req_ids)
+        return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=out_tokens,
+                                 spec_token_ids=None, num_draft_tokens=zeros,
+                                 num_accepted_tokens=list(zeros))
+
+    def _retire_previous_step(self) -> None:
+        """Before this step writes pinned host twins: the previous (overlapped) step's copies
+        that read them must have run. Its input copies ran before its forward, so this wait is
+        short; copies made by eager sampling wait for its forward. Then the held-back twin
+        writes of the previous step land."""
+        if self._wait_inputs:
+            self._inputs_event.synchronize()
+            self._wait_inputs = False
+        if self._wait_sample:
+            self._sample_event.synchronize()
+            self._wait_sample = False
+        for slot, value in self._deferred_num_computed:
+            self.requests.num_computed.np[slot] = value
+        self._deferred_num_computed.clear()
 
     def _sampling_metadata(self, batch: InputBatch, rows: list[int]) -> SamplingMetadata:
         """Sampling settings of the sampling rows, gathered on the device from the per-slot

@@ -220,6 +220,20 @@ class SamplingStates:
     def _active(self, rows: BatchRows, feature: str) -> bool:
         return any(feature in self._features.get(s, ()) for s in rows.slots)
 
+    def needs_host_tokens(self, slots) -> bool:
+        """Whether any of these slots samples from host-side token history (penalties, bad
+        words, min_tokens, ...) or returns logprobs: such a step must complete on the host
+        before the next one is prepared (async scheduling overlaps only the others)."""
+        for slot in slots:
+            slot = int(slot)
+            if self._features.get(slot):
+                return True
+            params = self._params.get(slot)
+            if params is not None and (params.logprobs is not None
+                                       or params.prompt_logprobs is not None):
+                return True
+        return False
+
     def any_active(self, rows: BatchRows) -> bool:
         return any(self._features.get(s) for s in rows.slots)
 

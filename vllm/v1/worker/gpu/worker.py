@@ -127,6 +127,11 @@ class Worker:
         output = self.model_runner.execute_model(scheduler_output)
         return output if self.rank == 0 else None
 
+    def execute_model_async(self, scheduler_output):
+        """Async scheduling: the launched step's AsyncModelRunnerOutput (collect with
+        get_output(), in launch order)."""
+        return self.model_runner.execute_model_async(scheduler_output)
+
     def check_health(self) -> bool:
         return True
 
