@@ -135,7 +135,7 @@ def run_case(args, method: str, batch: int, context: int, eager: bool,
         ideal_ms = (weight_bytes + kv_bytes) / args.bandwidth * 1e3
         return {
             "method": method, "batch": batch, "context": context,
-            "mode": "eager" if eager else ("async" if async_scheduling else "graphs"),
+            "mode": ("async-" if async_scheduling else "") + ("eager" if eager else "graphs"),
             "step_ms": statistics.median(times) * 1e3,
             # busy: from the profiled steps (the profiler slows the host, so this undercounts
             # a host-bound step); busy_est: kernel time / unprofiled step time (one stream, so
@@ -166,8 +166,8 @@ def main() -> None:
                              "its drafters' acceptance unrepresentative)")
     parser.add_argument("--methods", nargs="+", default=["none", "dspark"])
     parser.add_argument("--modes", nargs="+", default=["graphs", "eager"],
-                        choices=["graphs", "eager", "async"],
-                        help="async = graphs + --async-scheduling (plain decoding only)")
+                        choices=["graphs", "eager", "async-graphs", "async-eager"],
+                        help="async-* = with --async-scheduling (plain decoding only)")
     parser.add_argument("--num-spec-tokens", type=int, default=4)
     parser.add_argument("--warmup-steps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
@@ -188,11 +188,11 @@ def main() -> None:
         for batch in args.batch_sizes:
             for method in args.methods:
                 for mode in args.modes:
-                    if mode == "async" and method != "none":
+                    if mode.startswith("async") and method != "none":
                         print(f"skip {method} async: async scheduling runs plain decoding only")
                         continue
-                    row = run_case(args, method, batch, context, eager=(mode == "eager"),
-                                   async_scheduling=(mode == "async"))
+                    row = run_case(args, method, batch, context, eager=mode.endswith("eager"),
+                                   async_scheduling=mode.startswith("async"))
                     rows.append(row)
                     print(json.dumps({k: v for k, v in row.items() if k != "top_kernels_ms_per_step"}),
                           flush=True)
@@ -217,13 +217,17 @@ def main() -> None:
               f"{r['launches_per_step']:6.0f} {r['tok_s']:8.0f} {al if al is None else round(al, 2)!s:>5} "
               f"{r.get('spec_factor', float('nan')):6.2f} {r.get('overhead', float('nan')):5.2f} "
               f"{r['ideal_ms']:6.3f} {r['step_ms'] / r['ideal_ms']:7.1f}")
-    graphs = {(r["method"], r["batch"], r["context"]): r for r in rows if r["mode"] == "graphs"}
+    by_mode = {(r["method"], r["batch"], r["context"], r["mode"]): r for r in rows}
     for r in rows:
-        g = graphs.get((r["method"], r["batch"], r["context"]))
-        if r["mode"] == "eager" and g:
-            print(f"graphs vs eager {r['method']} B={r['batch']} ctx={r['context']}: "
-                  f"{r['step_ms'] / g['step_ms']:.2f}x faster with graphs")
-        if r["mode"] == "async" and g:
+        key = (r["method"], r["batch"], r["context"])
+        g = by_mode.get(key + ("graphs",))
+        if r["mode"] in ("eager", "async-eager"):
+            twin = by_mode.get(key + (r["mode"].replace("eager", "graphs"),))
+            if twin:
+                print(f"graphs vs eager ({'async' if r['mode'] != 'eager' else 'sync'}) "
+                      f"{r['method']} B={r['batch']} ctx={r['context']}: "
+                      f"{r['step_ms'] / twin['step_ms']:.2f}x faster with graphs")
+        if r["mode"] == "async-graphs" and g:
             print(f"async vs graphs {r['method']} B={r['batch']} ctx={r['context']}: step "
                   f"{g['step_ms'] / r['step_ms']:.2f}x faster with async scheduling; busy "
                   f"{g['busy']:.2f} -> {r['busy']:.2f}; step / kernel time "
