@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Any
 
 from vllm.entrypoints.cli.errors import CLIError
@@ -83,7 +84,13 @@ def resolve_model(args: argparse.Namespace, use_default_speculator: bool = True)
         paths = default_tiny_model()
         model = paths.target
         if spec is None and use_default_speculator:
-            spec = default_speculative_config(paths)
+            if getattr(args, "async_scheduling", False):
+                # The default drafter is ours, not the user's: async scheduling runs plain
+                # decoding, so the tiny model goes without it (said, not silent).
+                print("note: --async-scheduling runs plain decoding; the tiny model's default "
+                      "DSpark drafter is off", file=sys.stderr)
+            else:
+                spec = default_speculative_config(paths)
         display = "tiny"
     else:
         model = check_model_dir(model)
