@@ -25,8 +25,9 @@ class VllmConfig:
     # (max_num_batched_tokens) is prefilled over several steps; off = whole-prompt prefill.
     enable_chunked_prefill: bool = True
     # Async scheduling (upstream's --async-scheduling): schedule and prepare step N+1 while the
-    # GPU runs step N; the sampled ids of step N reach the scheduler one step later.
-    async_scheduling: bool = False
+    # GPU runs step N; the sampled ids of step N reach the scheduler one step later. None (the
+    # default, as upstream): on wherever it is supported (TP=1 in-process, no drafter), else off.
+    async_scheduling: bool | None = None
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     load_config: LoadConfig = field(default_factory=LoadConfig)
 
@@ -36,11 +37,18 @@ class VllmConfig:
         if not isinstance(self.enable_chunked_prefill, bool):
             raise ValueError(f"enable_chunked_prefill={self.enable_chunked_prefill!r} is invalid: "
                              "pass True or False")
-        if not isinstance(self.async_scheduling, bool):
-            raise ValueError(f"async_scheduling={self.async_scheduling!r} is invalid: pass True "
-                             "or False")
-        if self.async_scheduling:
-            self._check_async_scheduling()
+        # Remembered so that the engine can turn an automatic choice off for an executor or
+        # worker that cannot overlap steps (an explicit True is refused there instead).
+        self.async_scheduling_auto = self.async_scheduling is None
+        if self.async_scheduling is None:
+            self.async_scheduling = self._async_scheduling_unsupported() is None
+        elif not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling={self.async_scheduling!r} is invalid: pass True, "
+                             "False or None (on where supported)")
+        elif self.async_scheduling:
+            reason = self._async_scheduling_unsupported()
+            if reason is not None:
+                raise ValueError(reason)
         block_size = self.cache_config.block_size
         interleave = self.parallel_config.cp_kv_cache_interleave_size
         if block_size % interleave != 0:
@@ -61,19 +69,20 @@ class VllmConfig:
                 self.parallel_config.decode_context_parallel_size)
         self.resolve_speculative_config()
 
-    def _check_async_scheduling(self) -> None:
+    def _async_scheduling_unsupported(self) -> str | None:
+        """Why async scheduling cannot run with this config (None: it can)."""
         if self.speculative_config is not None:
-            raise ValueError("async_scheduling does not support speculative decoding yet (step "
-                             "N+1 is scheduled before step N's accepted counts are known); drop "
-                             "--async-scheduling or --speculative-config")
+            return ("async_scheduling does not support speculative decoding yet (step N+1 is "
+                    "scheduled before step N's accepted counts are known); drop "
+                    "--async-scheduling or --speculative-config")
         parallel = self.parallel_config
         backend = parallel.distributed_executor_backend
         if parallel.tensor_parallel_size != 1 or backend not in (None, "uni"):
-            raise ValueError(
-                f"async_scheduling overlaps steps inside the engine process only (the uni "
-                f"executor), but tensor_parallel_size={parallel.tensor_parallel_size} and "
-                f"distributed_executor_backend={backend!r}; drop --async-scheduling or run TP=1 "
-                "with the uni executor")
+            return (f"async_scheduling overlaps steps inside the engine process only (the uni "
+                    f"executor), but tensor_parallel_size={parallel.tensor_parallel_size} and "
+                    f"distributed_executor_backend={backend!r}; drop --async-scheduling or run "
+                    "TP=1 with the uni executor")
+        return None
 
     def resolve_speculative_config(self) -> None:
         """Complete the speculative config from the drafter's config.json once directories are

@@ -132,9 +132,10 @@ class EngineArgs:
     enable_chunked_prefill: bool = _opt(
         VllmConfig.enable_chunked_prefill, "prefill prompts longer than --max-num-batched-tokens "
         "in chunks (default on, as vLLM V1; --no-enable-chunked-prefill prefills prompts whole)")
-    async_scheduling: bool = _opt(
+    async_scheduling: bool | None = _opt(
         VllmConfig.async_scheduling, "schedule and prepare step N+1 while the GPU runs step N "
-        "(as upstream's --async-scheduling); TP=1, no speculative decoding")
+        "(as upstream's --async-scheduling). Default: on wherever supported (TP=1, no "
+        "speculative decoding), off elsewhere; --async-scheduling where unsupported is an error")
     # ---- speculative decoding / compilation ----
     speculative_config: dict[str, Any] | str | None = _opt(
         None, 'JSON, e.g. \'{"method": "dspark", "model": DIR, "num_speculative_tokens": 4}\', or '

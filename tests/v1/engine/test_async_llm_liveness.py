@@ -109,3 +109,34 @@ def test_request_failed_by_the_step_fails_alone():
         assert good.finished and llm.is_healthy
     finally:
         llm.shutdown()
+
+
+def test_a_request_cancelled_before_admission_does_not_kill_the_engine(monkeypatch):
+    # A client that gives up while its add command still waits in the queue cancels the
+    # admission future; completing a cancelled future raised InvalidStateError in the engine
+    # loop and killed the engine for everybody (seen under the disconnect load test).
+    monkeypatch.setenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "60")
+    engine = HangingEngine()
+    llm = AsyncLLM(engine, model_name="fake", max_model_len=64)
+    engine.hang.set()
+
+    async def main():
+        first = await llm.add_request("r", [1], SimpleNamespace(max_tokens=3))
+        await asyncio.sleep(0.2)  # the loop is inside the hung step now
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(llm.add_request("late", [2], SimpleNamespace(max_tokens=2)),
+                                   0.2)
+        engine.hang.clear()
+        engine.release.set()
+        async for _ in first:
+            pass
+        return [o async for o in llm.generate([3], SimpleNamespace(max_tokens=2))]
+
+    try:
+        outputs = asyncio.run(main())
+        assert outputs and outputs[-1].finished
+        assert llm.is_healthy
+        assert "late" not in engine.requests
+    finally:
+        engine.release.set()
+        llm.shutdown()

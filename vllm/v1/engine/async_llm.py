@@ -80,6 +80,23 @@ _ABORTED = object()  # queue sentinel: the request was aborted, end the stream q
 _request_counter = itertools.count()
 
 
+def _resolve(future) -> bool:
+    """Complete an admission future; False when its waiter cancelled it already."""
+    try:
+        future.set_result(None)
+    except (concurrent.futures.InvalidStateError, asyncio.InvalidStateError):
+        return False
+    return True
+
+
+def _fail(future, error: BaseException) -> None:
+    """Fail an admission future unless its waiter is gone (a cancelled future)."""
+    try:
+        future.set_exception(error)
+    except (concurrent.futures.InvalidStateError, asyncio.InvalidStateError):
+        pass
+
+
 def _num_output_tokens(output) -> int:
     """All samples' tokens (n > 1: one RequestOutput carries every sample)."""
     return sum(len(c.token_ids) for c in output.outputs)
@@ -333,22 +350,29 @@ class AsyncLLM:
             stream._deliver(_ABORTED)
             return True
         _, request_id, prompt, params, stream, admitted = command
+        if admitted.cancelled():
+            return False  # the client left before its request reached the engine
         if self._dead_error is not None:
-            admitted.set_exception(EngineDeadError(f"engine loop died: {self._dead_error!r}"))
+            _fail(admitted, EngineDeadError(f"engine loop died: {self._dead_error!r}"))
             return False
         if request_id in self._streams:
-            admitted.set_exception(ValueError(
+            _fail(admitted, ValueError(
                 f"request id {request_id!r} is already running; use a unique request id"))
             return False
         try:
             self.engine.add_request(request_id, prompt, params)
         except Exception as error:  # bad input: the caller reports it, the engine is fine
-            admitted.set_exception(error)
+            _fail(admitted, error)
             return False
         with self._lock:
             self._streams[request_id] = stream
         self.metrics.record_admitted(stream.timer.num_prompt_tokens)
-        admitted.set_result(None)
+        if not _resolve(admitted):
+            # Cancelled between the check above and now (the client left): free it again.
+            with self._lock:
+                self._streams.pop(request_id, None)
+            self.engine.abort_request([request_id])
+            self.metrics.record_aborted()
         return True
 
     def _dispatch(self, outputs, now: float, errors: dict[str, str] | None = None) -> None:

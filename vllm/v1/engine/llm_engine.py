@@ -111,6 +111,12 @@ class LLMEngine:
         executor_class = executor_class or Executor.get_class(vllm_config)
         self.executor = executor_class(vllm_config, worker_cls=worker_cls)
         try:
+            if vllm_config.async_scheduling and not self.executor.supports_async_scheduling():
+                if not getattr(vllm_config, "async_scheduling_auto", False):
+                    raise ValueError(f"async_scheduling: {type(self.executor).__name__} with "
+                                     f"worker {worker_cls} cannot overlap steps; drop "
+                                     "--async-scheduling")
+                vllm_config.async_scheduling = False
             num_blocks = self.executor.initialize_kv_cache()
             self.scheduler = Scheduler(vllm_config, num_blocks)
         except BaseException:

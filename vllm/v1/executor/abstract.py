@@ -86,6 +86,9 @@ class Executor(ABC):
     def execute_model(self, scheduler_output):
         return self.collective_rpc("execute_model", (scheduler_output,))[0]
 
+    def supports_async_scheduling(self) -> bool:
+        return False
+
     def execute_model_async(self, scheduler_output):
         """Launch a step and return its AsyncModelRunnerOutput without waiting for the sampled
         ids (async scheduling). Only the in-process executor overlaps steps; VllmConfig refuses

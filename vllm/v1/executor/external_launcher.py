@@ -54,6 +54,9 @@ class ExternalLauncherExecutor(UniProcExecutor):
         dist.all_reduce(value, op=dist.ReduceOp.MIN)
         return int(value.item())  # start-up only, not a step
 
+    def supports_async_scheduling(self) -> bool:
+        return False  # every torchrun process schedules alone, in lock-step with the others
+
     def execute_model(self, scheduler_output):
         # Every process needs the output (each runs its own engine), not only rank 0.
         return self.worker.model_runner.execute_model(scheduler_output)

@@ -19,6 +19,9 @@ class UniProcExecutor(Executor):
             raise RuntimeError("the executor is shut down; create a new engine")
         return [getattr(self.worker, method)(*args, **(kwargs or {}))]
 
+    def supports_async_scheduling(self) -> bool:
+        return hasattr(self.worker, "execute_model_async")
+
     def execute_model_async(self, scheduler_output):
         if self.is_shutdown:
             raise RuntimeError("the executor is shut down; create a new engine")
