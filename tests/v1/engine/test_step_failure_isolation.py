@@ -75,7 +75,10 @@ def test_repeated_step_failures_are_fatal(engine, monkeypatch):
         calls.append(1)
         raise RuntimeError("device lost")
 
+    # Both entry points: the engine launches through execute_model_async under async scheduling
+    # (the default here) and through execute_model otherwise.
     monkeypatch.setattr(engine.executor, "execute_model", broken)
+    monkeypatch.setattr(engine.executor, "execute_model_async", broken)
     with pytest.raises(RuntimeError, match="device lost"):
         for i in range(MAX_CONSECUTIVE_FAILED_STEPS + 1):
             engine.add_request(f"doomed{i}", PROMPTS[0], greedy())
