@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -70,12 +71,32 @@ def build_attn_metadata(
     causal_flags = resolve_group_causality(causal, len(groups))
     selected = range(len(groups)) if group_ids is None else group_ids
 
+    # Everything but the block table, slot mapping and causality is the same for every group:
+    # slice (and derive) it once per step, not once per group (each torch op on the host costs
+    # microseconds, every step).
+    qsl = query_start_loc[: num_reqs + 1]
+    qsl_cpu = query_start_loc_cpu[: num_reqs + 1]
+    seq = seq_lens[:num_reqs]
+    dcp_local = None if dcp_local_seq_lens is None else dcp_local_seq_lens[:num_reqs]
+    upper = None if seq_lens_cpu_upper_bound is None else seq_lens_cpu_upper_bound[:num_reqs]
+    seq_cpu = None if seq_lens_cpu is None else seq_lens_cpu[:num_reqs]
+    if num_computed_tokens_cpu is not None:
+        computed_cpu = num_computed_tokens_cpu[:num_reqs]
+    elif seq_cpu is None:
+        computed_cpu = None
+    elif seq_cpu.device.type == "cpu" and qsl_cpu.device.type == "cpu":
+        # the same values (and dtype promotion) as the torch expression below, in numpy
+        computed_cpu = torch.from_numpy(seq_cpu.numpy() - np.diff(qsl_cpu.numpy()))
+    else:
+        computed_cpu = seq_cpu - (qsl_cpu[1:] - qsl_cpu[:-1])
+    dcp_local_cpu = None if dcp_local_seq_lens_cpu is None else dcp_local_seq_lens_cpu[:num_reqs]
+
     attn_metadata: dict[str, Any] = {}
     for group_id in selected:
         common = CommonAttentionMetadata(
-            query_start_loc=query_start_loc[: num_reqs + 1],
-            query_start_loc_cpu=query_start_loc_cpu[: num_reqs + 1],
-            seq_lens=seq_lens[:num_reqs],
+            query_start_loc=qsl,
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens=seq,
             num_reqs=num_reqs,
             num_actual_tokens=num_tokens,
             max_query_len=max_query_len,
@@ -83,18 +104,11 @@ def build_attn_metadata(
             block_table_tensor=block_tables[group_id][:num_reqs],
             slot_mapping=slot_mappings[group_id][:num_tokens],
             causal=causal_flags[group_id],
-            dcp_local_seq_lens=(None if dcp_local_seq_lens is None
-                                else dcp_local_seq_lens[:num_reqs]),
-            seq_lens_cpu_upper_bound=(None if seq_lens_cpu_upper_bound is None
-                                      else seq_lens_cpu_upper_bound[:num_reqs]),
-            seq_lens_cpu=None if seq_lens_cpu is None else seq_lens_cpu[:num_reqs],
-            num_computed_tokens_cpu=(
-                num_computed_tokens_cpu[:num_reqs] if num_computed_tokens_cpu is not None else
-                None if seq_lens_cpu is None else
-                seq_lens_cpu[:num_reqs] - (query_start_loc_cpu[1:num_reqs + 1]
-                                           - query_start_loc_cpu[:num_reqs])),
-            dcp_local_seq_lens_cpu=(None if dcp_local_seq_lens_cpu is None
-                                    else dcp_local_seq_lens_cpu[:num_reqs]),
+            dcp_local_seq_lens=dcp_local,
+            seq_lens_cpu_upper_bound=upper,
+            seq_lens_cpu=seq_cpu,
+            num_computed_tokens_cpu=computed_cpu,
+            dcp_local_seq_lens_cpu=dcp_local_cpu,
             block_table_cpu=(None if block_tables_cpu is None
                              else block_tables_cpu[group_id][:num_reqs]),
             cudagraph=cudagraph,
