@@ -131,6 +131,8 @@ class PlanStaging:
             kv_len = torch.zeros(max_requests, dtype=torch.int32, pin_memory=pin)
             kv_indices = torch.zeros(max_pages, dtype=torch.int32, pin_memory=pin)
             self._sets.append((qo, kv_indptr, kv_len, kv_indices))
+        # numpy views of every set, made once (a .numpy() call per array per step adds up)
+        self._np_sets = [tuple(t.numpy() for t in tensors) for tensors in self._sets]
         self._events: list = [None] * depth
         self._next = 0
         self._current = 0
@@ -147,6 +149,17 @@ class PlanStaging:
             event.synchronize()
         self._current = i
         return self._sets[i]
+
+    def acquire_views(self, num_requests: int, num_pages: int):
+        """acquire(), cut to one plan: ((qo, kv_indptr, kv_len, kv_indices) tensors, the same as
+        numpy arrays). A graph plan uses the full request range: no cut is made there."""
+        tensors = self.acquire()
+        arrays = self._np_sets[self._current]
+        if num_requests != self.max_requests:
+            r1 = num_requests + 1
+            tensors = (tensors[0][:r1], tensors[1][:r1], tensors[2][:num_requests], tensors[3])
+            arrays = (arrays[0][:r1], arrays[1][:r1], arrays[2][:num_requests], arrays[3])
+        return ((*tensors[:3], tensors[3][:num_pages]), (*arrays[:3], arrays[3][:num_pages]))
 
     def mark_consumed_after_this_point(self) -> None:
         """Record, on the current stream, the point after which the last set is free again."""
@@ -204,16 +217,16 @@ def plan_hopper_decode(decode: MLACommonDecodeMetadata, page_size: int,
     pages = -(-kvs // page_size)
     num_pages = int(pages.sum())
     if staging is not None and staging.fits(total, num_pages):
-        qo_t, kv_indptr_t, kv_len_t, kv_indices_t = staging.acquire()
-        qo_t, kv_indptr_t, kv_len_t = qo_t[: total + 1], kv_indptr_t[: total + 1], kv_len_t[:total]
-        kv_indices_t = kv_indices_t[:num_pages]
+        (qo_t, kv_indptr_t, kv_len_t, kv_indices_t), (qo, kv_indptr, kv_len, kv_indices) = \
+            staging.acquire_views(total, num_pages)
     else:  # pinned on CUDA hosts: FlashInfer's non-blocking staging copies then never sync
         pin = torch.cuda.is_available()
         qo_t = torch.zeros(total + 1, dtype=torch.int32, pin_memory=pin)
         kv_indptr_t = torch.zeros(total + 1, dtype=torch.int32, pin_memory=pin)
         kv_len_t = torch.zeros(total, dtype=torch.int32, pin_memory=pin)
         kv_indices_t = torch.zeros(num_pages, dtype=torch.int32, pin_memory=pin)
-    qo, kv_indptr, kv_len = qo_t.numpy(), kv_indptr_t.numpy(), kv_len_t.numpy()
+        qo, kv_indptr, kv_len = qo_t.numpy(), kv_indptr_t.numpy(), kv_len_t.numpy()
+        kv_indices = kv_indices_t.numpy()
     n = len(kvs)
     qo[0] = kv_indptr[0] = 0
     if n:
@@ -226,7 +239,7 @@ def plan_hopper_decode(decode: MLACommonDecodeMetadata, page_size: int,
     if num_pages:
         width = int(pages.max())
         mask = np.arange(width)[None, :] < pages[:, None]
-        kv_indices_t.numpy()[:] = block_table[reqs, :width][mask]
+        kv_indices[:] = block_table[reqs, :width][mask]
     has_empty = total > n or (n > 0 and int(kvs.min()) == 0) or n == 0
     return HopperPlanInputs(qo_indptr=qo_t, kv_indptr=kv_indptr_t, kv_indices=kv_indices_t,
                             kv_len_arr=kv_len_t, causal=plan_causal, has_empty_rows=has_empty)
@@ -385,13 +398,21 @@ class FlashInferDecodeState:
     kernel_family: KernelFamily
     natural_lse: bool = True
     hopper_inputs: HopperPlanInputs | None = None
-    hopper_empty_rows: torch.Tensor | None = None  # [T] bool, rows seeing nothing (if any)
+    # row_seq_lens of a plan that has empty rows; `hopper_empty_rows` derives the mask from it
+    # on demand (the forward pins those rows from row_seq_lens itself, so no per-step device op)
+    empty_rows_source: torch.Tensor | None = None
     blackwell_args: BlackwellDecodeArgs | None = None
     wrapper_slot: _WrapperSlot | None = None
     workspace: torch.Tensor | None = None
     step_id: int = 0
     plan_calls: list = field(default_factory=list)  # keys planned this step (reuse check)
     planned_key: tuple | None = None  # set when the builder planned already (graph replay)
+
+    @property
+    def hopper_empty_rows(self) -> torch.Tensor | None:
+        """[T] bool, rows seeing nothing (None when the plan has no empty row)."""
+        source = self.empty_rows_source
+        return None if source is None else source == 0
 
 
 class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
@@ -513,7 +534,7 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
                 state.hopper_inputs = plan_hopper_decode(decode, self.page_size, self.causal_mode,
                                                          staging=state.wrapper_slot.staging)
             if state.hopper_inputs is not None and state.hopper_inputs.has_empty_rows:
-                state.hopper_empty_rows = decode.row_seq_lens == 0
+                state.empty_rows_source = decode.row_seq_lens
         else:
             state.workspace = self._get_workspace()
             state.blackwell_args = plan_blackwell_decode(decode)
