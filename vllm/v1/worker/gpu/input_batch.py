@@ -218,6 +218,24 @@ class InputBatchBuilder:
         self._arange = torch.arange(max(T, R) + 1, dtype=torch.int64, device=self.device)
         # One Triton launch on CUDA; the same logic in torch ops elsewhere.
         self.use_triton = self.device.type == "cuda" and HAS_TRITON
+        # Views of the persistent buffers per batch shape (a torch slice costs the host ~1.5 us
+        # and a step takes about ten; a steady decode has the same shape every step).
+        self._view_cache: dict[tuple[int, int, int, int], tuple] = {}
+
+    def _views(self, B: int, B_pad: int, T_pad: int, num_logits: int) -> tuple:
+        key = (B, B_pad, T_pad, num_logits)
+        views = self._view_cache.get(key)
+        if views is None:
+            if len(self._view_cache) >= 256:
+                self._view_cache.clear()
+            buf = self.buffers
+            views = self._view_cache[key] = (
+                self.idx_mapping.gpu[:B_pad], buf.query_start_loc[: B_pad + 1],
+                self.is_prefill_row.gpu[:B_pad], self.cu_num_logits.gpu[: B + 1],
+                buf.positions[:T_pad], buf.seq_lens[:B_pad], self.logits_indices[:num_logits],
+                buf.query_start_loc_cpu[: B_pad + 1], buf.input_ids[:T_pad],
+                buf.dcp_local_seq_lens[:B_pad])
+        return views
 
     def _prepare_torch(self, requests, idx, qsl, prefill_rows, cu_dev, B, B_pad, T_pad,
                        num_logits_total) -> None:
@@ -309,17 +327,12 @@ class InputBatchBuilder:
 
         # ---- host -> device: ONE packed non-blocking copy (+ the prefill ids), no sync
         buf.staging.copy_to_gpu()
-        idx = self.idx_mapping.gpu[:B_pad]
-        qsl = buf.query_start_loc[: B_pad + 1]
-        prefill_rows = self.is_prefill_row.gpu[:B_pad]
+        (idx, qsl, prefill_rows, cu_dev, positions, seq_lens, logits_indices, qsl_cpu,
+         input_ids, dcp_local_view) = self._views(B, B_pad, T_pad, num_logits_total)
         if has_prefill:
             self.prefill_ids.copy_to_gpu(num_tokens)
-        cu_dev = self.cu_num_logits.gpu[: B + 1]
 
         # ---- device-side preparation from the slot-indexed state
-        positions = buf.positions[:T_pad]
-        seq_lens = buf.seq_lens[:B_pad]
-        logits_indices = self.logits_indices[:num_logits_total]
         if self.use_triton:
             _prepare_inputs_kernel[(B_pad + 1,)](
                 buf.input_ids, buf.positions, buf.seq_lens, self.logits_indices,
@@ -334,7 +347,7 @@ class InputBatchBuilder:
         if self.dcp_size > 1:
             prepare_dcp_local_seq_lens(buf.dcp_local_seq_lens, buf.seq_lens, B, self.dcp_size,
                                        self.dcp_rank, self.dcp_interleave)
-            dcp_local = buf.dcp_local_seq_lens[:B_pad]
+            dcp_local = dcp_local_view
             dcp_local_np = self.dcp_local_np
             # a zero-copy view: the formula does not keep its input
             dcp_local_np[:B_pad] = get_dcp_local_seq_lens(
@@ -353,9 +366,9 @@ class InputBatchBuilder:
             num_tokens=num_tokens, num_tokens_padded=T_pad, idx_mapping=idx,
             idx_mapping_np=idx_np[:B_pad], query_start_loc=qsl,
             query_start_loc_np=qsl_np[: B_pad + 1],
-            query_start_loc_cpu=buf.query_start_loc_cpu[: B_pad + 1], seq_lens=seq_lens,
+            query_start_loc_cpu=qsl_cpu, seq_lens=seq_lens,
             seq_lens_np=seq_np[:B_pad], num_computed_np=num_computed, num_scheduled_np=num_sched,
-            num_draft_np=num_draft_np, samples_np=samples_np, input_ids=buf.input_ids[:T_pad],
+            num_draft_np=num_draft_np, samples_np=samples_np, input_ids=input_ids,
             positions=positions, block_tables=tables, slot_mappings=slot_mappings,
             logits_indices=logits_indices, cu_num_logits_np=cu[: B + 1].copy(),
             dcp_local_seq_lens=dcp_local,
