@@ -7,7 +7,11 @@ MLA metadata builder of TORCH_MLA) and times, with perf_counter (median of --rep
   * `attn`     build_attn_metadata with the runner's arguments (one KV cache group);
   * `csr`      plan_hopper_decode on that step's decode metadata into a graph-sized PlanStaging
                ring (the FlashInfer builder's host CSR plan; pure numpy, runs without CUDA);
-  * `total`    the three together;
+  * `fi`       the FLASHINFER_MLA (Hopper) builder's whole build of the same step: the common
+               MLA build, the CSR plan and the native re-plan with FlashInfer replaced by a
+               stand-in whose native planner returns at once (FlashInfer is not importable
+               here; its C++ planner, ~0.2 ms on an H200 node, is not in this number);
+  * `total`    build + attn + csr;
   * the ATen ops (and copy_ ops) one step dispatches, views excluded (each one costs a CUDA host
     ~5-10 us, which the CPU run hides).
 
@@ -44,21 +48,63 @@ def _stub_device_prep(enabled: bool):
     from vllm.v1.worker.gpu import block_table, input_batch
     saved = [(input_batch.InputBatchBuilder, "_prepare_torch"),
              (block_table.BlockTables, "_compute_slot_mappings_torch"),
-             (mla_common.MLACommonMetadataBuilder, "_row_seq_lens")]
-    originals = [getattr(owner, name) for owner, name in saved]
+             (mla_common.MLACommonMetadataBuilder, "_row_seq_lens_torch")]
+    originals = [getattr(owner, name, None) for owner, name in saved]
+    for owner, name in saved:
+        setattr(owner, name, lambda self, *a, **k: None)
+    if originals[2] is None:  # a tree from before _row_seq_lens_torch: stub the whole method
+        def row_seq_lens_stub(self, cm, num_decodes, num_tokens, causal, local_seq_lens):
+            out, req, pos = self._row_buffers(num_tokens, cm.seq_lens.device)
+            return out[:num_tokens], req[:num_tokens], pos[:num_tokens]
 
-    def row_seq_lens_stub(self, cm, num_decodes, num_tokens, causal, local_seq_lens):
-        out, req, pos = self._row_buffers(num_tokens, cm.seq_lens.device)
-        return out[:num_tokens], req[:num_tokens], pos[:num_tokens]
-
-    input_batch.InputBatchBuilder._prepare_torch = lambda self, *a, **k: None
-    block_table.BlockTables._compute_slot_mappings_torch = lambda self, *a, **k: None
-    mla_common.MLACommonMetadataBuilder._row_seq_lens = row_seq_lens_stub
+        originals.append(mla_common.MLACommonMetadataBuilder._row_seq_lens)
+        saved.append((mla_common.MLACommonMetadataBuilder, "_row_seq_lens"))
+        mla_common.MLACommonMetadataBuilder._row_seq_lens = row_seq_lens_stub
     try:
         yield
     finally:
         for (owner, name), original in zip(saved, originals):
-            setattr(owner, name, original)
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+
+def _install_fake_flashinfer(monkeypatch_modules: dict) -> object:
+    """A stand-in flashinfer: a wrapper whose first plan() leaves the fa3 backend layout that
+    _native_replan drives, with a native planner and workload check that return at once."""
+    import sys
+    from types import ModuleType, SimpleNamespace
+
+    class Wrapper:
+        def __init__(self, workspace, use_cuda_graph=False, backend="fa3", qo_indptr=None,
+                     kv_indptr=None, kv_indices=None, kv_len_arr=None):
+            self._graph, self._bufs = use_cuda_graph, (qo_indptr, kv_indptr, kv_indices,
+                                                        kv_len_arr)
+
+        def plan(self, metadata, causal, **kwargs):
+            qo, kvp, kvi, kvl = self._bufs
+            self._planned_backend = SimpleNamespace(
+                _cached_module=SimpleNamespace(
+                    plan_with_staged_workspace_bytes=lambda *a: ((), 0)),
+                _backend="fa3", _causal=causal, _use_cuda_graph=self._graph,
+                device=torch.device("cpu"), _qo_indptr_buf=qo, _kv_indptr_buf=kvp,
+                _kv_indices_buf=kvi, _kv_len_arr_buf=kvl, _float_workspace_buffer=None,
+                _int_workspace_buffer=None, _pin_memory_int_workspace_buffer=None)
+
+    fa_common = ModuleType("_fa_common")
+    fa_common._validate_fa_plan_workload = lambda *a: None
+    names = ["flashinfer", "flashinfer.mla", "flashinfer.mla._batch_mla",
+             "flashinfer.mla._batch_mla._backends"]
+    for name in names:
+        monkeypatch_modules[name] = sys.modules.get(name)
+        sys.modules[name] = ModuleType(name)
+    sys.modules["flashinfer.mla._batch_mla._backends"]._fa_common = fa_common
+    monkeypatch_modules["flashinfer.mla._batch_mla._backends._fa_common"] = None
+    sys.modules["flashinfer.mla._batch_mla._backends._fa_common"] = fa_common
+    return SimpleNamespace(mla=SimpleNamespace(
+        BatchMLAPagedAttentionWrapper=Wrapper,
+        MLAPlanMetadata=SimpleNamespace(csr=lambda *a: a)))
 
 
 def _setup(batch: int, q: int, ctx: int, block_size: int, max_reqs: int, max_model_len: int):
@@ -98,9 +144,21 @@ def _setup(batch: int, q: int, ctx: int, block_size: int, max_reqs: int, max_mod
     class _Cfg:  # what build_attn_metadata reads of the KV cache config
         kv_cache_groups = [KVCacheGroupSpec(["layer0"], spec)]
 
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backends.mla import flashinfer_mla
+    fi_cfg = SimpleNamespace(parallel_config=ParallelConfig(), max_num_seqs=max_reqs,
+                             model_config=SimpleNamespace(max_model_len=max_model_len))
+    fake = _install_fake_flashinfer({})
+    flashinfer_mla._import_flashinfer = lambda: fake
+    fi = flashinfer_mla.FlashInferMLAMetadataBuilder(spec, ["layer0"], fi_cfg, "cpu",
+                                                     dcp_rank=0, kernel_family="hopper",
+                                                     workspace_bytes=1 << 12)
+    fi.reorder_batch_threshold = q
     pages = max_plan_requests(batch, q, 1) * (max_blocks + 1)
     staging = PlanStaging(max_plan_requests(batch, q, 1), pages, depth=2)
-    return dict(states=states, tables=tables, rows=rows, builder=builder, mla=mla, cfg=_Cfg(),
+    return dict(states=states, tables=tables, rows=rows, builder=builder, mla=mla, fi=fi,
+                cfg=_Cfg(),
                 staging=staging, next_block=next_block, block_size=block_size, q=q,
                 max_model_len=max_model_len)
 
@@ -146,6 +204,19 @@ def _step(env, timings) -> None:
     plan_hopper_decode(decode, env["block_size"], "auto", num_requests=B,
                        staging=env["staging"])
     t3 = time.perf_counter()
+    # The FlashInfer builder on the same step (graph step: its plan runs at build time once a
+    # first plan recorded the layer arguments).
+    common = _common_of(env, batch, q)
+    t4 = time.perf_counter()
+    fi_md = env["fi"].build(0, common)
+    t5 = time.perf_counter()
+    state = fi_md.decode.backend_state
+    if state.wrapper_slot.plan_args is None:  # the first layer's plan (what a forward does)
+        from vllm.v1.attention.backends.mla.flashinfer_mla import _plan
+        _plan(state.wrapper_slot, state.hopper_inputs, ("first",), num_heads=16,
+              head_dim_ckv=512, head_dim_kpe=64, page_size=env["block_size"], sm_scale=0.1,
+              q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, lse_mode="basee")
+    timings["fi"].append(t5 - t4)
     timings["build"].append(t1 - t0)
     timings["attn"].append(t2 - t1)
     timings["csr"].append(t3 - t2)
@@ -174,10 +245,21 @@ class _OpCounter:
         self.mode = Mode()
 
 
+def _common_of(env, batch, q):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    b, tables = batch, env["tables"]
+    return CommonAttentionMetadata(
+        query_start_loc=b.query_start_loc, query_start_loc_cpu=b.query_start_loc_cpu,
+        seq_lens=b.seq_lens, num_reqs=b.num_reqs_padded, num_actual_tokens=b.num_tokens_padded,
+        max_query_len=q, max_seq_len=env["max_model_len"], block_table_tensor=b.block_tables[0],
+        slot_mapping=b.slot_mappings[0], seq_lens_cpu=torch.from_numpy(b.seq_lens_np.copy()),
+        block_table_cpu=tables.input_block_tables_cpu[0][: b.num_reqs_padded], cudagraph=True)
+
+
 def bench(batch: int, q: int, args) -> dict[str, float]:
     env = _setup(batch, q, args.ctx, args.block_size, max(args.batch_sizes) * 2,
                  args.max_model_len)
-    timings = {name: [] for name in ("build", "attn", "csr", "total")}
+    timings = {name: [] for name in ("build", "attn", "csr", "fi", "total")}
     with _stub_device_prep(args.host_only), torch.inference_mode():
         for _ in range(args.warmup):
             _advance(env)
@@ -214,14 +296,15 @@ def main() -> None:
     mode = "host-only (device prep stubbed)" if args.host_only else "full CPU path"
     print(f"# {mode}; ctx {args.ctx}, block {args.block_size}, median of {args.repeats} steps, "
           f"ms per step")
-    print("| Q | B | InputBatchBuilder.build | build_attn_metadata | CSR plan (numpy) | total "
-          "| torch ops (copies) per step |")
-    print("|---|---|---|---|---|---|---|")
+    print("| Q | B | InputBatchBuilder.build | build_attn_metadata (TORCH_MLA) | CSR plan "
+          "(numpy) | total | FLASHINFER_MLA builder | torch ops (copies) per step |")
+    print("|---|---|---|---|---|---|---|---|")
     for q in args.q:
         for batch in args.batch_sizes:
             r = bench(batch, q, args)
             print(f"| {q} | {batch} | {r['build']:.3f} | {r['attn']:.3f} | {r['csr']:.3f} | "
-                  f"{r['total']:.3f} | {r['ops']} ({r['copies']}) |", flush=True)
+                  f"{r['total']:.3f} | {r['fi']:.3f} | {r['ops']} ({r['copies']}) |",
+                  flush=True)
 
 
 if __name__ == "__main__":

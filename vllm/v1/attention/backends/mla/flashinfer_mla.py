@@ -128,7 +128,8 @@ class PlanStaging:
 
     def __init__(self, max_requests: int, max_pages: int, depth: int = 8):
         self.max_requests, self.max_pages = max_requests, max_pages
-        pin = torch.cuda.is_available()
+        # asked once: torch.cuda.is_available() costs microseconds per call, every plan
+        pin = self._cuda = torch.cuda.is_available()
         self._sets, self._flat = [], []
         for _ in range(depth):
             # one buffer per set, laid out as packed_csr_views: a graph plan then moves the
@@ -177,7 +178,7 @@ class PlanStaging:
 
     def mark_consumed_after_this_point(self) -> None:
         """Record, on the current stream, the point after which the last set is free again."""
-        if torch.cuda.is_available():
+        if self._cuda:
             event = self._events[self._current]
             if event is None:
                 event = self._events[self._current] = torch.cuda.Event()
@@ -294,6 +295,16 @@ class _WrapperSlot:
     packed_layout: tuple[int, int] | None = None
 
 
+def _fa_common_module():
+    """flashinfer.mla._batch_mla._backends._fa_common (raises ImportError without it). Looked up
+    in sys.modules first: a from-import statement costs microseconds on every re-plan."""
+    import sys
+    module = sys.modules.get("flashinfer.mla._batch_mla._backends._fa_common")
+    if module is None:
+        from flashinfer.mla._batch_mla._backends import _fa_common as module
+    return module
+
+
 def _native_replan(slot: _WrapperSlot, inputs: HopperPlanInputs, plan_args: dict) -> bool:
     """Re-plan a fa3 wrapper that holds a plan made with the same layer arguments, through the
     planner FlashInfer's own plan() ends in (`plan_with_staged_workspace_bytes` of the JIT
@@ -311,7 +322,7 @@ def _native_replan(slot: _WrapperSlot, inputs: HopperPlanInputs, plan_args: dict
     if getattr(backend, "_causal", None) != inputs.causal:
         return False
     try:
-        from flashinfer.mla._batch_mla._backends import _fa_common
+        _fa_common = _fa_common_module()
     except ImportError:
         return False
     graph = bool(getattr(backend, "_use_cuda_graph", False))
