@@ -97,6 +97,9 @@ class SamplingStates:
         self._num_prompt_tokens: dict[str, int] = {}
         self._prompt_logprobs_done: set[str] = set()
         self._slot_of: dict[str, int] = {}
+        # Slots whose request uses any feature: any_active is then a set test, no per-row loop
+        # (the common batch has none, and the runner asks every step).
+        self._featured_slots: set[int] = set()
 
     # ---- request lifetime ------------------------------------------------------------------
     def _table(self, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -161,6 +164,10 @@ class SamplingStates:
                 self.temperature[slot] = float(params.temperature)
         self.num_output[slot] = len(output)
         self._features[slot] = frozenset(features)
+        if features:
+            self._featured_slots.add(slot)
+        else:
+            self._featured_slots.discard(slot)
         self._params[slot] = params
         self._slot_of[req_id] = slot
 
@@ -168,6 +175,7 @@ class SamplingStates:
         self._slot_of.pop(req_id, None)
         if slot is not None:
             self._features.pop(slot, None)
+            self._featured_slots.discard(slot)
             self._params.pop(slot, None)
         if finished:
             self._num_prompt_tokens.pop(req_id, None)
@@ -235,7 +243,8 @@ class SamplingStates:
         return False
 
     def any_active(self, rows: BatchRows) -> bool:
-        return any(self._features.get(s) for s in rows.slots)
+        featured = self._featured_slots
+        return bool(featured) and not featured.isdisjoint(rows.slots)
 
     def process_logits(self, logits: torch.Tensor, rows: BatchRows) -> torch.Tensor:
         """Processed logits (new tensor) for sampling; `logits` (raw) is left untouched."""
