@@ -400,9 +400,14 @@ def _profile_run(runner: Any, num_tokens: int | None,
             # The other capture sizes add their static outputs to the shared pool (their
             # intermediates reuse it): extrapolate from the largest graph's outputs per row.
             extra = 0
-            for q, manager in runner._graph_managers.items():
+            captured = [(manager, sizes.get(q, [])) for q, manager in runner._graph_managers.items()]
+            draft = getattr(runner.speculator, "cudagraphs", None)
+            if draft is not None and runner.cudagraphs is not None:
+                # The draft step is captured at the target's sizes.
+                captured.append((draft, sizes.get(runner.cudagraphs.query_len, [])))
+            for manager, all_sizes in captured:
                 per_row = _graph_output_bytes(manager) / max(manager.max_size, 1)
-                extra += int(per_row * sum(s for s in sizes.get(q, []) if s != manager.max_size))
+                extra += int(per_row * sum(s for s in all_sizes if s != manager.max_size))
             result.graph_buffer_bytes = device_growth + extra
             result.extra["graph_extrapolated_bytes"] = extra
         step, finish, _ = _scheduler_outputs(runner, new, context)
