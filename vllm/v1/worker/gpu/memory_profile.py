@@ -157,7 +157,7 @@ class MemoryProfile:
     def kv_line(self) -> str:
         if self.fixed_kv_source is not None:
             return (f"Available KV cache memory: {_gib(self.kv_budget_bytes)} GiB (fixed by "
-                    f"{self.fixed_kv_source}; the profile would give "
+                    f"{self.fixed_kv_source}; the profile, CUDA graphs not estimated, would give "
                     f"{_gib(self.profiled_kv_budget_bytes)} GiB)")
         return f"Available KV cache memory: {_gib(self.kv_budget_bytes)} GiB"
 
@@ -228,8 +228,10 @@ class ProfileRunResult:
     step_peak_bytes: int = 0       # the dummy prefill step over what was allocated before it
     sampler_peak_bytes: int = 0    # LM head + sampler on the logit rows (hidden alive)
     temp_kv_bytes: int = 0
-    graph_buffer_bytes: int = 0         # device growth of the temporary initialize_kv_cache
-    graph_buffer_allocated_bytes: int = 0  # its allocated growth, both without the KV tensors
+    # The temporary initialize_kv_cache without its KV tensors: torch-reserved growth (live
+    # buffers + graph pools) + the other capture sizes' outputs, and the allocated growth.
+    graph_buffer_bytes: int = 0
+    graph_buffer_allocated_bytes: int = 0
     seconds: float = 0.0
     extra: dict = field(default_factory=dict)
 
