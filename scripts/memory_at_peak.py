@@ -95,7 +95,7 @@ def site_of(frames, package: str = PACKAGE) -> str:
     if frames:
         filename, line, name = _frame_fields(frames[0])
         return f"(outside {package}/) {filename}:{line} {name}"
-    return f"(no stack recorded)"
+    return "(no stack recorded)"
 
 
 def _block_frames(block: dict) -> list:
