@@ -80,7 +80,9 @@ if triton is not None:
             tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    # M, the split count and K chunks per split are not specialised on (==1, %16): they change with
+    # the batch and the config, and a recompile per value would only cost compile time.
+    @triton.jit(do_not_specialize=["M", "split"])
     def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om, split,
                               BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
         # fixed order 0, 1, ..., split-1: deterministic float32 sums
@@ -95,7 +97,7 @@ if triton is not None:
             acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M", "chunks_per_split"])
     def _w8a8_dot_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K,
                          stride_am, stride_wn, stride_om, num_a_groups, num_ws_k, chunks_per_split,
                          GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -135,7 +137,7 @@ if triton is not None:
         _store_tile(acc, offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, bias_ptr, split,
                     IS_SPLIT, HAS_BIAS)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M", "chunks_per_split"])
     def _w8a16_dot_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K,
                           stride_xm, stride_wn, stride_om, num_ws_k, chunks_per_split,
                           GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -174,7 +176,7 @@ if triton is not None:
         _store_tile(tl.trans(acc), offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, bias_ptr,
                     split, IS_SPLIT, HAS_BIAS)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M", "chunks_per_split"])
     def _w8a16_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K,
                            stride_xm, stride_wn, stride_om, num_ws_k, chunks_per_split,
                            GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr,
