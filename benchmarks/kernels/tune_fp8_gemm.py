@@ -77,8 +77,9 @@ def w8a16_space(m: int, n: int, k: int, num_sms: int) -> list[GemmConfig]:
         bm = _pow2_at_least(m)
         for bn in (4, 8, 16, 32, 64):
             if 2048 <= bm * bn * bk <= 8192:
-                for split in split_candidates(-(-m // bm) * -(-n // bn), chunks, num_sms):
-                    space.append(GemmConfig("w8a16_gemv", bm, bn, bk, 4, 3, split))
+                for stages in (1, 3):  # register loads / cp.async pipeline (see the kernel)
+                    for split in split_candidates(-(-m // bm) * -(-n // bn), chunks, num_sms):
+                        space.append(GemmConfig("w8a16_gemv", bm, bn, bk, 4, stages, split))
     return space
 
 

@@ -181,7 +181,7 @@ if triton is not None:
                            stride_xm, stride_wn, stride_om, num_ws_k, chunks_per_split,
                            GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IS_SPLIT: tl.constexpr,
-                           HAS_BIAS: tl.constexpr):
+                           HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr):
         # CUDA-core weight streaming: acc[m, n, k] += x[m, k] * w[n, k] * scale over the K chunks,
         # one reduction over k after the loop (the scale is folded in per chunk, so the deferred
         # sum is exact in meaning)
@@ -199,7 +199,10 @@ if triton is not None:
         c_start = split * chunks_per_split
         c_end = tl.minimum(c_start + chunks_per_split, tl.cdiv(K, BLOCK_K))
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for c in range(c_start, c_end):
+        # The loop is pipelined explicitly (cp.async into shared memory, NUM_STAGES deep): Triton's
+        # default pipeliner only prefetches loads that feed a tl.dot. NUM_STAGES 1 = plain register
+        # loads, latency hidden by occupancy alone; the tuner sweeps both.
+        for c in tl.range(c_start, c_end, num_stages=NUM_STAGES):
             k = c * BLOCK_K + offs_k
             mask_k = k < K
             w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :],
@@ -452,7 +455,7 @@ def w8a16_block_fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
     if config.kernel == "w8a16_dot":
         _w8a16_dot_kernel[grid](*args, FP32_IEEE=x.dtype == torch.float32, **meta)
     else:
-        _w8a16_gemv_kernel[grid](*args, **meta)
+        _w8a16_gemv_kernel[grid](*args, NUM_STAGES=config.num_stages, **meta)
     if split > 1:
         _reduce_splits(part, bias, out, split)
     return out
