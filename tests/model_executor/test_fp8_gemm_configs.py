@@ -112,3 +112,31 @@ def test_config_round_trips_through_json(tmp_path):
     cfgs = {1: GemmConfig("w8a16_gemv", 2, 32, 64, 8, 2, 4), 16: GemmConfig("w8a16_dot", 16, 128, 128, 4, 5, 1)}
     path = _write(tmp_path, 3072, 1536, W8A16_TAG, {m: c.to_json() for m, c in cfgs.items()})
     assert load_config_table(str(path), W8A16_TAG, BLOCK) == cfgs
+
+
+def test_kernel_wrappers_refuse_bad_operands_in_one_line():
+    """Argument checks run before any launch (CPU tensors, no interpreter needed)."""
+    pytest.importorskip("triton")
+    from vllm.model_executor.layers.quantization.fp8_utils import block_quantize
+    qw, sw = block_quantize(torch.randn(200, 300), BLOCK)
+    x = torch.randn(3, 300)
+    cases = [
+        (lambda: fp8_kernels.w8a16_block_fp8_matmul(x[:, :256], qw, sw, BLOCK), "activation K=256 != weight K=300"),
+        (lambda: fp8_kernels.w8a16_block_fp8_matmul(x, qw, sw[:, :2], BLOCK), "weight_scale shape (2, 2)"),
+        (lambda: fp8_kernels.w8a16_block_fp8_matmul(x.to(torch.float64), qw, sw, BLOCK), "torch.float64"),
+        (lambda: fp8_kernels.w8a16_block_fp8_matmul(x.t().contiguous().t(), qw, sw, BLOCK), "unit column stride"),
+        (lambda: fp8_kernels.w8a16_block_fp8_matmul(x, qw, sw, BLOCK, bias=torch.zeros(7)), "bias shape (7,)"),
+        (lambda: fp8_kernels.w8a16_block_fp8_matmul(x, qw, sw, BLOCK, config=GemmConfig("w8a8_dot", 16, 64, 128)),
+         "not a W8A16 kernel"),
+        (lambda: fp8_kernels.w8a16_block_fp8_matmul(x, qw, sw, BLOCK, config=GemmConfig("w8a16_dot", 16, 64, 96)),
+         "BLOCK_SIZE_K=96"),
+        (lambda: fp8_kernels.w8a8_block_fp8_matmul(x.to(torch.float8_e4m3fn), torch.ones(3, 3), qw, sw, BLOCK,
+                                                   torch.float32, config=GemmConfig("w8a16_gemv", 1, 16, 128)),
+         "not w8a8_dot"),
+        (lambda: fp8_kernels.w8a8_block_fp8_matmul(x.to(torch.float8_e4m3fn), torch.ones(3, 1), qw, sw, BLOCK,
+                                                   torch.float32), "a_scale (shape (3, 1))"),
+    ]
+    for call, needle in cases:
+        with pytest.raises(ValueError) as err:
+            call()
+        assert needle in str(err.value) and "\n" not in str(err.value), (needle, str(err.value))

@@ -395,6 +395,11 @@ def w8a8_block_fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.
     m, k = a.shape
     n = weight.shape[0]
     _check_operands("w8a8_block_fp8_matmul", k, weight, weight_scale, block, bias)
+    groups = triton.cdiv(k, block[1])
+    if a.stride(1) != 1 or tuple(a_scale.shape) != (m, groups) or not a_scale.is_contiguous():
+        raise ValueError(f"w8a8_block_fp8_matmul: a (strides {a.stride()}) must have unit column stride "
+                         f"and a_scale (shape {tuple(a_scale.shape)}) be a contiguous {(m, groups)}: one "
+                         f"scale per token and {block[1]} columns (per_token_group_quant_fp8)")
     if m == 0:
         return torch.empty((0, n), dtype=out_dtype, device=a.device)
     if config is None:
