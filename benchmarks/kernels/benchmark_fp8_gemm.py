@@ -123,7 +123,7 @@ def main() -> None:
                 line += f" {row['eager_bf16_us']:>10.1f} {row['eager_fp8_us']:>9.1f}"
             rows.append(row)
             print(line + "  " + row["path"], flush=True)
-        del qws, sws, wbf
+        qws = sws = wbf = None  # free this shape's weight copies before the next shape
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

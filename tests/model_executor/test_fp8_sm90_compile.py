@@ -14,7 +14,8 @@ _PTRS = {"x_ptr": "*bf16", "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp
          "bias_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
          "fp8_max": "fp32", "min_scale": "fp32"}
 # what the launcher specialises at V3 shapes: 16-byte aligned pointers, N/K/strides % 16 == 0
-_DIV16 = {a for a, t in _PTRS.items() if t.startswith("*")} | {"N", "K", "stride_xm", "stride_am", "stride_wn", "stride_om"}
+_DIV16 = ({a for a, t in _PTRS.items() if t.startswith("*")}
+          | {"N", "K", "stride_xm", "stride_am", "stride_wn", "stride_om"})
 
 
 def _compile(kernel, constexprs, num_warps, num_stages):
