@@ -8,11 +8,15 @@ Two GEMM families, picked per call by `select_config` from the token count M:
   tile, casts it to the activation dtype in registers (exact: every e4m3 value is a bf16/fp16
   value) and accumulates in float32, multiplying each K chunk's partial by its block scale. Two
   kernels: `dot` computes (W_tile x^T) on tensor cores with the weight as the wide operand (the
-  "swap AB" trick: N fills the MMA's 64-row side, the M <= 16 tokens its narrow side), `gemv`
+  "swap AB" trick: N fills the MMA's 64-row side, the M <= 16 tokens its narrow side, so no
+  weight bytes are wasted, only MMA columns, which are free in a bandwidth-bound GEMM), `gemv`
   multiply-adds on CUDA cores into a (BLOCK_M, BLOCK_N, BLOCK_K) accumulator reduced once at the
-  end (no per-chunk cross-thread reduction). Numerics: y = x . dequant(W) with fp32 accumulation,
-  i.e. only the weight is quantised; this is MORE accurate than W8A8, which also rounds every
-  activation to e4m3 (3 mantissa bits, ~2^-4 relative error per element).
+  end (no tensor-core tile at all, no per-chunk cross-thread reduction). Why W8A16 for decode: at
+  M <= 64 the GEMM only streams weight bytes, so its cost is the fp8 weight read (half of bf16)
+  plus fixed per-kernel costs; W8A16 needs no activation quantisation kernel and no fp8 MMA, and
+  the cast of the weight tile hides under the memory stream. Numerics: y = x . dequant(W) with fp32
+  accumulation, i.e. only the weight is quantised; this is MORE accurate than W8A8, which also
+  rounds every activation to e4m3 (3 mantissa bits, ~2^-4 relative error per element).
 * W8A8, larger M (prefill): `per_token_group_quant_fp8(x, group)` quantises x per (token, 128)
   (scale = amax / 448), then `w8a8_block_fp8_matmul` runs fp8 tl.dot tiles, scaling each K chunk's
   product by a_scale[m, kb] * w_scale[n // bn, kb] before it is added (fp8 tensor cores: twice the
