@@ -230,7 +230,12 @@ def tune_shape(layer: str, n: int, k: int, ms: list[int], args, num_sms: int) ->
                     if not err < TOLERANCE[path]:
                         trial = (cfg, None, err, f"WRONG: rel. error {err:.3g} >= {TOLERANCE[path]}")
                     else:
-                        trial = (cfg, timed(fn, len(qws)), err, "")
+                        try:
+                            trial = (cfg, timed(fn, len(qws)), err, "")
+                        except Exception as e:  # e.g. a graph-capture failure: record, go on
+                            torch.cuda.synchronize()
+                            trial = (cfg, None, err, f"timing failed: {type(e).__name__}: "
+                                                     f"{str(e).splitlines()[0][:80]}")
                 if cfg is heuristics[path]:
                     res.heuristic_us[path] = trial[1]
                 else:
