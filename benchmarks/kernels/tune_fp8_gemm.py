@@ -185,6 +185,10 @@ def render_report(results: list[Result], device: str, copy_gbps: float, elapsed_
     return "\n".join(lines) + "\n"
 
 
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:80]}"
+
+
 def _triton_version() -> str:
     try:
         import triton
@@ -224,7 +228,7 @@ def tune_shape(layer: str, n: int, k: int, ms: list[int], args, num_sms: int) ->
                     got = fn(0).float()
                     torch.cuda.synchronize()
                 except Exception as e:  # compile (registers, shared memory) or launch failure: skip it
-                    trial = (cfg, None, None, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+                    trial = (cfg, None, None, f"failed: {_first_line(e)}")
                 else:
                     err = ((got - ref).norm() / ref.norm()).item()
                     if not err < TOLERANCE[path]:
@@ -234,8 +238,7 @@ def tune_shape(layer: str, n: int, k: int, ms: list[int], args, num_sms: int) ->
                             trial = (cfg, timed(fn, len(qws)), err, "")
                         except Exception as e:  # e.g. a graph-capture failure: record, go on
                             torch.cuda.synchronize()
-                            trial = (cfg, None, err, f"timing failed: {type(e).__name__}: "
-                                                     f"{str(e).splitlines()[0][:80]}")
+                            trial = (cfg, None, err, f"timing failed: {_first_line(e)}")
                 if cfg is heuristics[path]:
                     res.heuristic_us[path] = trial[1]
                 else:
