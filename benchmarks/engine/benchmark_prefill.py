@@ -10,6 +10,12 @@ Engine mode, for each (context L, step budget = --max-num-batched-tokens):
   peak_GB        torch.cuda.max_memory_allocated during the prefill, next to weights + KV cache +
                  the planned prefill workspace (vllm/benchmarks/prefill_flops.py states the terms);
                  static_GB = allocated before the request (weights + KV + runner buffers)
+  planned_GB     the engine's own plan (worker.memory_profile, made at start-up): weights + runner
+                 buffers + KV + the profiled activation peak of a worst-case step + the graph /
+                 buffer memory initialize_kv_cache took; peak_over_engine_plan = peak / planned_GB
+                 (the analytic estimate stays beside it: peak_over_planned). The profile reads
+                 context in passes of the builders' default chunk; --context-chunk-tokens set
+                 after start-up is not in it.
 Then, at each context, decode: median step time with and without a DSpark drafter (--decode-methods).
 
 Attention-only mode (--attention-only): the MLA prefill attention of one layer alone, as the engine
@@ -143,6 +149,29 @@ def _run_to_first_token(engine, rid: str, prompt: list[int], params, clock: Cloc
     return clock.now() - t0
 
 
+def _engine_plan(engine) -> dict:
+    """The engine's start-up memory plan (GB), or Nones where it has none (CPU runs)."""
+    worker = getattr(engine.executor, "worker", None)
+    profile = getattr(worker, "memory_profile", None)
+    keys = ("planned_GB", "profiled_activation_GB", "graph_buffer_GB", "runner_buffer_GB",
+            "graph_capture_GB", "graph_buffer_estimate_GB")
+    if profile is None or profile.planned_bytes is None:
+        return {**{k: None for k in keys}, "profile_tokens": None,
+                "profile_context_tokens": None, "graph_capture_s": None}
+
+    def gb(x):
+        return None if x is None else x / GB
+    return {"planned_GB": gb(profile.planned_bytes),
+            "profiled_activation_GB": gb(profile.activation_peak_bytes),
+            "graph_buffer_GB": gb(profile.graph_buffer_bytes),
+            "runner_buffer_GB": gb(profile.runner_buffer_bytes),
+            "graph_capture_GB": gb(profile.graph_capture_bytes),
+            "graph_buffer_estimate_GB": gb(profile.graph_buffer_estimate_bytes),
+            "profile_tokens": profile.profile_tokens,
+            "profile_context_tokens": profile.profile_context_tokens,
+            "graph_capture_s": profile.graph_capture_seconds}
+
+
 def _dump_memory_snapshot(args, context: int, budget: int) -> None:
     """The allocation trace up to the end of the first timed prefill, gzip'd pickle (read it with
     pytorch.org/memory_viz or scripts/memory_at_peak.py)."""
@@ -200,6 +229,7 @@ def prefill_case(args, context: int, budget: int, device: torch.device) -> dict:
         dtype_bytes = next(runner.model.parameters()).element_size()
         planned = planned_prefill_workspace_bytes(config, budget, chunk_tokens, dtype_bytes, fi_ws)
         peak = max(peaks) if peaks else None
+        plan = _engine_plan(engine)
         row = {
             "context": context, "budget": budget, "num_steps": len(chunk_schedule(context, budget)),
             "context_chunk_tokens": chunk_tokens,
@@ -220,6 +250,9 @@ def prefill_case(args, context: int, budget: int, device: torch.device) -> dict:
             "peak_GB": None if peak is None else peak / GB,
             "transient_GB": None if peak is None else (peak - static) / GB,
             "peak_over_planned": None if peak is None else peak / (weights + kv + planned),
+            **plan,
+            "peak_over_engine_plan": (None if peak is None or plan["planned_GB"] is None
+                                      else peak / (plan["planned_GB"] * GB)),
         }
         return row
     finally:
@@ -487,14 +520,18 @@ def print_table(result: dict) -> None:
     if result["prefill"]:
         def gb(x):
             return "-" if x is None else f"{x:.2f}"
+        def ratio(x):
+            return "-" if x is None else f"{x:.3f}"
         print(f"{'L':>7} {'chunk':>6} {'ttft_ms':>9} {'tok/s':>9} {'attn_TF':>8} {'MFU':>6} "
-              f"{'static':>7} {'peak_GB':>8} {'w+kv+ws':>8} {'ratio':>6}")
+              f"{'static':>7} {'peak_GB':>8} {'w+kv+ws':>8} {'ratio':>6} {'plan_GB':>8} "
+              f"{'p/plan':>6}")
         for r in result["prefill"]:
             ideal = r["weights_GB"] + r["kv_cache_GB"] + r["planned_workspace_GB"]
-            ratio = r["peak_over_planned"]
             print(f"{r['context']:>7} {r['budget']:>6} {r['ttft_ms']:9.1f} "
                   f"{r['prefill_tok_s']:9.0f} {r['attn_tflops']:8.1f} {r['mfu']:6.1%} "
-                  f"{gb(r['static_GB']):>7} {gb(r['peak_GB']):>8} {ideal:8.2f} {'-' if ratio is None else f'{ratio:.3f}':>6}")
+                  f"{gb(r['static_GB']):>7} {gb(r['peak_GB']):>8} {ideal:8.2f} "
+                  f"{ratio(r['peak_over_planned']):>6} {gb(r.get('planned_GB')):>8} "
+                  f"{ratio(r.get('peak_over_engine_plan')):>6}")
 
 
 def _plot(result: dict, path: str) -> None:

@@ -119,6 +119,8 @@ def test_cpu_smoke_run_writes_the_documented_json(tmp_path, capsys):
     assert row["mfu"] == pytest.approx(row["total_flops"] / (row["ttft_ms"] / 1e3) / 989e12)
     assert row["weights_GB"] > 0 and row["kv_cache_GB"] > 0 and row["planned_workspace_GB"] > 0
     assert row["peak_GB"] is None and row["init_GB"] is None  # no CUDA: no GPU memory to report
+    # No engine memory plan on the CPU either (the worker profiles GPU memory only).
+    assert row["planned_GB"] is None and row["peak_over_engine_plan"] is None
     assert [d["method"] for d in result["decode"]] == ["none", "dspark"]
     assert all(d["step_ms"] > 0 and d["tokens_per_step"] >= 1 for d in result["decode"])
     (attn,) = result["attention"]

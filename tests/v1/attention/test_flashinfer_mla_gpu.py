@@ -145,3 +145,41 @@ def test_triton_merge_matches_torch_on_gpu(n, base_e):
         torch.testing.assert_close(got_o.float(), ref_o.float(), rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(got_l, ref_l.float(), rtol=1e-5, atol=1e-5)
         assert not torch.isnan(got_o).any()
+
+
+@pytest.mark.parametrize("qlen", [1, 4])
+def test_graph_wrapper_native_replans_with_the_packed_copy_match_torch_mla(qlen):
+    """One builder over several graph-mode steps of the same padded size: the first plan is a
+    full FlashInfer plan, the later ones are native re-plans that move the CSR into the graph
+    wrapper's packed buffers in ONE copy; every step must still equal TORCH_MLA on the same
+    metadata (eager run() on the graph wrapper reads exactly those buffers)."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from tests.utils.mla_dcp_helpers import mla_spec, parallel_config
+    config = SimpleNamespace(parallel_config=parallel_config(1, 1).parallel_config,
+                             model_config=SimpleNamespace(max_model_len=4096), max_num_seqs=8)
+    builder = FlashInferMLAMetadataBuilder(mla_spec(BLOCK, False, torch.bfloat16), ["layer.0"],
+                                           config, DEVICE, dcp_rank=0, kernel_family="hopper")
+    builder.reorder_batch_threshold = qlen
+    for step, seq_lens in enumerate(([700, 2049, 64, 9], [701, 2050, 65, 0],
+                                     [1500, 3, 64, 1000], [1501, 4, 65, 1001])):
+        qlens = [qlen if g else 0 for g in seq_lens]  # a zero row: graph padding
+        case = make_case([max(g, 0) for g in seq_lens], qlens, num_heads=HEADS, causal=True,
+                         seed=20 + step, dtype=torch.bfloat16)
+        _, cache, cm, _ = build_rank(case, FlashInferMLAMetadataBuilder, 1, 0, 1, BLOCK,
+                                     fill=0.0, device=DEVICE,
+                                     builder_kwargs=dict(kernel_family="hopper"))
+        md = builder.build(0, replace(cm, cudagraph=True))
+        q = torch.zeros(md.decode.num_decode_tokens, HEADS, case.q.shape[-1],
+                        dtype=case.q.dtype, device=DEVICE)
+        q[: case.q.shape[0]] = case.q.to(DEVICE)
+        fi = FlashInferMLAImpl(num_heads=HEADS, scale=case.scale).forward_decode(q, cache,
+                                                                                 md.decode)
+        ref = TorchMLAImpl(num_heads=HEADS, scale=case.scale).forward_decode(q, cache, md.decode)
+        assert_states_close(fi, ref)
+        slot = md.decode.backend_state.wrapper_slot
+        assert slot.packed_device is not None
+        if step:
+            assert md.decode.backend_state.hopper_inputs.packed is not None
+    assert slot.native_replans >= 3 and slot.full_plans == 1

@@ -121,3 +121,103 @@ def test_plans_larger_than_the_staging_fall_back_to_fresh_tensors():
     got = plan_hopper_decode(decode, 4, staging=staging)
     assert got.kv_len_arr.tolist() == [5, 6, 7]
     assert got.kv_indices.tolist() == [1, 2, 3, 4, 5, 6]
+
+
+def _copy_count(fn) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ == "copy_":
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def test_native_graph_replan_moves_the_packed_csr_in_one_copy(monkeypatch):
+    """A graph wrapper whose four metadata buffers are views of one buffer laid out like the
+    staging set takes a re-plan in ONE copy; the buffers then hold exactly what four separate
+    copies into separate buffers give, step after step, and FlashInfer's workload check and
+    native planner see the same host arrays."""
+    import sys
+    from types import ModuleType, SimpleNamespace
+
+    from vllm.v1.attention.backends.mla import flashinfer_mla as fm
+    calls = []
+    fa_common = ModuleType("_fa_common")
+    fa_common._validate_fa_plan_workload = lambda *a: calls.append(("check", a[2], a[3]))
+    names = ["flashinfer", "flashinfer.mla", "flashinfer.mla._batch_mla",
+             "flashinfer.mla._batch_mla._backends"]
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, ModuleType(name))
+    sys.modules["flashinfer.mla._batch_mla._backends"]._fa_common = fa_common
+    monkeypatch.setitem(sys.modules, "flashinfer.mla._batch_mla._backends._fa_common", fa_common)
+
+    R, max_blocks, page = 4, 6, 16
+    max_pages = R * max_blocks
+    plan_args = dict(num_heads=8, head_dim_ckv=512, kv_data_type=torch.bfloat16)
+
+    def native(fws, iws, pws, qo, kv_indptr, kv_len, heads, ckv, causal):
+        calls.append(("native", qo.tolist(), kv_indptr.tolist(), kv_len.tolist()))
+        return ("info", len(calls)), 7
+
+    def make_slot(packed: bool):
+        if packed:
+            flat = torch.full((fm.packed_csr_size(R, max_pages),), -5, dtype=torch.int32)
+            bufs = fm.packed_csr_views(flat, R)
+        else:
+            flat = None
+            bufs = (torch.full((R + 1,), -5, dtype=torch.int32),
+                    torch.full((R + 1,), -5, dtype=torch.int32),
+                    torch.full((R,), -5, dtype=torch.int32),
+                    torch.full((max_pages,), -5, dtype=torch.int32))
+        backend = SimpleNamespace(
+            _cached_module=SimpleNamespace(plan_with_staged_workspace_bytes=native),
+            _backend="fa3", _causal=False, _use_cuda_graph=True, device=torch.device("cpu"),
+            _qo_indptr_buf=bufs[0], _kv_indptr_buf=bufs[1], _kv_len_arr_buf=bufs[2],
+            _kv_indices_buf=bufs[3], _float_workspace_buffer=None, _int_workspace_buffer=None,
+            _pin_memory_int_workspace_buffer=None)
+        return fm._WrapperSlot(SimpleNamespace(_planned_backend=backend), plan_args=plan_args,
+                               packed_device=flat,
+                               packed_layout=(R, max_pages) if packed else None), bufs
+
+    packed_slot, packed_bufs = make_slot(True)
+    plain_slot, plain_bufs = make_slot(False)
+    staging = PlanStaging(R, max_pages, depth=2)
+    rng = random.Random(3)
+    for step in range(5):
+        q_lens = [1] * (R - step % 2) + [0] * (step % 2)  # graph padding on odd steps
+        row_lens = [rng.randint(0, page * max_blocks) if q else 0 for q in q_lens]
+        table = [[rng.randrange(1000) for _ in range(max_blocks)] for _ in range(R)]
+        inputs = plan_hopper_decode(_metadata(q_lens, row_lens, table, True, 1), page,
+                                    num_requests=R, staging=staging)
+        assert inputs.packed is not None and inputs.packed_layout == (R, max_pages)
+        calls.clear()
+        assert _copy_count(lambda: fm._native_replan(packed_slot, inputs, plan_args)) == 1
+        packed_calls = list(calls)
+        calls.clear()
+        assert _copy_count(lambda: fm._native_replan(plain_slot, inputs, plan_args)) == 4
+        assert packed_calls[0] == calls[0] and packed_calls[1][1:] == calls[1][1:]
+        n = inputs.kv_indices.shape[0]
+        for got, want, source in zip(packed_bufs, plain_bufs, (
+                inputs.qo_indptr, inputs.kv_indptr, inputs.kv_len_arr, inputs.kv_indices)):
+            m = source.shape[0]
+            assert torch.equal(got[:m], source) and torch.equal(want[:m], source)
+        assert torch.equal(packed_bufs[3][:n], plain_bufs[3][:n])
+
+
+def test_graph_plans_in_other_layouts_do_not_take_the_packed_copy():
+    """A staging set of another layout, or an eager-sized plan, carries no packed prefix (or a
+    different layout key), so _native_replan falls back to the per-buffer copies."""
+    decode = _metadata([1, 1], [20, 40], [[1, 2, 3], [4, 5, 6]], True, 1)
+    eager = plan_hopper_decode(decode, 16, staging=PlanStaging(8, 64, depth=2))
+    assert eager.packed is None  # 2 requests planned in an 8-request set
+    graph = plan_hopper_decode(decode, 16, num_requests=2, staging=PlanStaging(2, 64, depth=2))
+    assert graph.packed_layout == (2, 64)
+    want = torch.cat([graph.qo_indptr, graph.kv_indptr, graph.kv_len_arr, graph.kv_indices])
+    assert torch.equal(graph.packed, want)

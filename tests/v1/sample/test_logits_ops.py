@@ -159,3 +159,37 @@ def test_sampling_states_host_and_device_drafts_agree():
     # drafts) may end the request.
     assert torch.isinf(a[1, 5]) and torch.isinf(a[2, 5]) and not torch.isinf(a[0, 5])
     assert torch.isinf(a[[0, 1, 2, 4], 1]).all() and not torch.isinf(a[3, 1])
+
+
+def test_any_active_equals_a_per_slot_check_through_admissions_and_removals():
+    """any_active keeps a set of featured slots; it must always equal the per-slot definition
+    (some row's request uses a feature), however requests come and go and reuse slots."""
+    import numpy as np
+
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.worker.gpu.sample_utils import BatchRows, SamplingStates
+    gen = np.random.default_rng(0)
+    states = SamplingStates(6, 16, torch.device("cpu"))
+    plain = SamplingParams(temperature=0.0)
+    featured = [SamplingParams(temperature=0.0, presence_penalty=0.5),
+                SamplingParams(temperature=0.0, logit_bias={3: 1.0}),
+                SamplingParams(temperature=0.5, min_p=0.1)]
+    resident: dict[int, str] = {}
+    for step in range(200):
+        slot = int(gen.integers(0, 6))
+        if slot in resident and gen.random() < 0.5:
+            states.remove_request(resident.pop(slot), slot, finished=bool(gen.random() < 0.5))
+        else:
+            if slot in resident:
+                states.remove_request(resident.pop(slot), slot, finished=True)
+            params = plain if gen.random() < 0.6 else featured[int(gen.integers(0, 3))]
+            resident[slot] = f"r{step}"
+            states.add_request(resident[slot], slot, [1, 2, 3], params)
+        slots = sorted(resident)
+        if not slots:
+            continue
+        rows = BatchRows(req_ids=[resident[s] for s in slots], slots=slots)
+        brute = any(states._features.get(s) for s in slots)
+        assert states.any_active(rows) == brute
+        half = BatchRows(req_ids=[resident[s] for s in slots[::2]], slots=slots[::2])
+        assert states.any_active(half) == any(states._features.get(s) for s in slots[::2])

@@ -135,3 +135,33 @@ def test_triton_input_prep_equals_torch_under_interpreter():
     from pathlib import Path
     run_interpreter_driver(Path(__file__).parents[2].joinpath(
         "utils", "triton_input_batch_interpret_driver.py"))
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_reused_builder_equals_a_fresh_one_every_step(k):
+    """The packed staging and the block-table gather keep state between steps: one builder
+    reused over a sequence of different batches (sizes, prefills, padding, a steady step with a
+    new block) must give what a fresh builder gives for each."""
+    reused = InputBatchBuilder(MAX_REQS, MAX_TOKENS, torch.device("cpu"), k)
+    for seed in range(6):
+        states, tables, rows, counts, drafts, samples, host_ids, _ = random_batch(seed, k, 1, 0, 1)
+        for step in range(2):
+            if step:  # the next steady step: every decode row advanced, one gained a block
+                for state, count in zip(rows, counts):
+                    states.set_num_computed(state, state.num_computed_tokens + count)
+                tables.append_block_ids(rows[0].slot, ([199], [198]), overwrite=False)
+            pad = seed % 3
+            kw = dict(num_reqs_padded=len(rows) + pad, num_tokens_padded=sum(counts) + 2 * pad)
+            got = reused.build(rows, counts, drafts, samples, host_ids, states, tables, **kw)
+            got = [t.clone() for t in (got.input_ids, got.positions, got.seq_lens,
+                                       got.logits_indices, got.query_start_loc,
+                                       got.idx_mapping, got.slot_mappings,
+                                       *got.block_tables)]
+            fresh_builder = InputBatchBuilder(MAX_REQS, MAX_TOKENS, torch.device("cpu"), k)
+            want = fresh_builder.build(rows, counts, drafts, samples, host_ids, states, tables,
+                                       **kw)
+            want = [want.input_ids, want.positions, want.seq_lens, want.logits_indices,
+                    want.query_start_loc, want.idx_mapping, want.slot_mappings,
+                    *want.block_tables]
+            for a, b in zip(got, want):
+                assert torch.equal(a, b), (seed, step)

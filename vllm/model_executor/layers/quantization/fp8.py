@@ -98,7 +98,9 @@ def _has_fp8_mma(device: torch.device) -> bool:
 
 class Fp8LinearMethod:
     """Holds `weight` (float8_e4m3fn, this rank's shard) and `weight_scale_inv` (float32 block
-    scales of that shard). CUDA + triton: W8A8 block GEMM; otherwise exact dequantisation."""
+    scales of that shard). CUDA + triton (compute capability 8.9+): the Triton block-FP8 GEMMs of
+    fp8_kernels.py (W8A16 weight streaming for decode-sized batches, W8A8 above); otherwise exact
+    dequantisation."""
 
     def __init__(self, block: tuple[int, int]):
         self.block = tuple(block)

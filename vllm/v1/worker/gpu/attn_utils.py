@@ -9,9 +9,18 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from vllm.v1.attention.backend import CommonAttentionMetadata
+
+
+def _rows(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """t[:n], or t itself when it has n rows already (the runner hands batch-sized views; a
+    torch slice costs the host ~1.5 us)."""
+    if t is None or t.shape[0] == n:
+        return t
+    return t[:n]
 
 
 def resolve_group_causality(causal: bool | Mapping[int, bool], num_groups: int) -> list[bool]:
@@ -70,33 +79,46 @@ def build_attn_metadata(
     causal_flags = resolve_group_causality(causal, len(groups))
     selected = range(len(groups)) if group_ids is None else group_ids
 
+    # Everything but the block table, slot mapping and causality is the same for every group:
+    # slice (and derive) it once per step, not once per group (each torch op on the host costs
+    # microseconds, every step).
+    qsl = _rows(query_start_loc, num_reqs + 1)
+    qsl_cpu = _rows(query_start_loc_cpu, num_reqs + 1)
+    seq = _rows(seq_lens, num_reqs)
+    dcp_local = _rows(dcp_local_seq_lens, num_reqs)
+    upper = _rows(seq_lens_cpu_upper_bound, num_reqs)
+    seq_cpu = _rows(seq_lens_cpu, num_reqs)
+    if num_computed_tokens_cpu is not None:
+        computed_cpu = _rows(num_computed_tokens_cpu, num_reqs)
+    elif seq_cpu is None:
+        computed_cpu = None
+    elif seq_cpu.device.type == "cpu" and qsl_cpu.device.type == "cpu":
+        # the same values (and dtype promotion) as the torch expression below, in numpy
+        computed_cpu = torch.from_numpy(seq_cpu.numpy() - np.diff(qsl_cpu.numpy()))
+    else:
+        computed_cpu = seq_cpu - (qsl_cpu[1:] - qsl_cpu[:-1])
+    dcp_local_cpu = _rows(dcp_local_seq_lens_cpu, num_reqs)
+
     attn_metadata: dict[str, Any] = {}
     for group_id in selected:
         common = CommonAttentionMetadata(
-            query_start_loc=query_start_loc[: num_reqs + 1],
-            query_start_loc_cpu=query_start_loc_cpu[: num_reqs + 1],
-            seq_lens=seq_lens[:num_reqs],
+            query_start_loc=qsl,
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens=seq,
             num_reqs=num_reqs,
             num_actual_tokens=num_tokens,
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
-            block_table_tensor=block_tables[group_id][:num_reqs],
-            slot_mapping=slot_mappings[group_id][:num_tokens],
+            block_table_tensor=_rows(block_tables[group_id], num_reqs),
+            slot_mapping=_rows(slot_mappings[group_id], num_tokens),
             causal=causal_flags[group_id],
-            dcp_local_seq_lens=(None if dcp_local_seq_lens is None
-                                else dcp_local_seq_lens[:num_reqs]),
-            seq_lens_cpu_upper_bound=(None if seq_lens_cpu_upper_bound is None
-                                      else seq_lens_cpu_upper_bound[:num_reqs]),
-            seq_lens_cpu=None if seq_lens_cpu is None else seq_lens_cpu[:num_reqs],
-            num_computed_tokens_cpu=(
-                num_computed_tokens_cpu[:num_reqs] if num_computed_tokens_cpu is not None else
-                None if seq_lens_cpu is None else
-                seq_lens_cpu[:num_reqs] - (query_start_loc_cpu[1:num_reqs + 1]
-                                           - query_start_loc_cpu[:num_reqs])),
-            dcp_local_seq_lens_cpu=(None if dcp_local_seq_lens_cpu is None
-                                    else dcp_local_seq_lens_cpu[:num_reqs]),
+            dcp_local_seq_lens=dcp_local,
+            seq_lens_cpu_upper_bound=upper,
+            seq_lens_cpu=seq_cpu,
+            num_computed_tokens_cpu=computed_cpu,
+            dcp_local_seq_lens_cpu=dcp_local_cpu,
             block_table_cpu=(None if block_tables_cpu is None
-                             else block_tables_cpu[group_id][:num_reqs]),
+                             else _rows(block_tables_cpu[group_id], num_reqs)),
             cudagraph=cudagraph,
         )
         metadata = attn_metadata_builders[group_id].build(common_prefix_len=0,

@@ -27,6 +27,9 @@ if HAS_TRITON:
     import triton.language as tl
 
 PAD_SLOT_ID = -1
+# gather_block_tables: below this many host table entries a changed batch is re-gathered whole
+# (one numpy op); above it only the changed rows are copied (long max_model_len tables).
+_FULL_REGATHER_ENTRIES = 1 << 15
 
 
 if HAS_TRITON:
@@ -151,6 +154,15 @@ class BlockTables:
         self.slot_mappings = torch.full((num_groups, max_num_batched_tokens), PAD_SLOT_ID,
                                         dtype=torch.int64, device=self.device)
         self._num_gathered_reqs = 0
+        # Skip-if-unchanged state of gather_block_tables: the slots of the gathered rows
+        # (None: nothing known), the slots whose blocks changed since they were
+        # last gathered, and a count of such changes (no change since the last gather: no check).
+        self._held_slots: bytes | None = None  # bytes of the int64 slots: a cheap comparison
+        self._slot_dirty = np.ones(max_num_reqs, dtype=bool)
+        self._changes = self._changes_at_gather = 0
+        # Views handed out per batch size (a torch slice costs the host ~1.5 us per call).
+        self._row_views: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._slot_views: dict[int, torch.Tensor] = {}
 
     @property
     def num_kv_cache_groups(self) -> int:
@@ -183,6 +195,8 @@ class BlockTables:
                     f"request slot {req_index} would hold {end // pages} blocks in group {group}, "
                     f"more than max_num_blocks_per_req={self.max_num_blocks_per_req}; raise "
                     "max_model_len headroom or shorten the request.")
+            self._slot_dirty[req_index] = True
+            self._changes += 1
             if len(ids) > 0:
                 self.host_block_tables[group, req_index, start:end] = ids
                 self.block_tables[group][req_index, start:end].copy_(
@@ -192,27 +206,61 @@ class BlockTables:
     def remove_request(self, req_index: int) -> None:
         self._check_req_index(req_index)
         self.num_blocks[:, req_index] = 0
+        self._slot_dirty[req_index] = True
+        self._changes += 1
 
     def gather_block_tables(self, idx_mapping: torch.Tensor,
                             idx_mapping_np=None) -> tuple[torch.Tensor, ...]:
         """Copy the rows of this step's requests (idx_mapping[i] = slot of batch row i) into the
         persistent input tables; returns one [num_reqs, max_blocks] view per group. With the host
-        slots `idx_mapping_np`, the host twin `input_block_tables_cpu` is gathered too."""
+        slots `idx_mapping_np`, the host twin `input_block_tables_cpu` is gathered too, and only
+        where it changed: a row is copied again when its slot differs from the one it holds or
+        that slot's blocks changed (append_block_ids / remove_request) since; when no row
+        changed, the device gather is skipped as well (its rows are then already current)."""
         num_reqs = idx_mapping.shape[0]
-        if idx_mapping_np is not None:
-            self._input_host.numpy()[:, :num_reqs] = self.host_block_tables[:, idx_mapping_np]
         if idx_mapping.device.type != self.device.type:
             raise ValueError(f"idx_mapping is on {idx_mapping.device}; pass the device copy "
                              f"({self.device}) so the gather needs no host transfer.")
         if num_reqs > self.max_num_reqs:
             raise ValueError(
                 f"idx_mapping has {num_reqs} rows, more than max_num_reqs={self.max_num_reqs}.")
-        idx_mapping = idx_mapping.to(dtype=torch.int64)
-        for table, input_table in zip(self.block_tables, self.input_block_tables):
-            # index_select writes straight into the persistent rows (contiguous view, no realloc).
-            torch.index_select(table, 0, idx_mapping, out=input_table[:num_reqs])
+        changed = True
+        if idx_mapping_np is None:
+            self._held_slots = None  # the host twin was not gathered: nothing is known current
+        else:
+            slots = np.asarray(idx_mapping_np, dtype=np.int64)
+            key = slots.tobytes()
+            host = self._input_host.numpy()
+            if key == self._held_slots:
+                # The same rows as the last gather: refresh only rows whose blocks changed.
+                changed = self._changes != self._changes_at_gather
+                if changed:
+                    dirty = self._slot_dirty[slots]
+                    rows = np.flatnonzero(dirty)
+                    changed = len(rows) > 0
+                    if changed and num_reqs * host.shape[2] <= _FULL_REGATHER_ENTRIES:
+                        host[:, :num_reqs] = self.host_block_tables[:, slots]  # small: one op
+                    elif changed:
+                        host[:, rows] = self.host_block_tables[:, slots[rows]]
+                    self._slot_dirty[slots] = False
+            else:
+                host[:, :num_reqs] = self.host_block_tables[:, slots]
+                self._held_slots = key
+                # Every row holding these slots is current now (rows past num_reqs are
+                # forgotten with the key, so no stale copy of a slot survives unchecked).
+                self._slot_dirty[slots] = False
+            self._changes_at_gather = self._changes
+        if changed:
+            idx_mapping = idx_mapping.to(dtype=torch.int64)
+            for table, input_table in zip(self.block_tables, self.input_block_tables):
+                # index_select writes straight into the persistent rows (no realloc).
+                torch.index_select(table, 0, idx_mapping, out=input_table[:num_reqs])
         self._num_gathered_reqs = num_reqs
-        return tuple(t[:num_reqs] for t in self.input_block_tables)
+        views = self._row_views.get(num_reqs)
+        if views is None:
+            views = self._row_views[num_reqs] = tuple(t[:num_reqs]
+                                                      for t in self.input_block_tables)
+        return views
 
     def compute_slot_mappings(self, query_start_loc: torch.Tensor,
                               positions: torch.Tensor) -> torch.Tensor:
@@ -234,7 +282,9 @@ class BlockTables:
             if tensor.device.type != self.device.type:
                 raise ValueError(f"{name} is on {tensor.device} but the block tables live on "
                                  f"{self.device}; pass the device buffers.")
-        out = self.slot_mappings[:, :num_tokens]
+        out = self._slot_views.get(num_tokens)
+        if out is None:
+            out = self._slot_views[num_tokens] = self.slot_mappings[:, :num_tokens]
         if self.device.type == "cuda" and HAS_TRITON:
             self._compute_slot_mappings_triton(query_start_loc, positions, num_reqs, num_tokens)
         else:

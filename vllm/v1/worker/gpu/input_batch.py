@@ -13,6 +13,8 @@ their addresses, and attention metadata hands out views of them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import is_not
 
 import numpy as np
 import torch
@@ -41,7 +43,7 @@ if HAS_TRITON:
             start = tl.load(qsl_ptr + row).to(tl.int64)
             end = tl.load(qsl_ptr + row + 1).to(tl.int64)
             slot = tl.load(idx_ptr + row).to(tl.int64)
-            computed = tl.load(num_computed_ptr + slot).to(tl.int64)
+            computed = tl.load(num_computed_ptr + row).to(tl.int64)  # row-indexed (staged)
             prefill = tl.load(is_prefill_ptr + row).to(tl.int1)
             anchor = tl.load(last_sampled_ptr + slot)
             seq_len = tl.where(row < num_reqs, computed + end - start, 0)
@@ -83,8 +85,43 @@ if HAS_TRITON:
                          mask=row_offs < max_rows)
 
 
+class PackedStaging:
+    """Several small host->device arrays in ONE pinned host buffer and ONE device buffer of the
+    same byte layout, so a step moves them all with a single non-blocking copy (each copy launch
+    costs the host ~5 us). Every region is a persistent, address-stable view of either side.
+
+    Reuse rule (buffer_utils.py): the host side is rewritten once per step, before that step's
+    copy; the previous step's copy has run by then (the step-end synchronisation)."""
+
+    def __init__(self, regions: list[tuple[str, int, torch.dtype]], device: torch.device):
+        offsets, total = [], 0
+        for _, n, dtype in regions:
+            total = -(-total // 8) * 8  # 8-byte aligned regions: every dtype view is legal
+            offsets.append(total)
+            total += n * torch.empty((), dtype=dtype).element_size()
+        self.nbytes = max(-(-total // 8) * 8, 8)
+        pin = device.type == "cuda" and torch.cuda.is_available()
+        self._host = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=pin)
+        # On a CPU run the "device" side is a separate tensor too (callers never rely on aliasing).
+        self._dev = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+        self.cpu: dict[str, torch.Tensor] = {}
+        self.np: dict[str, np.ndarray] = {}
+        self.gpu: dict[str, torch.Tensor] = {}
+        for (name, n, dtype), off in zip(regions, offsets):
+            size = n * torch.empty((), dtype=dtype).element_size()
+            self.cpu[name] = self._host[off:off + size].view(dtype)
+            self.np[name] = self.cpu[name].numpy()
+            self.gpu[name] = self._dev[off:off + size].view(dtype)
+
+    def copy_to_gpu(self) -> None:
+        self._dev.copy_(self._host, non_blocking=True)
+
+
 class InputBuffers:
-    def __init__(self, max_num_reqs: int, max_num_tokens: int, device: torch.device | str):
+    def __init__(self, max_num_reqs: int, max_num_tokens: int, device: torch.device | str,
+                 staged: tuple[tuple[str, int, torch.dtype], ...] = ()):
+        """`staged`: extra small per-step arrays (name, length, dtype) that travel in the same
+        packed host->device copy as query_start_loc (`self.staging`)."""
         if not isinstance(max_num_reqs, int) or max_num_reqs < 1:
             raise ValueError(f"max_num_reqs={max_num_reqs!r} is invalid: it must be an int >= 1.")
         if not isinstance(max_num_tokens, int) or max_num_tokens < 1:
@@ -96,11 +133,13 @@ class InputBuffers:
 
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=self.device)
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=self.device)
-        # The host twin is filled first (the scheduler's counts live on the host), then copied over.
-        pin = self.device.type == "cuda" and torch.cuda.is_available()
-        self.query_start_loc_cpu = torch.zeros(max_num_reqs + 1, dtype=torch.int32, pin_memory=pin)
-        self.query_start_loc_np = self.query_start_loc_cpu.numpy()  # shares memory
-        self.query_start_loc = torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=self.device)
+        # The host twin is filled first (the scheduler's counts live on the host), then copied
+        # over; it lives in a packed pinned buffer with the builder's other per-row arrays.
+        self.staging = PackedStaging(
+            [("query_start_loc", max_num_reqs + 1, torch.int32), *staged], self.device)
+        self.query_start_loc_cpu = self.staging.cpu["query_start_loc"]
+        self.query_start_loc_np = self.staging.np["query_start_loc"]  # shares memory
+        self.query_start_loc = self.staging.gpu["query_start_loc"]
         # Global lengths (context + current query) and the rank-local lengths under DCP.
         self.seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=self.device)
         self.dcp_local_seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=self.device)
@@ -161,11 +200,17 @@ class InputBatchBuilder:
         self.device = torch.device(device)
         self.num_spec_tokens = num_spec_tokens
         self.dcp_size, self.dcp_rank, self.dcp_interleave = dcp_size, dcp_rank, dcp_interleave
-        self.buffers = InputBuffers(max_num_reqs, max_num_tokens, self.device)
         R, T = max_num_reqs, max_num_tokens
-        self.idx_mapping = CpuGpuBuffer(R, dtype=torch.int64, device=self.device)
-        self.is_prefill_row = CpuGpuBuffer(R, dtype=torch.bool, device=self.device)
-        self.cu_num_logits = CpuGpuBuffer(R + 1, dtype=torch.int32, device=self.device)
+        # The per-row arrays of a step travel with query_start_loc in ONE packed copy.
+        self.buffers = InputBuffers(max_num_reqs, max_num_tokens, self.device, staged=(
+            ("idx_mapping", R, torch.int64), ("cu_num_logits", R + 1, torch.int32),
+            ("num_computed", R, torch.int32), ("is_prefill_row", R, torch.bool)))
+        staging = self.buffers.staging
+        self.idx_mapping = _StagedView(staging, "idx_mapping")
+        self.is_prefill_row = _StagedView(staging, "is_prefill_row")
+        self.cu_num_logits = _StagedView(staging, "cu_num_logits")
+        # Context tokens of every batch ROW (not slot): the device preparation reads it per row.
+        self.num_computed_rows = _StagedView(staging, "num_computed")
         self.prefill_ids = CpuGpuBuffer(T, dtype=torch.int64, device=self.device)
         self.seq_lens_np = np.zeros(R, dtype=np.int32)
         self.dcp_local_np = np.zeros(R, dtype=np.int32)
@@ -173,17 +218,36 @@ class InputBatchBuilder:
         self._arange = torch.arange(max(T, R) + 1, dtype=torch.int64, device=self.device)
         # One Triton launch on CUDA; the same logic in torch ops elsewhere.
         self.use_triton = self.device.type == "cuda" and HAS_TRITON
+        # Views of the persistent buffers per batch shape (a torch slice costs the host ~1.5 us
+        # and a step takes about ten; a steady decode has the same shape every step).
+        self._view_cache: dict[tuple[int, int, int, int], tuple] = {}
+
+    def _views(self, B: int, B_pad: int, T_pad: int, num_logits: int) -> tuple:
+        key = (B, B_pad, T_pad, num_logits)
+        views = self._view_cache.get(key)
+        if views is None:
+            if len(self._view_cache) >= 256:
+                self._view_cache.clear()
+            buf = self.buffers
+            views = self._view_cache[key] = (
+                self.idx_mapping.gpu[:B_pad], buf.query_start_loc[: B_pad + 1],
+                self.is_prefill_row.gpu[:B_pad], self.cu_num_logits.gpu[: B + 1],
+                buf.positions[:T_pad], buf.seq_lens[:B_pad], self.logits_indices[:num_logits],
+                buf.query_start_loc_cpu[: B_pad + 1], buf.input_ids[:T_pad],
+                buf.dcp_local_seq_lens[:B_pad])
+        return views
 
     def _prepare_torch(self, requests, idx, qsl, prefill_rows, cu_dev, B, B_pad, T_pad,
                        num_logits_total) -> None:
         buf = self.buffers
+        nc_rows = self.num_computed_rows.gpu
         tok = self._arange[:T_pad]
         row = torch.searchsorted(qsl[1:B_pad + 1], tok.to(torch.int32), right=True)
         row = row.clamp(max=max(B_pad - 1, 0))
         in_batch = tok < qsl[B_pad].to(torch.int64)
         offset = tok - qsl[row].to(torch.int64)
         slot = idx[row]
-        nc_tok = requests.num_computed.gpu[slot].to(torch.int64)
+        nc_tok = nc_rows[row].to(torch.int64)
         torch.where(in_batch, nc_tok + offset, torch.zeros_like(nc_tok), out=buf.positions[:T_pad])
         k = requests.draft_tokens.shape[1]
         draft_col = (offset - 1).clamp(0, k - 1)
@@ -192,7 +256,7 @@ class InputBatchBuilder:
         ids = torch.where(prefill_rows[row], self.prefill_ids.gpu[:T_pad], decode_ids)
         torch.where(in_batch, ids, torch.zeros_like(ids), out=buf.input_ids[:T_pad])
         rows_dev = self._arange[:B_pad]
-        nc_row = requests.num_computed.gpu[idx].to(torch.int64)
+        nc_row = nc_rows[:B_pad].to(torch.int64)
         qlen = (qsl[1:B_pad + 1] - qsl[:B_pad]).to(torch.int64)
         buf.seq_lens[:B_pad].copy_(torch.where(rows_dev < B, nc_row + qlen,
                                                torch.zeros_like(nc_row)))
@@ -220,8 +284,9 @@ class InputBatchBuilder:
                              f"max_num_reqs={self.max_num_reqs}")
         buf = self.buffers
         qsl_np = buf.query_start_loc_np
+        num_sched = np.array(counts, dtype=np.int64)
         qsl_np[0] = 0
-        np.cumsum(np.asarray(counts, dtype=np.int32), out=qsl_np[1:B + 1])
+        np.cumsum(num_sched, out=qsl_np[1:B + 1])
         num_tokens = int(qsl_np[B])
         qsl_np[B + 1:B_pad + 1] = num_tokens
         T_pad = num_tokens if num_tokens_padded is None else num_tokens_padded
@@ -230,24 +295,29 @@ class InputBatchBuilder:
                              f"({self.max_num_tokens}) or the padded size {T_pad}; raise "
                              "max_num_batched_tokens")
 
-        slots = np.fromiter((r.slot for r in rows), dtype=np.int64, count=B)
         idx_np = self.idx_mapping.np
-        idx_np[:B] = slots
+        idx_np[:B] = [r.slot for r in rows]
         idx_np[B:B_pad] = 0  # padding rows read some valid slot; they have no tokens
-        num_computed = requests.num_computed.np[slots].astype(np.int64)
-        num_sched = np.asarray(counts, dtype=np.int64)
+        slots = idx_np[:B]
+        nc_rows = self.num_computed_rows.np
+        np.take(requests.num_computed.np, slots, out=nc_rows[:B])
+        nc_rows[B:B_pad] = 0
+        num_computed = nc_rows[:B].astype(np.int64)
         seq_np = self.seq_lens_np
-        seq_np[:B] = num_computed + num_sched
+        np.add(num_computed, num_sched, out=seq_np[:B], casting="unsafe")
         seq_np[B:B_pad] = 0
         is_prefill = self.is_prefill_row.np
         is_prefill[:B_pad] = False
-        pre_ids = self.prefill_ids.np
-        for i, ids in enumerate(prefill_token_ids):
-            if ids is not None:
-                is_prefill[i] = True
-                pre_ids[qsl_np[i]:qsl_np[i + 1]] = ids
-        samples_np = np.asarray(samples, dtype=bool)
-        num_draft_np = np.asarray(num_drafts, dtype=np.int64)
+        # The steady decode step has no prefill row: skip the per-row loop entirely.
+        has_prefill = any(map(is_not, prefill_token_ids, repeat(None)))
+        if has_prefill:
+            pre_ids = self.prefill_ids.np
+            for i, ids in enumerate(prefill_token_ids):
+                if ids is not None:
+                    is_prefill[i] = True
+                    pre_ids[qsl_np[i]:qsl_np[i + 1]] = ids
+        samples_np = np.array(samples, dtype=bool)
+        num_draft_np = np.array(num_drafts, dtype=np.int64)
         # Rows that verify drafts read logits at every position; other sampling rows at the last.
         num_logits = np.where(samples_np, np.where(num_draft_np > 0, num_sched, 1), 0)
         cu = self.cu_num_logits.np
@@ -255,25 +325,19 @@ class InputBatchBuilder:
         np.cumsum(num_logits, out=cu[1:B + 1])
         num_logits_total = int(cu[B])
 
-        # ---- host -> device: a handful of small pinned copies, no sync
-        idx = self.idx_mapping.copy_to_gpu(B_pad)
-        qsl = buf.query_start_loc[: B_pad + 1]
-        qsl.copy_(buf.query_start_loc_cpu[: B_pad + 1], non_blocking=True)
-        prefill_rows = self.is_prefill_row.copy_to_gpu(B_pad)
-        if any(ids is not None for ids in prefill_token_ids):
+        # ---- host -> device: ONE packed non-blocking copy (+ the prefill ids), no sync
+        buf.staging.copy_to_gpu()
+        (idx, qsl, prefill_rows, cu_dev, positions, seq_lens, logits_indices, qsl_cpu,
+         input_ids, dcp_local_view) = self._views(B, B_pad, T_pad, num_logits_total)
+        if has_prefill:
             self.prefill_ids.copy_to_gpu(num_tokens)
-        cu_dev = self.cu_num_logits.copy_to_gpu(B + 1)
-        requests.num_computed.copy_to_gpu()
 
         # ---- device-side preparation from the slot-indexed state
-        positions = buf.positions[:T_pad]
-        seq_lens = buf.seq_lens[:B_pad]
-        logits_indices = self.logits_indices[:num_logits_total]
         if self.use_triton:
             _prepare_inputs_kernel[(B_pad + 1,)](
                 buf.input_ids, buf.positions, buf.seq_lens, self.logits_indices,
                 qsl, idx, prefill_rows, self.prefill_ids.gpu, cu_dev,
-                requests.num_computed.gpu, requests.last_sampled, requests.draft_tokens,
+                self.num_computed_rows.gpu, requests.last_sampled, requests.draft_tokens,
                 requests.draft_tokens.stride(0), requests.draft_tokens.shape[1], B, B_pad, T_pad,
                 self.max_num_reqs, BLOCK=128)
         else:
@@ -283,29 +347,37 @@ class InputBatchBuilder:
         if self.dcp_size > 1:
             prepare_dcp_local_seq_lens(buf.dcp_local_seq_lens, buf.seq_lens, B, self.dcp_size,
                                        self.dcp_rank, self.dcp_interleave)
-            dcp_local = buf.dcp_local_seq_lens[:B_pad]
+            dcp_local = dcp_local_view
             dcp_local_np = self.dcp_local_np
+            # a zero-copy view: the formula does not keep its input
             dcp_local_np[:B_pad] = get_dcp_local_seq_lens(
-                torch.from_numpy(seq_np[:B_pad].copy()), self.dcp_size, self.dcp_rank,
+                torch.from_numpy(seq_np[:B_pad]), self.dcp_size, self.dcp_rank,
                 self.dcp_interleave).numpy()
         tables = block_tables.gather_block_tables(idx, idx_np[:B_pad])
         slot_mappings = block_tables.compute_slot_mappings(qsl, positions)
 
         uniform = 0
-        if B > 0 and not is_prefill[:B].any():
-            q = int(num_sched[0])
-            if (num_sched == q).all() and samples_np.all():
-                uniform = q
+        if B > 0 and not has_prefill:
+            q = counts[0]
+            if counts.count(q) == B and all(samples):
+                uniform = int(q)
         return InputBatch(
             req_ids=[r.req_id for r in rows], num_reqs=B, num_reqs_padded=B_pad,
             num_tokens=num_tokens, num_tokens_padded=T_pad, idx_mapping=idx,
             idx_mapping_np=idx_np[:B_pad], query_start_loc=qsl,
             query_start_loc_np=qsl_np[: B_pad + 1],
-            query_start_loc_cpu=buf.query_start_loc_cpu[: B_pad + 1], seq_lens=seq_lens,
+            query_start_loc_cpu=qsl_cpu, seq_lens=seq_lens,
             seq_lens_np=seq_np[:B_pad], num_computed_np=num_computed, num_scheduled_np=num_sched,
-            num_draft_np=num_draft_np, samples_np=samples_np, input_ids=buf.input_ids[:T_pad],
+            num_draft_np=num_draft_np, samples_np=samples_np, input_ids=input_ids,
             positions=positions, block_tables=tables, slot_mappings=slot_mappings,
             logits_indices=logits_indices, cu_num_logits_np=cu[: B + 1].copy(),
             dcp_local_seq_lens=dcp_local,
             dcp_local_seq_lens_np=None if dcp_local_np is None else dcp_local_np[:B_pad],
             uniform_query_len=uniform, draft_tokens=requests.draft_tokens)
+
+
+class _StagedView:
+    """CpuGpuBuffer-shaped handle (`.cpu`, `.np`, `.gpu`) on one region of a PackedStaging."""
+
+    def __init__(self, staging: PackedStaging, name: str):
+        self.cpu, self.np, self.gpu = staging.cpu[name], staging.np[name], staging.gpu[name]

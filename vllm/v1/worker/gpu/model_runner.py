@@ -811,3 +811,10 @@ class GPUModelRunner:
             cudagraph=cudagraph,
         )
         return batch
+
+    # ------------------------------------------------------------ memory profiling
+    def profile_run(self, num_tokens: int | None = None, estimate_graphs: bool = False):
+        """The worker's memory profile: a worst-case dummy step on a temporary KV cache, before
+        initialize_kv_cache; leaves the runner as it was (memory_profile.py)."""
+        from vllm.v1.worker.gpu.memory_profile import profile_run
+        return profile_run(self, num_tokens, estimate_graphs=estimate_graphs)

@@ -97,6 +97,12 @@ class SamplingStates:
         self._num_prompt_tokens: dict[str, int] = {}
         self._prompt_logprobs_done: set[str] = set()
         self._slot_of: dict[str, int] = {}
+        # Slots whose request uses any feature: any_active is then a set test, no per-row loop
+        # (the common batch has none, and the runner asks every step).
+        self._featured_slots: set[int] = set()
+        # Slots whose steps must complete on the host (features or logprobs): async scheduling
+        # overlaps a step only when none of its rows is here.
+        self._host_slots: set[int] = set()
 
     # ---- request lifetime ------------------------------------------------------------------
     def _table(self, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -161,6 +167,15 @@ class SamplingStates:
                 self.temperature[slot] = float(params.temperature)
         self.num_output[slot] = len(output)
         self._features[slot] = frozenset(features)
+        if features:
+            self._featured_slots.add(slot)
+        else:
+            self._featured_slots.discard(slot)
+        if features or (params is not None and (params.logprobs is not None
+                                                or params.prompt_logprobs is not None)):
+            self._host_slots.add(slot)
+        else:
+            self._host_slots.discard(slot)
         self._params[slot] = params
         self._slot_of[req_id] = slot
 
@@ -168,6 +183,8 @@ class SamplingStates:
         self._slot_of.pop(req_id, None)
         if slot is not None:
             self._features.pop(slot, None)
+            self._featured_slots.discard(slot)
+            self._host_slots.discard(slot)
             self._params.pop(slot, None)
         if finished:
             self._num_prompt_tokens.pop(req_id, None)
@@ -224,18 +241,12 @@ class SamplingStates:
         """Whether any of these slots samples from host-side token history (penalties, bad
         words, min_tokens, ...) or returns logprobs: such a step must complete on the host
         before the next one is prepared (async scheduling overlaps only the others)."""
-        for slot in slots:
-            slot = int(slot)
-            if self._features.get(slot):
-                return True
-            params = self._params.get(slot)
-            if params is not None and (params.logprobs is not None
-                                       or params.prompt_logprobs is not None):
-                return True
-        return False
+        host = self._host_slots
+        return bool(host) and not host.isdisjoint(int(s) for s in slots)
 
     def any_active(self, rows: BatchRows) -> bool:
-        return any(self._features.get(s) for s in rows.slots)
+        featured = self._featured_slots
+        return bool(featured) and not featured.isdisjoint(rows.slots)
 
     def process_logits(self, logits: torch.Tensor, rows: BatchRows) -> torch.Tensor:
         """Processed logits (new tensor) for sampling; `logits` (raw) is left untouched."""

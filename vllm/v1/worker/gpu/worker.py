@@ -2,15 +2,25 @@
 
 Rank r of a TP x DCP world runs on `cuda:r` (NCCL) or on the CPU (gloo). Every rank runs the same
 steps on the same scheduler output; only rank 0's ModelRunnerOutput goes back to the engine.
+
+GPU memory is planned as upstream vLLM plans it (memory_profile.py): the weights' size at load,
+then a profiled worst-case step before the KV cache exists, and the KV cache gets what
+gpu_memory_utilization leaves after them and the CUDA graphs / runner buffers. The plan is
+`worker.memory_profile` (None on CPU, whose KV cache has a fixed budget).
 """
 from __future__ import annotations
 
 import gc
+import logging
 import os
+import time
 
 import torch
 
 from vllm.v1.core.kv_cache_utils import num_virtual_blocks
+from vllm.v1.worker.gpu.memory_profile import DeviceMemory, MemoryProfile
+
+logger = logging.getLogger(__name__)
 
 # KV cache budget per CPU worker when the config names none (CPU runs are tests and demos).
 _DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
@@ -34,6 +44,9 @@ class Worker:
         self.world_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.device = resolve_device(vllm_config, rank)
         self.model_runner = None
+        # GPU: the memory plan, filled at load, profile and KV cache allocation.
+        self.memory_profile: MemoryProfile | None = None
+        self._init_memory: DeviceMemory | None = None
 
     # ---- start-up ----------------------------------------------------------------------------
     def init_device(self) -> None:
@@ -42,6 +55,9 @@ class Worker:
         parallel = self.vllm_config.parallel_config
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            # Baseline of the plan: the non-torch memory the process grows from here on
+            # (NCCL, library workspaces) is charged to it, other processes' is not.
+            self._init_memory = DeviceMemory.read(self.device)
             backend = "nccl"
         else:
             # Ranks share the host's cores; oversubscribing threads slows every rank down.
@@ -59,46 +75,101 @@ class Worker:
 
     def load_model(self) -> None:
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+        cuda = self.device.type == "cuda"
+        start = torch.cuda.memory_allocated(self.device) if cuda else 0
         self.model_runner = GPUModelRunner(self.vllm_config, self.device, self.rank)
+        built = torch.cuda.memory_allocated(self.device) if cuda else 0
+        t0 = time.perf_counter()
         self.model_runner.load_model()
+        seconds = time.perf_counter() - t0
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            total = torch.cuda.mem_get_info(self.device)[1]
+            self.memory_profile = MemoryProfile(
+                total_bytes=int(total), gpu_memory_utilization=self._gpu_memory_utilization(),
+                weights_bytes=int(torch.cuda.memory_allocated(self.device) - built),
+                load_seconds=seconds, runner_buffer_bytes=int(built - start))
+            logger.info(self.memory_profile.load_line())
+
+    def _gpu_memory_utilization(self) -> float:
+        return float(getattr(self.vllm_config.cache_config, "gpu_memory_utilization",
+                             _DEFAULT_GPU_MEMORY_UTILIZATION))
 
     # ---- KV cache ----------------------------------------------------------------------------
     def determine_num_available_blocks(self) -> int:
-        """Blocks this rank can hold; the executor takes the minimum over ranks."""
+        """Blocks this rank can hold; the executor takes the minimum over ranks. On the GPU the
+        memory is profiled first (also when an option fixes the KV size: the plan is logged and
+        exposed as `memory_profile` either way)."""
         from vllm.v1.core.kv_cache_utils import get_num_blocks
         cache = self.vllm_config.cache_config
         override = getattr(cache, "num_gpu_blocks_override", None)
+        fixed_bytes = getattr(cache, "kv_cache_memory_bytes", None)
+        specs = self.model_runner.get_kv_cache_spec()
+        if self.device.type == "cuda":
+            fixed = None
+            if override is not None:
+                fixed = ("num_gpu_blocks_override", int(override) * self._bytes_per_block(specs))
+            elif fixed_bytes is not None:
+                fixed = ("kv_cache_memory_bytes", int(fixed_bytes))
+            if self.model_runner.kv_cache_config is None:
+                profile = self.profile_memory(fixed)
+            else:  # asked again once the cache exists: the plan made before it stands
+                profile = self.memory_profile
+            if override is not None:
+                return int(override)
+            budget = profile.kv_budget_bytes
+            return int(get_num_blocks(max(int(budget), 0), specs, self._dcp_size()))
         if override is not None:
             return int(override)
-        specs = self.model_runner.get_kv_cache_spec()
-        budget = getattr(cache, "kv_cache_memory_bytes", None)
-        if budget is None:
-            if self.device.type == "cuda":
-                budget = self._free_gpu_memory_budget()
-            else:
-                budget = _DEFAULT_CPU_KV_CACHE_BYTES
+        budget = fixed_bytes if fixed_bytes is not None else _DEFAULT_CPU_KV_CACHE_BYTES
         num_blocks = int(get_num_blocks(max(budget, 0), specs, self._dcp_size()))
-        if self.device.type == "cpu" and getattr(cache, "kv_cache_memory_bytes", None) is None:
+        if fixed_bytes is None:
             # Enough for max_num_seqs full-length requests is all a CPU run can use anyway.
             num_blocks = min(num_blocks, self._blocks_for_full_batch())
         return num_blocks
 
-    def _free_gpu_memory_budget(self) -> int:
-        torch.cuda.synchronize(self.device)
+    def profile_memory(self, fixed: tuple[str, int] | None = None) -> MemoryProfile:
+        """Profile the worst-case step (upstream's determine_available_memory) and fill the
+        plan's KV budget. `fixed` = (option name, KV bytes) when an option sets the KV size:
+        the step is still profiled (its peak is part of the plan), the graphs are not."""
+        profile = self.memory_profile
+        if profile is None:
+            raise RuntimeError("profile_memory() runs on a GPU worker after load_model()")
         # Memory cached by an earlier engine in this process would otherwise count as used.
         gc.collect()
         torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        utilization = float(getattr(self.vllm_config.cache_config, "gpu_memory_utilization",
-                                    _DEFAULT_GPU_MEMORY_UTILIZATION))
-        budget = int(free - (1.0 - utilization) * total)
-        if budget <= 0:
-            raise ValueError(
-                f"rank {self.rank}: no GPU memory left for the KV cache ({free / 2**30:.1f} GiB "
-                f"free of {total / 2**30:.1f} GiB, {1 - utilization:.0%} kept in reserve); free "
-                "the GPU (another engine alive?) or set kv_cache_memory_bytes / "
-                "num_gpu_blocks_override")
-        return budget
+        run = self.model_runner.profile_run(estimate_graphs=fixed is None)
+        after = DeviceMemory.read(self.device)
+        baseline = self._init_memory.non_torch if self._init_memory is not None else 0
+        profile.torch_in_use_bytes = after.allocated
+        profile.non_torch_bytes = max(0, after.non_torch - baseline)
+        profile.free_bytes = after.free
+        profile.activation_peak_bytes = run.activation_peak_bytes
+        profile.profile_tokens = run.num_tokens
+        profile.profile_context_tokens = run.context_tokens
+        profile.profile_logit_rows = run.num_logit_rows
+        profile.graph_buffer_estimate_bytes = run.graph_buffer_bytes
+        profile.profile_seconds = run.seconds
+        logger.info(profile.profile_line())
+        if fixed is not None:
+            profile.fixed_kv_source, profile.fixed_kv_bytes = fixed
+        else:
+            profile.check_kv_budget(self.rank)
+            if profile.profiled_kv_budget_bytes == profile.physical_room_bytes:
+                logger.warning(
+                    "rank %d: the KV cache is capped by the free device memory (%.2f GiB free; "
+                    "%.2f GiB were held outside this worker's torch allocator when it started: "
+                    "other processes?), not by gpu_memory_utilization=%.2f",
+                    self.rank, after.free / 2**30, baseline / 2**30,
+                    profile.gpu_memory_utilization)
+        logger.info(profile.kv_line())
+        return profile
+
+    def _bytes_per_block(self, specs) -> int:
+        """KV bytes of one block id over every layer (replicated layers: dcp_size pages)."""
+        dcp = self._dcp_size()
+        return int(sum(spec.page_size_bytes * spec.pages_per_block_id(dcp)
+                       for spec in specs.values()))
 
     def _dcp_size(self) -> int:
         """DCP size the KV pool is priced for (a replicated draft group costs dcp_size pages
@@ -120,7 +191,37 @@ class Worker:
         specs = self.model_runner.get_kv_cache_spec()
         kv_cache_config = get_kv_cache_config(specs, num_blocks=num_blocks,
                                               dcp_size=self._dcp_size())
+        cuda = self.device.type == "cuda"
+        before = DeviceMemory.read(self.device) if cuda else None
+        t0 = time.perf_counter()
         self.model_runner.initialize_kv_cache(kv_cache_config)
+        if cuda:
+            self._record_kv_init(before, time.perf_counter() - t0, num_blocks)
+
+    def _record_kv_init(self, before: DeviceMemory, seconds: float, num_blocks: int) -> None:
+        """What initialize_kv_cache took: the KV tensors, and the rest (buffers, workspaces,
+        CUDA graph pools), allocated and on the device; the captures' own time and memory."""
+        runner = self.model_runner
+        after = DeviceMemory.read(self.device, empty_cache=False)
+        kv = sum(t.numel() * t.element_size() for t in runner.kv_caches.values())
+        profile = self.memory_profile
+        profile.kv_cache_bytes = int(kv)
+        profile.num_blocks = int(num_blocks)
+        profile.kv_init_seconds = seconds
+        profile.graph_buffer_bytes = int(max(0, after.allocated - before.allocated - kv))
+        profile.graph_buffer_device_bytes = int(max(0, before.free - after.free - kv))
+        managers = list(getattr(runner, "_graph_managers", {}).values())
+        draft = getattr(getattr(runner, "speculator", None), "cudagraphs", None)
+        if draft is not None and draft not in managers:
+            managers.append(draft)
+        managers = [m for m in managers if getattr(m, "capture_seconds", None) is not None]
+        if managers:
+            profile.graph_capture_seconds = float(sum(m.capture_seconds for m in managers))
+            profile.graph_capture_bytes = int(sum(m.capture_bytes for m in managers))
+            profile.num_graphs = int(sum(len(m.graphs) for m in managers))
+        logger.info(profile.kv_init_line())
+        if profile.graph_capture_seconds is not None:
+            logger.info(profile.graph_line())
 
     # ---- steps -----------------------------------------------------------------------------
     def execute_model(self, scheduler_output):

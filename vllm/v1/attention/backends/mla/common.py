@@ -158,7 +158,7 @@ class MLACommonMetadataBuilder:
         self._prefill_fi_state: FlashInferPrefillState | None = None
 
     # ---------------------------------------------------------------- checks
-    def _check_non_causal(self, cm: CommonAttentionMetadata, query_lens: torch.Tensor) -> int:
+    def _check_non_causal(self, cm: CommonAttentionMetadata, query_lens: np.ndarray) -> int:
         """Validate a non-causal build; returns the uniform block length Q."""
         name = type(self).__name__
         if not (self.supports_non_causal_multi_token_decode and self.non_causal_group):
@@ -186,22 +186,25 @@ class MLACommonMetadataBuilder:
 
     # ---------------------------------------------------------------- build
     @staticmethod
-    def _host_seq_lens(cm: CommonAttentionMetadata) -> torch.Tensor:
-        """Exact global lengths on the host: the runner's pinned twin. Device lengths are never
-        read back (that would be a host sync per step); CPU tensors are host memory already."""
+    def _host_seq_lens(cm: CommonAttentionMetadata) -> np.ndarray:
+        """Exact global lengths on the host (a numpy view): the runner's pinned twin. Device
+        lengths are never read back (that would be a host sync per step); CPU tensors are host
+        memory already."""
         if cm.seq_lens_cpu is not None:
-            return cm.seq_lens_cpu[: cm.num_reqs].to(torch.int64)
+            return cm.seq_lens_cpu[: cm.num_reqs].numpy()
         if cm.seq_lens.device.type != "cpu":
             raise ValueError("CommonAttentionMetadata.seq_lens_cpu is required for device "
                              "batches: builders read host twins and never sync on seq_lens.")
-        return cm.seq_lens[: cm.num_reqs].to(torch.int64)
+        return cm.seq_lens[: cm.num_reqs].numpy()
 
     def build(self, common_prefix_len: int,
               common_attn_metadata: CommonAttentionMetadata) -> MLACommonMetadata:
         cm = common_attn_metadata
         num_reqs = cm.num_reqs
-        qsl_cpu = cm.query_start_loc_cpu[: num_reqs + 1].to(torch.int64)
-        query_lens = qsl_cpu[1:] - qsl_cpu[:-1]
+        # Host arithmetic in numpy on zero-copy views of the host twins: this runs every step,
+        # and each torch op on a tiny CPU tensor costs several times a numpy call.
+        qsl_np = cm.query_start_loc_cpu[: num_reqs + 1].numpy().astype(np.int64)
+        query_lens = np.diff(qsl_np)
         causal = bool(cm.causal)
         seq_lens_host = self._host_seq_lens(cm)
 
@@ -210,38 +213,39 @@ class MLACommonMetadataBuilder:
             num_decodes = num_reqs  # every row (padding included) is one block
         else:
             num_decodes = self._count_decodes(cm, query_lens)
-        num_prefills = int((query_lens[num_decodes:] > 0).sum())
-        num_decode_tokens = int(qsl_cpu[num_decodes])
+        num_prefills = int(np.count_nonzero(query_lens[num_decodes:]))
+        num_decode_tokens = int(qsl_np[num_decodes])
         if num_prefills == 0:
             # CUDA-graph padding tokens past the last row belong to the decode part (upstream
             # counts the padded total: [0, 8, 16, 16] with 24 tokens -> 24).
             num_decode_tokens = max(num_decode_tokens, int(cm.num_actual_tokens))
-        num_prefill_tokens = int(qsl_cpu[num_decodes + num_prefills]) - int(qsl_cpu[num_decodes])
+        num_prefill_tokens = int(qsl_np[num_decodes + num_prefills]) - int(qsl_np[num_decodes])
 
         decode = None
         if num_decodes > 0:
-            decode = self._build_decode(cm, num_decodes, num_decode_tokens, qsl_cpu,
+            decode = self._build_decode(cm, num_decodes, num_decode_tokens, qsl_np,
                                         query_lens, causal, seq_lens_host)
         prefill = None
         if num_prefills > 0:
             prefill = self._build_prefill(cm, num_decodes, num_prefills, num_decode_tokens,
-                                          qsl_cpu)
+                                          torch.from_numpy(qsl_np))
         return MLACommonMetadata(
             num_actual_tokens=cm.num_actual_tokens, slot_mapping=cm.slot_mapping,
             num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
             num_prefills=num_prefills, causal=causal, decode=decode, prefill=prefill,
             num_prefill_tokens=num_prefill_tokens)
 
-    def _count_decodes(self, cm: CommonAttentionMetadata, query_lens: torch.Tensor) -> int:
+    def _count_decodes(self, cm: CommonAttentionMetadata, query_lens: np.ndarray) -> int:
         """Leading rows with query length <= reorder_batch_threshold (decode rows); all rows
         when no row is longer. Decided on host query lengths alone (no device read). Every
         row from the first long one on is a prefill row: the prefill path is exact for any
         row (short, with or without context), so a short row the runner left after a prefill
         (e.g. a 1-token prompt) is served there rather than rejected."""
         is_prefill = query_lens > int(self.reorder_batch_threshold)
-        if not bool(is_prefill.any()):
+        first = int(is_prefill.argmax()) if len(is_prefill) else 0
+        if len(is_prefill) == 0 or not is_prefill[first]:
             return cm.num_reqs
-        return int(is_prefill.nonzero()[0, 0])
+        return first
 
     def _build_prefill(self, cm: CommonAttentionMetadata, num_decodes: int, num_prefills: int,
                        num_decode_tokens: int, qsl_cpu: torch.Tensor) -> MLACommonPrefillMetadata:
@@ -280,9 +284,9 @@ class MLACommonMetadataBuilder:
         return self._row_seq_lens_buf, self._row_req_buf, self._row_pos_buf
 
     def _build_decode(self, cm: CommonAttentionMetadata, num_decodes: int,
-                      num_decode_tokens: int, qsl_cpu: torch.Tensor,
-                      query_lens: torch.Tensor, causal: bool,
-                      seq_lens_host: torch.Tensor) -> MLACommonDecodeMetadata:
+                      num_decode_tokens: int, qsl_cpu: np.ndarray,
+                      query_lens: np.ndarray, causal: bool,
+                      seq_lens_host: np.ndarray) -> MLACommonDecodeMetadata:
         n, r, inter = self.dcp_world_size, self.dcp_rank, self.dcp_interleave
         global_lens = self._alias(cm.seq_lens, num_decodes)
         if n > 1 and cm.dcp_local_seq_lens is None:
@@ -308,7 +312,7 @@ class MLACommonMetadataBuilder:
             seq_lens=seq_lens, dcp_tot_seq_lens=tot, query_start_loc=qsl_dev,
             max_query_len=max_query_len,
             max_seq_len=max_seq_len, causal=causal,
-            query_start_loc_cpu=qsl_cpu[: num_decodes + 1].to(torch.int32),
+            query_start_loc_cpu=torch.from_numpy(qsl_cpu[: num_decodes + 1].astype(np.int32)),
             num_decode_tokens=num_decode_tokens, row_seq_lens=row_seq_lens,
             dcp_world_size=n, dcp_rank=r, dcp_interleave=inter,
             row_seq_lens_cpu=row_host, row_req=row_req, row_pos=row_pos,
@@ -332,8 +336,7 @@ class MLACommonMetadataBuilder:
         row (CUDA-graph padding) see nothing (0).
         """
         device = cm.seq_lens.device
-        out, req_buf, pos_buf = self._row_buffers(num_tokens, device)
-        out, req_buf, pos_buf = out[:num_tokens], req_buf[:num_tokens], pos_buf[:num_tokens]
+        out, req_buf, pos_buf = self._row_views(num_tokens, device)
         if num_decodes == 0 or num_tokens == 0:
             out.zero_()
             return out, req_buf, pos_buf
@@ -343,6 +346,27 @@ class MLACommonMetadataBuilder:
                                 cm.seq_lens, num_decodes, num_tokens, causal,
                                 self.dcp_world_size, self.dcp_rank, self.dcp_interleave)
             return out, req_buf, pos_buf
+        self._row_seq_lens_torch(cm, num_decodes, num_tokens, causal, local_seq_lens, out,
+                                 req_buf, pos_buf)
+        return out, req_buf, pos_buf
+
+    def _row_views(self, num_tokens: int, device: torch.device):
+        """The [:num_tokens] views of the persistent row buffers, made once per size (a torch
+        slice costs the host ~1.5 us; the decode step has the same size every step)."""
+        buf = self._row_buffers(num_tokens, device)
+        cache = getattr(self, "_row_view_cache", None)
+        if cache is None or cache[0] is not buf[0]:  # (re)allocated buffers: new views
+            cache = self._row_view_cache = (buf[0], {})
+        views = cache[1].get(num_tokens)
+        if views is None:
+            views = cache[1][num_tokens] = tuple(t[:num_tokens] for t in buf)
+        return views
+
+    def _row_seq_lens_torch(self, cm: CommonAttentionMetadata, num_decodes: int,
+                            num_tokens: int, causal: bool, local_seq_lens: torch.Tensor, out,
+                            req_buf, pos_buf) -> None:
+        """The torch form of row_seq_lens_triton (CPU and Triton-less devices)."""
+        device = cm.seq_lens.device
         qsl = cm.query_start_loc[: num_decodes + 1].to(device=device, dtype=torch.int64)
         tok = torch.arange(num_tokens, device=device)
         req = torch.searchsorted(qsl[1:], tok, right=True)
@@ -360,33 +384,37 @@ class MLACommonMetadataBuilder:
                                         self.dcp_interleave)
             whole = torch.where(offset > 0, bounded.to(torch.int64), whole)
         out.copy_(torch.where(live, whole, torch.zeros_like(whole)))
-        return out, req_buf, pos_buf
 
     def _row_seq_lens_host(self, cm: CommonAttentionMetadata, num_decodes: int, num_tokens: int,
-                           qsl_cpu: torch.Tensor, causal: bool,
-                           seq_lens_host: torch.Tensor) -> torch.Tensor:
+                           qsl_cpu: np.ndarray, causal: bool,
+                           seq_lens_host: np.ndarray) -> torch.Tensor:
         """Host twin of row_seq_lens for host planners, from host twins only (numpy: this runs
         on the host every step)."""
         n, r, inter = self.dcp_world_size, self.dcp_rank, self.dcp_interleave
         out = np.zeros(num_tokens, dtype=np.int32)
         if num_decodes == 0:
             return torch.from_numpy(out)
-        qsl = qsl_cpu[: num_decodes + 1].numpy()
-        qlen = qsl[1:] - qsl[:-1]
+        qsl = qsl_cpu[: num_decodes + 1]
         live = int(qsl[-1])
-        req = np.repeat(np.arange(num_decodes), qlen)
-        glob = seq_lens_host[:num_decodes].numpy()
-        if causal:
-            offset = qlen[req] - 1 - (np.arange(live) - qsl[req])
-            g = glob[req] - offset
+        glob = seq_lens_host[:num_decodes]
+        qlen = np.diff(qsl)
+        if not causal and live == num_decodes and qlen.max() <= 1:
+            g = glob  # one token per row (plain decode): row i is token i
         else:
-            g = glob[req]
+            req = np.repeat(np.arange(num_decodes), qlen)
+            if causal:
+                offset = qlen[req] - 1 - (np.arange(live) - qsl[req])
+                g = glob[req] - offset
+            else:
+                g = glob[req]
         if n > 1:
             if cm.dcp_local_seq_lens_cpu is not None and not causal:
-                out[:live] = cm.dcp_local_seq_lens_cpu[:num_decodes].numpy()[req]
+                local = cm.dcp_local_seq_lens_cpu[:num_decodes].numpy()
+                out[:live] = local if g is glob else local[req]
             else:
                 # the foundation's formula, on a zero-copy view of the host array
-                out[:live] = dcp_local_lengths(torch.from_numpy(g), n, r, inter).numpy()
+                out[:live] = dcp_local_lengths(torch.from_numpy(g.astype(np.int64)), n, r,
+                                               inter).numpy()
         else:
             out[:live] = g
         return torch.from_numpy(out)

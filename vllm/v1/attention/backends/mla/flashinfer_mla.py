@@ -77,6 +77,11 @@ class HopperPlanInputs:
     kv_len_arr: torch.Tensor  # [R] int32 (tokens)
     causal: bool
     has_empty_rows: bool = False  # some row sees no token on this rank
+    # Graph plans staged in a PlanStaging set: the four arrays are consecutive in ONE host
+    # buffer ([qo | kv_indptr | kv_len | kv_indices], `packed_layout` = (R, max_pages)), and
+    # `packed` is its used prefix, so a graph wrapper of the same layout takes them in one copy.
+    packed: torch.Tensor | None = None
+    packed_layout: tuple[int, int] | None = None
 
     @property
     def num_requests(self) -> int:
@@ -123,17 +128,29 @@ class PlanStaging:
 
     def __init__(self, max_requests: int, max_pages: int, depth: int = 8):
         self.max_requests, self.max_pages = max_requests, max_pages
-        pin = torch.cuda.is_available()
-        self._sets = []
+        # asked once: torch.cuda.is_available() costs microseconds per call, every plan
+        pin = self._cuda = torch.cuda.is_available()
+        self._sets, self._flat = [], []
         for _ in range(depth):
-            qo = torch.zeros(max_requests + 1, dtype=torch.int32, pin_memory=pin)
-            kv_indptr = torch.zeros(max_requests + 1, dtype=torch.int32, pin_memory=pin)
-            kv_len = torch.zeros(max_requests, dtype=torch.int32, pin_memory=pin)
-            kv_indices = torch.zeros(max_pages, dtype=torch.int32, pin_memory=pin)
-            self._sets.append((qo, kv_indptr, kv_len, kv_indices))
+            # one buffer per set, laid out as packed_csr_views: a graph plan then moves the
+            # whole CSR in one copy (_native_replan)
+            flat = torch.zeros(packed_csr_size(max_requests, max_pages), dtype=torch.int32,
+                               pin_memory=pin)
+            self._flat.append(flat)
+            self._sets.append(packed_csr_views(flat, max_requests))
+        # numpy views of every set, made once (a .numpy() call per array per step adds up)
+        self._np_sets = [tuple(t.numpy() for t in tensors) for tensors in self._sets]
         self._events: list = [None] * depth
         self._next = 0
         self._current = 0
+
+    @property
+    def layout(self) -> tuple[int, int]:
+        return self.max_requests, self.max_pages
+
+    def packed_prefix(self, num_pages: int) -> torch.Tensor:
+        """The current set's [qo | kv_indptr | kv_len | first num_pages kv_indices] prefix."""
+        return self._flat[self._current][: packed_csr_size(self.max_requests, num_pages)]
 
     def fits(self, num_requests: int, num_pages: int) -> bool:
         return num_requests <= self.max_requests and num_pages <= self.max_pages
@@ -148,13 +165,36 @@ class PlanStaging:
         self._current = i
         return self._sets[i]
 
+    def acquire_views(self, num_requests: int, num_pages: int):
+        """acquire(), cut to one plan: ((qo, kv_indptr, kv_len, kv_indices) tensors, the same as
+        numpy arrays). A graph plan uses the full request range: no cut is made there."""
+        tensors = self.acquire()
+        arrays = self._np_sets[self._current]
+        if num_requests != self.max_requests:
+            r1 = num_requests + 1
+            tensors = (tensors[0][:r1], tensors[1][:r1], tensors[2][:num_requests], tensors[3])
+            arrays = (arrays[0][:r1], arrays[1][:r1], arrays[2][:num_requests], arrays[3])
+        return ((*tensors[:3], tensors[3][:num_pages]), (*arrays[:3], arrays[3][:num_pages]))
+
     def mark_consumed_after_this_point(self) -> None:
         """Record, on the current stream, the point after which the last set is free again."""
-        if torch.cuda.is_available():
+        if self._cuda:
             event = self._events[self._current]
             if event is None:
                 event = self._events[self._current] = torch.cuda.Event()
             event.record()
+
+
+def packed_csr_size(num_requests: int, num_pages: int) -> int:
+    return 3 * num_requests + 2 + num_pages
+
+
+def packed_csr_views(flat: torch.Tensor, num_requests: int):
+    """(qo_indptr [R+1], kv_indptr [R+1], kv_len_arr [R], kv_indices [rest]) as consecutive,
+    non-overlapping views of one int32 buffer (FlashInfer accepts such graph buffers)."""
+    r1 = num_requests + 1
+    return (flat[:r1], flat[r1:2 * r1], flat[2 * r1:2 * r1 + num_requests],
+            flat[2 * r1 + num_requests:])
 
 
 def _request_segments(bounds, row_lens, fused: bool, causal_mode: str):
@@ -203,17 +243,18 @@ def plan_hopper_decode(decode: MLACommonDecodeMetadata, page_size: int,
         raise ValueError(f"{len(kvs)} planned requests exceed the graph plan's {num_requests}")
     pages = -(-kvs // page_size)
     num_pages = int(pages.sum())
-    if staging is not None and staging.fits(total, num_pages):
-        qo_t, kv_indptr_t, kv_len_t, kv_indices_t = staging.acquire()
-        qo_t, kv_indptr_t, kv_len_t = qo_t[: total + 1], kv_indptr_t[: total + 1], kv_len_t[:total]
-        kv_indices_t = kv_indices_t[:num_pages]
+    staged = staging is not None and staging.fits(total, num_pages)
+    if staged:
+        (qo_t, kv_indptr_t, kv_len_t, kv_indices_t), (qo, kv_indptr, kv_len, kv_indices) = \
+            staging.acquire_views(total, num_pages)
     else:  # pinned on CUDA hosts: FlashInfer's non-blocking staging copies then never sync
         pin = torch.cuda.is_available()
         qo_t = torch.zeros(total + 1, dtype=torch.int32, pin_memory=pin)
         kv_indptr_t = torch.zeros(total + 1, dtype=torch.int32, pin_memory=pin)
         kv_len_t = torch.zeros(total, dtype=torch.int32, pin_memory=pin)
         kv_indices_t = torch.zeros(num_pages, dtype=torch.int32, pin_memory=pin)
-    qo, kv_indptr, kv_len = qo_t.numpy(), kv_indptr_t.numpy(), kv_len_t.numpy()
+        qo, kv_indptr, kv_len = qo_t.numpy(), kv_indptr_t.numpy(), kv_len_t.numpy()
+        kv_indices = kv_indices_t.numpy()
     n = len(kvs)
     qo[0] = kv_indptr[0] = 0
     if n:
@@ -226,10 +267,14 @@ def plan_hopper_decode(decode: MLACommonDecodeMetadata, page_size: int,
     if num_pages:
         width = int(pages.max())
         mask = np.arange(width)[None, :] < pages[:, None]
-        kv_indices_t.numpy()[:] = block_table[reqs, :width][mask]
+        kv_indices[:] = block_table[reqs, :width][mask]
     has_empty = total > n or (n > 0 and int(kvs.min()) == 0) or n == 0
+    packed = packed_layout = None
+    if staged and total == staging.max_requests:
+        packed, packed_layout = staging.packed_prefix(num_pages), staging.layout
     return HopperPlanInputs(qo_indptr=qo_t, kv_indptr=kv_indptr_t, kv_indices=kv_indices_t,
-                            kv_len_arr=kv_len_t, causal=plan_causal, has_empty_rows=has_empty)
+                            kv_len_arr=kv_len_t, causal=plan_causal, has_empty_rows=has_empty,
+                            packed=packed, packed_layout=packed_layout)
 
 
 @dataclass
@@ -244,6 +289,20 @@ class _WrapperSlot:
     staging: PlanStaging | None = None  # pinned CSR buffers of this wrapper's plans
     native_replans: int = 0  # plans that went through FlashInfer's native planner only
     full_plans: int = 0
+    # Graph wrappers: their four metadata buffers are views of this one device buffer, laid
+    # out like the staging sets (packed_csr_views, `packed_layout` = (R, max_pages)).
+    packed_device: torch.Tensor | None = None
+    packed_layout: tuple[int, int] | None = None
+
+
+def _fa_common_module():
+    """flashinfer.mla._batch_mla._backends._fa_common (raises ImportError without it). Looked up
+    in sys.modules first: a from-import statement costs microseconds on every re-plan."""
+    import sys
+    module = sys.modules.get("flashinfer.mla._batch_mla._backends._fa_common")
+    if module is None:
+        from flashinfer.mla._batch_mla._backends import _fa_common as module
+    return module
 
 
 def _native_replan(slot: _WrapperSlot, inputs: HopperPlanInputs, plan_args: dict) -> bool:
@@ -263,7 +322,7 @@ def _native_replan(slot: _WrapperSlot, inputs: HopperPlanInputs, plan_args: dict
     if getattr(backend, "_causal", None) != inputs.causal:
         return False
     try:
-        from flashinfer.mla._batch_mla._backends import _fa_common
+        _fa_common = _fa_common_module()
     except ImportError:
         return False
     graph = bool(getattr(backend, "_use_cuda_graph", False))
@@ -280,7 +339,13 @@ def _native_replan(slot: _WrapperSlot, inputs: HopperPlanInputs, plan_args: dict
         backend._float_workspace_buffer, backend._int_workspace_buffer,
         backend._pin_memory_int_workspace_buffer, inputs.qo_indptr, inputs.kv_indptr,
         inputs.kv_len_arr, plan_args["num_heads"], plan_args["head_dim_ckv"], inputs.causal)
-    if graph:  # the captured kernels read these fixed buffers
+    if (graph and inputs.packed is not None and slot.packed_device is not None
+            and inputs.packed_layout == slot.packed_layout
+            and buffers[0].data_ptr() == slot.packed_device.data_ptr()):
+        # The same layout on both sides: ONE copy instead of four (each launch costs the host
+        # ~5 us); the kernels read the same four fixed buffers.
+        slot.packed_device[: inputs.packed.shape[0]].copy_(inputs.packed, non_blocking=True)
+    elif graph:  # the captured kernels read these fixed buffers
         buffers[0].copy_(inputs.qo_indptr, non_blocking=True)
         buffers[1].copy_(inputs.kv_indptr, non_blocking=True)
         buffers[2][: inputs.kv_indices.shape[0]].copy_(inputs.kv_indices, non_blocking=True)
@@ -385,13 +450,21 @@ class FlashInferDecodeState:
     kernel_family: KernelFamily
     natural_lse: bool = True
     hopper_inputs: HopperPlanInputs | None = None
-    hopper_empty_rows: torch.Tensor | None = None  # [T] bool, rows seeing nothing (if any)
+    # row_seq_lens of a plan that has empty rows; `hopper_empty_rows` derives the mask from it
+    # on demand (the forward pins those rows from row_seq_lens itself, so no per-step device op)
+    empty_rows_source: torch.Tensor | None = None
     blackwell_args: BlackwellDecodeArgs | None = None
     wrapper_slot: _WrapperSlot | None = None
     workspace: torch.Tensor | None = None
     step_id: int = 0
     plan_calls: list = field(default_factory=list)  # keys planned this step (reuse check)
     planned_key: tuple | None = None  # set when the builder planned already (graph replay)
+
+    @property
+    def hopper_empty_rows(self) -> torch.Tensor | None:
+        """[T] bool, rows seeing nothing (None when the plan has no empty row)."""
+        source = self.empty_rows_source
+        return None if source is None else source == 0
 
 
 class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
@@ -461,11 +534,13 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
         if slot is None:
             fi = _import_flashinfer()
             max_pages = num_requests * self._max_pages_per_request()
-            buffers = dict(
-                qo_indptr=torch.zeros(num_requests + 1, dtype=torch.int32, device=self.device),
-                kv_indptr=torch.zeros(num_requests + 1, dtype=torch.int32, device=self.device),
-                kv_indices=torch.zeros(max_pages, dtype=torch.int32, device=self.device),
-                kv_len_arr=torch.zeros(num_requests, dtype=torch.int32, device=self.device))
+            # One device buffer, laid out like the staging sets: a native re-plan moves the
+            # whole CSR in one copy.
+            packed = torch.zeros(packed_csr_size(num_requests, max_pages), dtype=torch.int32,
+                                 device=self.device)
+            qo, kv_indptr, kv_len, kv_indices = packed_csr_views(packed, num_requests)
+            buffers = dict(qo_indptr=qo, kv_indptr=kv_indptr, kv_indices=kv_indices,
+                           kv_len_arr=kv_len)
             wrapper = fi.mla.BatchMLAPagedAttentionWrapper(
                 self._get_workspace(), use_cuda_graph=True, backend="fa3", **buffers)
             # Depth 2: a graph wrapper is planned once per step and every step ends with the
@@ -473,7 +548,8 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
             # wrapper keeps depth 8: EAGLE/MTP plan it k times within one step). The sets are sized
             # for full-length requests; a deeper ring would multiply that pinned memory.
             slot = self._graph_slots[(num_requests, causal)] = _WrapperSlot(
-                wrapper, staging=PlanStaging(num_requests, max_pages, depth=2))
+                wrapper, staging=PlanStaging(num_requests, max_pages, depth=2),
+                packed_device=packed, packed_layout=(num_requests, max_pages))
         return slot
 
     def _max_pages_per_request(self) -> int:
@@ -513,7 +589,7 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
                 state.hopper_inputs = plan_hopper_decode(decode, self.page_size, self.causal_mode,
                                                          staging=state.wrapper_slot.staging)
             if state.hopper_inputs is not None and state.hopper_inputs.has_empty_rows:
-                state.hopper_empty_rows = decode.row_seq_lens == 0
+                state.empty_rows_source = decode.row_seq_lens
         else:
             state.workspace = self._get_workspace()
             state.blackwell_args = plan_blackwell_decode(decode)

@@ -1,0 +1,311 @@
+"""Host cost of a steady decode step's input and metadata builders, measured on the CPU.
+
+Builds the runner's pieces on device="cpu" (RequestStates, BlockTables, InputBatchBuilder, the
+MLA metadata builder of TORCH_MLA) and times, with perf_counter (median of --repeats steps):
+
+  * `build`    InputBatchBuilder.build of a steady decode (or uniform verify) layout;
+  * `attn`     build_attn_metadata with the runner's arguments (one KV cache group);
+  * `csr`      plan_hopper_decode on that step's decode metadata into a graph-sized PlanStaging
+               ring (the FlashInfer builder's host CSR plan; pure numpy, runs without CUDA);
+  * `fi`       the FLASHINFER_MLA (Hopper) builder's whole build of the same step: the common
+               MLA build, the CSR plan and the native re-plan with FlashInfer replaced by a
+               stand-in whose native planner returns at once (FlashInfer is not importable
+               here; its C++ planner, ~0.2 ms on an H200 node, is not in this number);
+  * `total`    build + attn + csr;
+  * the ATen ops (and copy_ ops) one step dispatches, views excluded (each one costs a CUDA host
+    ~5-10 us, which the CPU run hides).
+
+Every timed step is a real next step: each request's num_computed grows by the query length and
+a block is appended when the sequence crosses a block boundary (outside the timed region), so
+skip-if-unchanged caches see the same invalidations as in the engine.
+
+A CPU device hides GPU launch costs but shows the Python/numpy costs. Some work that is a single
+Triton launch on CUDA runs as a dozen torch ops on the CPU (the device-side preparation of the
+inputs, the slot mappings, the decode row geometry); `--host-only` (default on) replaces those
+three with no-ops, so the numbers are the host work that a CUDA run also does (minus the launch
+cost of those three kernels). `--no-host-only` times the full CPU path.
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 python scripts/bench_host_step.py [--batch-sizes 1 8 32 64]
+        [--q 1 4] [--repeats 300] [--ctx 1024] [--block-size 16] [--no-host-only]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from contextlib import contextmanager
+
+import torch
+
+
+@contextmanager
+def _stub_device_prep(enabled: bool):
+    """Replace the CPU torch fallbacks of single-launch CUDA kernels by no-ops."""
+    if not enabled:
+        yield
+        return
+    from vllm.v1.attention.backends.mla import common as mla_common
+    from vllm.v1.worker.gpu import block_table, input_batch
+    saved = [(input_batch.InputBatchBuilder, "_prepare_torch"),
+             (block_table.BlockTables, "_compute_slot_mappings_torch"),
+             (mla_common.MLACommonMetadataBuilder, "_row_seq_lens_torch")]
+    originals = [getattr(owner, name, None) for owner, name in saved]
+    for owner, name in saved:
+        setattr(owner, name, lambda self, *a, **k: None)
+    if originals[2] is None:  # a tree from before _row_seq_lens_torch: stub the whole method
+        def row_seq_lens_stub(self, cm, num_decodes, num_tokens, causal, local_seq_lens):
+            out, req, pos = self._row_buffers(num_tokens, cm.seq_lens.device)
+            return out[:num_tokens], req[:num_tokens], pos[:num_tokens]
+
+        originals.append(mla_common.MLACommonMetadataBuilder._row_seq_lens)
+        saved.append((mla_common.MLACommonMetadataBuilder, "_row_seq_lens"))
+        mla_common.MLACommonMetadataBuilder._row_seq_lens = row_seq_lens_stub
+    try:
+        yield
+    finally:
+        for (owner, name), original in zip(saved, originals):
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+
+def _install_fake_flashinfer(monkeypatch_modules: dict) -> object:
+    """A stand-in flashinfer: a wrapper whose first plan() leaves the fa3 backend layout that
+    _native_replan drives, with a native planner and workload check that return at once."""
+    import sys
+    from types import ModuleType, SimpleNamespace
+
+    class Wrapper:
+        def __init__(self, workspace, use_cuda_graph=False, backend="fa3", qo_indptr=None,
+                     kv_indptr=None, kv_indices=None, kv_len_arr=None):
+            self._graph, self._bufs = use_cuda_graph, (qo_indptr, kv_indptr, kv_indices,
+                                                        kv_len_arr)
+
+        def plan(self, metadata, causal, **kwargs):
+            qo, kvp, kvi, kvl = self._bufs
+            self._planned_backend = SimpleNamespace(
+                _cached_module=SimpleNamespace(
+                    plan_with_staged_workspace_bytes=lambda *a: ((), 0)),
+                _backend="fa3", _causal=causal, _use_cuda_graph=self._graph,
+                device=torch.device("cpu"), _qo_indptr_buf=qo, _kv_indptr_buf=kvp,
+                _kv_indices_buf=kvi, _kv_len_arr_buf=kvl, _float_workspace_buffer=None,
+                _int_workspace_buffer=None, _pin_memory_int_workspace_buffer=None)
+
+    fa_common = ModuleType("_fa_common")
+    fa_common._validate_fa_plan_workload = lambda *a: None
+    names = ["flashinfer", "flashinfer.mla", "flashinfer.mla._batch_mla",
+             "flashinfer.mla._batch_mla._backends"]
+    for name in names:
+        monkeypatch_modules[name] = sys.modules.get(name)
+        sys.modules[name] = ModuleType(name)
+    sys.modules["flashinfer.mla._batch_mla._backends"]._fa_common = fa_common
+    monkeypatch_modules["flashinfer.mla._batch_mla._backends._fa_common"] = None
+    sys.modules["flashinfer.mla._batch_mla._backends._fa_common"] = fa_common
+    return SimpleNamespace(mla=SimpleNamespace(
+        BatchMLAPagedAttentionWrapper=Wrapper,
+        MLAPlanMetadata=SimpleNamespace(csr=lambda *a: a)))
+
+
+def _setup(batch: int, q: int, ctx: int, block_size: int, max_reqs: int, max_model_len: int):
+    from vllm.config import ModelConfig, ParallelConfig, VllmConfig
+    from vllm.v1.attention.backends.mla.flashinfer_mla import PlanStaging, max_plan_requests
+    from vllm.v1.attention.backends.mla.torch_mla import TorchMLAMetadataBuilder
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MLAAttentionSpec
+    from vllm.v1.worker.gpu.block_table import BlockTables
+    from vllm.v1.worker.gpu.input_batch import InputBatchBuilder
+    from vllm.v1.worker.gpu.request_states import RequestStates
+
+    k = q - 1
+    max_blocks = -(-max_model_len // block_size)
+    max_tokens = max_reqs * q
+    states = RequestStates(max_reqs, "cpu", k)
+    tables = BlockTables([block_size], max_reqs, max_blocks, max(max_tokens, 2048), "cpu")
+    next_block = [1]
+    rows = []
+    for i in range(batch):
+        length = ctx + 7 * i  # staggered lengths: rows cross block boundaries on different steps
+        state = states.add(f"r{i}", [0] * (length + 1), length, None)
+        nb = -(-(length + q) // block_size)
+        tables.append_block_ids(state.slot, (list(range(next_block[0], next_block[0] + nb)),),
+                                overwrite=True)
+        next_block[0] += nb
+        rows.append(state)
+    builder = InputBatchBuilder(max_reqs, max_tokens, torch.device("cpu"), k)
+    spec = MLAAttentionSpec(block_size=block_size, dtype=torch.bfloat16)
+    cfg = VllmConfig(parallel_config=ParallelConfig())
+    try:
+        cfg.model_config = ModelConfig(max_model_len=max_model_len)
+    except Exception:  # noqa: BLE001 - the staging size only needs max_model_len
+        pass
+    mla = TorchMLAMetadataBuilder(spec, ["layer0"], cfg, "cpu", dcp_rank=0)
+    mla.reorder_batch_threshold = q
+
+    class _Cfg:  # what build_attn_metadata reads of the KV cache config
+        kv_cache_groups = [KVCacheGroupSpec(["layer0"], spec)]
+
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backends.mla import flashinfer_mla
+    fi_cfg = SimpleNamespace(parallel_config=ParallelConfig(), max_num_seqs=max_reqs,
+                             model_config=SimpleNamespace(max_model_len=max_model_len))
+    fake = _install_fake_flashinfer({})
+    flashinfer_mla._import_flashinfer = lambda: fake
+    fi = flashinfer_mla.FlashInferMLAMetadataBuilder(spec, ["layer0"], fi_cfg, "cpu",
+                                                     dcp_rank=0, kernel_family="hopper",
+                                                     workspace_bytes=1 << 12)
+    fi.reorder_batch_threshold = q
+    pages = max_plan_requests(batch, q, 1) * (max_blocks + 1)
+    staging = PlanStaging(max_plan_requests(batch, q, 1), pages, depth=2)
+    return dict(states=states, tables=tables, rows=rows, builder=builder, mla=mla, fi=fi,
+                cfg=_Cfg(),
+                staging=staging, next_block=next_block, block_size=block_size, q=q,
+                max_model_len=max_model_len)
+
+
+def _advance(env) -> None:
+    """The next steady step: every request computed q more tokens; append blocks as needed."""
+    states, tables, q, bs = env["states"], env["tables"], env["q"], env["block_size"]
+    for state in env["rows"]:
+        new = state.num_computed_tokens + q
+        states.set_num_computed(state, new)
+        have = int(tables.num_blocks[0, state.slot])
+        need = -(-(new + q) // bs)
+        if need > have:
+            ids = list(range(env["next_block"][0], env["next_block"][0] + need - have))
+            env["next_block"][0] += need - have
+            tables.append_block_ids(state.slot, (ids,), overwrite=False)
+
+
+def _step(env, timings) -> None:
+    from vllm.v1.attention.backends.mla.flashinfer_mla import plan_hopper_decode
+    from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
+    rows, q = env["rows"], env["q"]
+    B = len(rows)
+    counts, drafts, samples, host_ids = [q] * B, [q - 1] * B, [True] * B, [None] * B
+    t0 = time.perf_counter()
+    batch = env["builder"].build(rows, counts, drafts, samples, host_ids, env["states"],
+                                 env["tables"], num_reqs_padded=B, num_tokens_padded=B * q)
+    batch.cudagraph = True
+    t1 = time.perf_counter()
+    # The runner's call (model_runner._build_batch), graph step.
+    md = build_attn_metadata(
+        attn_metadata_builders=[env["mla"]], kv_cache_config=env["cfg"],
+        num_reqs=batch.num_reqs_padded, num_tokens=batch.num_tokens_padded,
+        query_start_loc=batch.query_start_loc, query_start_loc_cpu=batch.query_start_loc_cpu,
+        seq_lens=env["builder"].buffers.seq_lens, max_query_len=q,
+        max_seq_len=env["max_model_len"], block_tables=batch.block_tables,
+        slot_mappings=batch.slot_mappings, causal=True, dcp_local_seq_lens=None,
+        seq_lens_cpu_upper_bound=torch.from_numpy(batch.seq_lens_np.copy()),
+        seq_lens_cpu=torch.from_numpy(batch.seq_lens_np.copy()), dcp_local_seq_lens_cpu=None,
+        block_tables_cpu=env["tables"].input_block_tables_cpu, cudagraph=True)
+    t2 = time.perf_counter()
+    decode = md["layer0"].decode
+    plan_hopper_decode(decode, env["block_size"], "auto", num_requests=B,
+                       staging=env["staging"])
+    t3 = time.perf_counter()
+    # The FlashInfer builder on the same step (graph step: its plan runs at build time once a
+    # first plan recorded the layer arguments).
+    common = _common_of(env, batch, q)
+    t4 = time.perf_counter()
+    fi_md = env["fi"].build(0, common)
+    t5 = time.perf_counter()
+    state = fi_md.decode.backend_state
+    if state.wrapper_slot.plan_args is None:  # the first layer's plan (what a forward does)
+        from vllm.v1.attention.backends.mla.flashinfer_mla import _plan
+        _plan(state.wrapper_slot, state.hopper_inputs, ("first",), num_heads=16,
+              head_dim_ckv=512, head_dim_kpe=64, page_size=env["block_size"], sm_scale=0.1,
+              q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, lse_mode="basee")
+    timings["fi"].append(t5 - t4)
+    timings["build"].append(t1 - t0)
+    timings["attn"].append(t2 - t1)
+    timings["csr"].append(t3 - t2)
+    timings["total"].append(t3 - t0)
+
+
+class _OpCounter:
+    """Counts the ATen ops one step dispatches (views excluded): on a CUDA host each op on a
+    device tensor costs ~5-10 us, each non-blocking copy launch ~5 us, which a CPU run hides."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counts = self.counts = {}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                schema = func._schema
+                is_view = any(a.alias_info is not None and not a.alias_info.is_write
+                              for a in schema.returns)
+                if not is_view:
+                    name = func.overloadpacket.__name__
+                    counts[name] = counts.get(name, 0) + 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+
+def _common_of(env, batch, q):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    b, tables = batch, env["tables"]
+    return CommonAttentionMetadata(
+        query_start_loc=b.query_start_loc, query_start_loc_cpu=b.query_start_loc_cpu,
+        seq_lens=b.seq_lens, num_reqs=b.num_reqs_padded, num_actual_tokens=b.num_tokens_padded,
+        max_query_len=q, max_seq_len=env["max_model_len"], block_table_tensor=b.block_tables[0],
+        slot_mapping=b.slot_mappings[0], seq_lens_cpu=torch.from_numpy(b.seq_lens_np.copy()),
+        block_table_cpu=tables.input_block_tables_cpu[0][: b.num_reqs_padded], cudagraph=True)
+
+
+def bench(batch: int, q: int, args) -> dict[str, float]:
+    env = _setup(batch, q, args.ctx, args.block_size, max(args.batch_sizes) * 2,
+                 args.max_model_len)
+    timings = {name: [] for name in ("build", "attn", "csr", "fi", "total")}
+    with _stub_device_prep(args.host_only), torch.inference_mode():
+        for _ in range(args.warmup):
+            _advance(env)
+            _step(env, {name: [] for name in timings})
+        for _ in range(args.repeats):
+            _advance(env)
+            _step(env, timings)
+        counter = _OpCounter()
+        _advance(env)
+        with counter.mode:
+            _step(env, {name: [] for name in timings})
+    result = {name: statistics.median(v) * 1e3 for name, v in timings.items()}
+    result["ops"] = sum(counter.counts.values())
+    result["copies"] = counter.counts.get("copy_", 0)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--q", type=int, nargs="+", default=[1, 4],
+                        help="query length per row: 1 = plain decode, 1+k = uniform verify")
+    parser.add_argument("--repeats", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--ctx", type=int, default=1024)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument("--host-only", action=argparse.BooleanOptionalAction, default=True,
+                        help="stub the CPU fallbacks of single-launch CUDA kernels (default on)")
+    args = parser.parse_args()
+    if args.repeats < 1 or args.warmup < 0:
+        parser.error(f"--repeats={args.repeats} must be >= 1 and --warmup={args.warmup} >= 0")
+    torch.set_num_threads(1)
+    mode = "host-only (device prep stubbed)" if args.host_only else "full CPU path"
+    print(f"# {mode}; ctx {args.ctx}, block {args.block_size}, median of {args.repeats} steps, "
+          f"ms per step")
+    print("| Q | B | InputBatchBuilder.build | build_attn_metadata (TORCH_MLA) | CSR plan "
+          "(numpy) | total | FLASHINFER_MLA builder | torch ops (copies) per step |")
+    print("|---|---|---|---|---|---|---|---|")
+    for q in args.q:
+        for batch in args.batch_sizes:
+            r = bench(batch, q, args)
+            print(f"| {q} | {batch} | {r['build']:.3f} | {r['attn']:.3f} | {r['csr']:.3f} | "
+                  f"{r['total']:.3f} | {r['fi']:.3f} | {r['ops']} ({r['copies']}) |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
