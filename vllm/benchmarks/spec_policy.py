@@ -33,6 +33,10 @@ class SpecPolicyCase:
     dtype: str = "bfloat16"
     attention_backend: str = "FLASHINFER_MLA"
     enforce_eager: bool = False
+    # None: the engine's default (async scheduling on where supported, i.e. for "none" only).
+    # False: "none" runs synchronously like every speculative variant, so that the comparison
+    # isolates the drafting policy from the scheduling mode.
+    async_scheduling: bool | None = None
 
     def __post_init__(self):
         if self.context is None:
@@ -69,7 +73,7 @@ def run_case(case: SpecPolicyCase) -> dict:
         attention_backend=case.attention_backend, speculative_config=spec,
         max_num_seqs=max(case.batch, 1),
         max_num_batched_tokens=max(4096, case.batch * (case.context + 1)),
-        enforce_eager=case.enforce_eager, seed=0, **extra)
+        enforce_eager=case.enforce_eager, seed=0, async_scheduling=case.async_scheduling, **extra)
     engine = LLMEngine.from_engine_args(engine_args)
     try:
         if case.variant == "auto-nopay":
