@@ -7,6 +7,7 @@ group non-causal, and a marked group may still build causal batches.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,15 @@ def resolve_group_causality(causal: bool | Mapping[int, bool], num_groups: int) 
                 f"groups; use ids in [0, {num_groups}).")
         flags[group_id] = bool(flag)
     return flags
+
+
+@dataclass
+class KVWriteOnlyMetadata:
+    """Forward-context entry of a layer whose KV is written in this forward but whose attention
+    does not run (a drafter's layers in the target step: block drafters store the context KV
+    there). Only the slot mapping is needed, so no attention plan is built for it."""
+
+    slot_mapping: torch.Tensor
 
 
 def build_attn_metadata(

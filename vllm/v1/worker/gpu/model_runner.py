@@ -27,7 +27,7 @@ from vllm.v1.sample.rejection_sampler import RejectionSampler, verification_layo
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.gpu.async_utils import (AsyncModelRunnerOutput, LaunchedStep,
                                              StepOutputBuffers)
-from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
+from vllm.v1.worker.gpu.attn_utils import KVWriteOnlyMetadata, build_attn_metadata
 from vllm.v1.worker.gpu.block_table import BlockTables
 from vllm.v1.worker.gpu.buffer_utils import CpuGpuBuffer
 from vllm.v1.worker.gpu.graph_sampling import captured_greedy_step
@@ -235,6 +235,14 @@ class GPUModelRunner:
             group_ids = tuple(i for i, g in enumerate(groups)
                               if draft_layers.intersection(g.layer_names))
             self.speculator.bind_attention(kv_cache_config, self.attn_metadata_builders, group_ids)
+        # The target step plans attention only for groups with target layers; a group holding
+        # only drafter layers gets its slot mapping alone there (its KV may be written in the
+        # target forward, its attention runs in the draft step, planned by the speculator).
+        target_layers = set(layers) - self._draft_layer_names()
+        self._target_group_ids = tuple(i for i, g in enumerate(groups)
+                                       if target_layers.intersection(g.layer_names))
+        self._kv_write_only_groups = tuple(i for i in range(len(groups))
+                                           if i not in self._target_group_ids)
         for builder in self.attn_metadata_builders:
             # Rows of at most 1 + k tokens (decode / verify, draft blocks) take the decode path;
             # longer rows (prefill chunks, with or without context) the prefill path.
@@ -809,7 +817,14 @@ class GPUModelRunner:
                                     else torch.from_numpy(batch.dcp_local_seq_lens_np.copy())),
             block_tables_cpu=self.block_tables.input_block_tables_cpu,
             cudagraph=cudagraph,
+            group_ids=self._target_group_ids,
         )
+        groups = self.kv_cache_config.kv_cache_groups
+        for group_id in self._kv_write_only_groups:
+            write_only = KVWriteOnlyMetadata(
+                slot_mapping=batch.slot_mappings[group_id, : batch.num_tokens_padded])
+            for layer_name in groups[group_id].layer_names:
+                batch.attn_metadata[layer_name] = write_only
         return batch
 
     # ------------------------------------------------------------ memory profiling
