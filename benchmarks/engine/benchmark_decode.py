@@ -13,6 +13,8 @@ For each (drafter, batch size, context, graphs|eager) it reports, side by side i
   spec_factor  tok/s with drafts / tok/s without (same B, context, mode)
   overhead     (draft + verify) step time / plain step time  (DESIGN §8)
   mbu          (weight bytes + KV bytes read) / (copy bandwidth measured here x step time)
+  step_med     median interval between two step returns inside the blocks (no sync); robust to
+               a few slow steps, which move the block means of step_ms
 
 Usage (GPU): python benchmarks/engine/benchmark_decode.py --batch-sizes 1 8 --contexts 1024
   --methods none dspark --out out/decode   (writes decode.json, decode.png, prints the table)
@@ -84,13 +86,17 @@ def run_case(args, method: str, batch: int, context: int, eager: bool,
         # Blocks of steps between synchronisations: a sync after every step would serialise the
         # GPU tail of each step (e.g. a captured draft step) with the next step's host work, which
         # a serving engine overlaps. step_ms = median over blocks of the block's mean step.
-        times, total_s = [], 0.0
+        times, total_s, single = [], 0.0, []
         per_block = max(1, min(args.steps_per_block, args.steps))
         for _ in range(max(1, args.steps // per_block)):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
+            last = t0
             for _ in range(per_block):
                 engine.step()
+                now = time.perf_counter()
+                single.append(now - last)  # host interval between step returns (no sync)
+                last = now
             torch.cuda.synchronize()
             block_s = time.perf_counter() - t0
             total_s += block_s
@@ -137,6 +143,11 @@ def run_case(args, method: str, batch: int, context: int, eager: bool,
             "method": method, "batch": batch, "context": context,
             "mode": ("async-" if async_scheduling else "") + ("eager" if eager else "graphs"),
             "step_ms": statistics.median(times) * 1e3,
+            # Median of single steps (the interval between two step returns inside a block, no
+            # sync): in a steady pipelined decode it equals the step period, and unlike block
+            # means it is not moved by a few slow steps (scripts/probe_decode_step.py reports the
+            # same statistic).
+            "step_ms_median_single": statistics.median(single) * 1e3,
             # busy: from the profiled steps (the profiler slows the host, so this undercounts
             # a host-bound step); busy_est: kernel time / unprofiled step time (one stream, so
             # kernels never overlap each other).
@@ -207,12 +218,13 @@ def main() -> None:
     with open(os.path.join(args.out, "decode.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s on {result['device']}")
-    print(f"{'method':8} {'B':>3} {'ctx':>6} {'mode':6} {'step_ms':>8} {'kern_ms':>8} {'busy':>5} {'b_est':>5} "
+    print(f"{'method':8} {'B':>3} {'ctx':>6} {'mode':6} {'step_ms':>8} {'step_med':>8} {'kern_ms':>8} {'busy':>5} {'b_est':>5} "
           f"{'sync':>5} {'launch':>6} {'tok/s':>8} {'AL':>5} {'spec_x':>6} {'ovh':>5} "
           f"{'ideal':>6} {'x_ideal':>7}")
     for r in rows:
         al = r.get("mean_acceptance_length")
         print(f"{r['method']:8} {r['batch']:>3} {r['context']:>6} {r['mode']:6} {r['step_ms']:8.3f} "
+              f"{r['step_ms_median_single']:8.3f} "
               f"{r['kernel_ms']:8.3f} {r['busy']:5.2f} {r['busy_est']:5.2f} {r['syncs_per_step']:5.1f} "
               f"{r['launches_per_step']:6.0f} {r['tok_s']:8.0f} {al if al is None else round(al, 2)!s:>5} "
               f"{r.get('spec_factor', float('nan')):6.2f} {r.get('overhead', float('nan')):5.2f} "
