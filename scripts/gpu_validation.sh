@@ -46,8 +46,13 @@ for what in "$@"; do
         --model benchmarks/configs/deepseek_v3_tp8_rank --load-format dummy \
         --draft-model benchmarks/configs/deepseek_v3_tp8_rank_dspark \
         --batch-sizes ${V3_BATCHES:-1 8 32 64} --contexts ${V3_CONTEXTS:-1024} --methods none dspark \
-        --steps 20 --out "$out/decode_v3" >"$out/decode_v3.log" 2>&1
-      summary+=("decode v3 rc=$?"); grep -v "^{" "$out/decode_v3.log" | tail -n 40 ;;
+        --modes graphs async-graphs eager --steps 40 --steps-per-block 20 \
+        --out "$out/decode_v3" >"$out/decode_v3.log" 2>&1
+      summary+=("decode v3 rc=$?"); grep -v "^{" "$out/decode_v3.log" | tail -n 40
+      for b in 1 32; do  # median single-step times and host phases, async scheduling
+        timeout 60 python3 scripts/probe_decode_step.py --model benchmarks/configs/deepseek_v3_tp8_rank \
+          --load-format dummy --steps 80 --batch "$b" --async-scheduling 2>&1 | head -n 14
+      done ;;
     *) echo "unknown group $what" >&2; exit 2 ;;
   esac
 done
