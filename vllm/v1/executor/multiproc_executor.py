@@ -226,11 +226,14 @@ class MultiprocExecutor(Executor):
     def _exit_note(self, rank: int) -> str:
         process = self.processes[rank]
         # The monitor thread may be reaping the same process: a waitpid that loses that race
-        # reads no status once, so look again for a moment (the winner records the exit code).
-        for _ in range(10):
-            process.join(timeout=0.2)
+        # reads no status, and the winner records the exit code only once it holds the GIL
+        # again. join() returns at once here (the sentinel is already ready), so sleep between
+        # the looks to let the winner finish.
+        for _ in range(40):
+            process.join(timeout=0.05)
             if process.exitcode is not None:
                 return f" (exit code {process.exitcode})"
+            time.sleep(0.05)
         return ""
 
     def _fail(self, message: str):
