@@ -2,14 +2,12 @@
 and then serves a scenario, next to a runner that was never profiled (memory_profile tests)."""
 from __future__ import annotations
 
-import multiprocessing
 import pickle
-import queue as queue_module
 
 import torch
 
-from tests.utils.runner_harness import (NUM_BLOCKS, free_port, init_dist, make_config,
-                                        run_scenario)
+from tests.utils.runner_harness import (NUM_BLOCKS, init_dist, make_config, run_scenario,
+                                        spawn_world)
 
 
 def _runner(paths, method, k, dcp, rank, profile: bool, max_model_len: int, budget: int):
@@ -56,24 +54,7 @@ def world_main(rank, world_size, port, paths, cases, scenario, max_model_len, bu
 def spawn_profile_world(world_size, paths, cases, scenario, max_model_len, budget,
                         timeout_s: float = 300.0) -> dict:
     """{case: ((new, context) of the profile, profiled outputs, never-profiled outputs)}."""
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=world_main, args=(r, world_size, port, paths, cases, scenario,
-                                                  max_model_len, budget, results), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    try:
-        status, payload = results.get(timeout=timeout_s)
-    except queue_module.Empty:
-        raise RuntimeError(f"DCP={world_size} profile world gave no result in {timeout_s}s") \
-            from None
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
-    if status != "ok":
-        raise RuntimeError(payload)
-    return pickle.loads(payload)
+    return spawn_world(
+        world_main, world_size,
+        lambda r, port, q: (r, world_size, port, paths, cases, scenario, max_model_len, budget, q),
+        "profile world", timeout_s)

@@ -387,28 +387,40 @@ def dcp_world_main(rank: int, world_size: int, port: int, interleave: int, paths
         destroy_distributed_environment()
 
 
-def spawn_dcp_world(world_size: int, interleave: int, paths, cases, scenario, oracle,
-                    stale_cases=(), timeout_s: float = 300.0, gpu: bool = False):
+def spawn_world(target, world_size: int, args_of_rank, label: str, timeout_s: float = 300.0):
+    """Start `world_size` spawned processes running target(*args_of_rank(rank, port, queue)) and
+    return the unpickled payload that rank 0 puts on the queue as ("ok", pickled, ...); a rank's
+    ("error", text, ...) is raised as RuntimeError(text)."""
     import multiprocessing as mp
     import queue as queue_module
     ctx = mp.get_context("spawn")
     results_queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=dcp_world_main,
-                         args=(r, world_size, port, interleave, paths, cases, scenario, oracle,
-                               list(stale_cases), results_queue, gpu), daemon=True)
+    procs = [ctx.Process(target=target, args=tuple(args_of_rank(r, port, results_queue)),
+                         daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
     try:
-        status, payload, _ = results_queue.get(timeout=timeout_s)
+        message = results_queue.get(timeout=timeout_s)
     except queue_module.Empty:
-        raise RuntimeError(f"DCP={world_size} world produced no result in {timeout_s}s") from None
+        raise RuntimeError(f"DCP={world_size} {label} produced no result in {timeout_s}s") \
+            from None
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.terminate()
+    status, payload = message[0], message[1]
     if status != "ok":
         raise RuntimeError(payload)
     return pickle.loads(payload)
+
+
+def spawn_dcp_world(world_size: int, interleave: int, paths, cases, scenario, oracle,
+                    stale_cases=(), timeout_s: float = 300.0, gpu: bool = False):
+    return spawn_world(
+        dcp_world_main, world_size,
+        lambda r, port, q: (r, world_size, port, interleave, paths, cases, scenario, oracle,
+                            list(stale_cases), q, gpu),
+        "world", timeout_s)
