@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.utils.sync_debug import exempt_from_sync_debug
 from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.models.tiny import write_tiny_models
 from vllm.sampling_params import SamplingParams
@@ -65,18 +66,9 @@ def test_overlapped_decode_step_makes_no_host_sync(tiny):
     try:
         runner = engine.executor.worker.model_runner
         buffers = runner._step_buffers
-        real_wait = buffers.wait
         waits = []
-
-        def exempt_wait(*args, **kwargs):  # the step's one transfer completes here
-            mode = torch.cuda.get_sync_debug_mode()
-            torch.cuda.set_sync_debug_mode(0)
-            try:
-                waits.append(1)
-                return real_wait(*args, **kwargs)
-            finally:
-                torch.cuda.set_sync_debug_mode(mode)
-        buffers.wait = exempt_wait
+        # the step's one transfer completes here
+        buffers.wait = exempt_from_sync_debug(buffers.wait, waits)
         params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
         for i, prompt in enumerate(PROMPTS[:4]):
             engine.add_request(f"r{i}", prompt, params)

@@ -13,6 +13,7 @@ import torch
 
 from tests.utils.runner_harness import (Scenario, greedy_oracle, make_config, make_runner,
                                         run_scenario)
+from tests.utils.sync_debug import exempt_from_sync_debug
 from vllm.model_executor.models.tiny import write_tiny_models
 
 pytestmark = pytest.mark.gpu
@@ -64,20 +65,9 @@ def test_graphs_equal_eager_and_plain_greedy(paths, backend, method, k):
 @pytest.mark.parametrize("method,k", METHODS, ids=[m or "plain" for m, _ in METHODS])
 def test_steady_decode_step_has_one_device_to_host_transfer(paths, backend, method, k):
     runner = _runner(paths, method, k, backend, eager=False)
-    original = runner._copy_step_output
     transfers = []
-
-    def exempt(*args, **kwargs):
-        # The one allowed transfer: sampled tokens into pinned memory, event-synchronised.
-        mode = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            transfers.append(1)
-            return original(*args, **kwargs)
-        finally:
-            torch.cuda.set_sync_debug_mode(mode)
-
-    runner._copy_step_output = exempt
+    # The one allowed transfer: sampled tokens into pinned memory, event-synchronised.
+    runner._copy_step_output = exempt_from_sync_debug(runner._copy_step_output, transfers)
     steps = {"n": 0}
     real_execute = runner.execute_model
 
