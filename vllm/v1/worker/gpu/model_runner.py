@@ -84,14 +84,13 @@ class GPUModelRunner:
                                       dtype=torch.int64, device=self.device)
         self._step_buffers = StepOutputBuffers(self.max_num_reqs, self.num_spec_tokens + 2,
                                                self.device)
-        # Async scheduling (execute_model_async): the launched step not collected yet, the event
-        # after its input copies (and after its sampling copies, when it made any), and host-twin
-        # writes held back until those copies have run (see _retire_previous_step).
+        # Async scheduling (execute_model_async): the launched step not collected yet, and the
+        # events after its input copies (and after its sampling copies, when it made any) that
+        # the next launch waits on before it rewrites pinned staging (_retire_previous_step).
         self._inflight: AsyncModelRunnerOutput | None = None
         self._inputs_event = torch.cuda.Event() if self.device.type == "cuda" else None
         self._sample_event = torch.cuda.Event() if self.device.type == "cuda" else None
         self._wait_inputs = self._wait_sample = False
-        self._deferred_num_computed: list[tuple[int, int]] = []
         # Per-slot sampling settings (filled when a request is admitted; pinned twins).
         self._temperature = CpuGpuBuffer(self.max_num_reqs, dtype=torch.float32, device=self.device)
         self._top_k = CpuGpuBuffer(self.max_num_reqs, dtype=torch.int64, device=self.device)
@@ -492,14 +491,13 @@ class GPUModelRunner:
         scheduled token is computed, a sampling row gains one token) and hand back a handle."""
         states, positions = [], []
         num_computed_new = batch.num_computed_np + batch.num_scheduled_np
-        for i, req_id in enumerate(batch.req_ids):
-            state = self.requests[req_id]
-            state.num_computed_tokens = int(num_computed_new[i])
-            # The pinned twin may still be read by this step's input copy: written at the start
-            # of the next step, after that copy has run.
-            self._deferred_num_computed.append((state.slot, int(num_computed_new[i])))
+        # The host num_computed is only read on the host (the input builder stages its own
+        # per-row copy), so it can advance now.
+        row_states = [self.requests[req_id] for req_id in batch.req_ids]
+        for state, value in zip(row_states, num_computed_new.tolist()):
+            self.requests.set_num_computed(state, value)
         for row in sample_rows:
-            state = self.requests[batch.req_ids[row]]
+            state = row_states[row]
             states.append(state)
             positions.append(len(state.token_ids))
             state.token_ids.append(-1)  # placeholder until get_output()
@@ -533,17 +531,13 @@ class GPUModelRunner:
     def _retire_previous_step(self) -> None:
         """Before this step writes pinned host twins: the previous (overlapped) step's copies
         that read them must have run. Its input copies ran before its forward, so this wait is
-        short; copies made by eager sampling wait for its forward. Then the held-back twin
-        writes of the previous step land."""
+        short; copies made by eager sampling wait for its forward."""
         if self._wait_inputs:
             self._inputs_event.synchronize()
             self._wait_inputs = False
         if self._wait_sample:
             self._sample_event.synchronize()
             self._wait_sample = False
-        for slot, value in self._deferred_num_computed:
-            self.requests.num_computed.np[slot] = value
-        self._deferred_num_computed.clear()
 
     def _sampling_metadata(self, batch: InputBatch, rows: list[int]) -> SamplingMetadata:
         """Sampling settings of the sampling rows, gathered on the device from the per-slot
