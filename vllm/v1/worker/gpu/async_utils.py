@@ -67,10 +67,12 @@ class AsyncModelRunnerOutput:
 
 
 class StepOutputBuffers:
-    """Pinned host targets of the step's one device->host copy, used in turn, each with the
-    event that completes its copy."""
+    """The step's packed output on the device (`gpu`, written in place: CUDA graphs capture its
+    address) and the pinned host targets of its one device->host copy, used in turn, each with
+    the event that completes its copy."""
 
     def __init__(self, rows: int, cols: int, device: torch.device, depth: int = 2):
+        self.gpu = torch.zeros(rows, cols, dtype=torch.int64, device=device)
         pin = device.type == "cuda" and torch.cuda.is_available()
         self.cpu = [torch.zeros(rows, cols, dtype=torch.int64, pin_memory=pin)
                     for _ in range(depth)]

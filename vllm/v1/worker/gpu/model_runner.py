@@ -78,10 +78,8 @@ class GPUModelRunner:
         self.input_buffers = self.batch_builder.buffers
         self.requests = RequestStates(self.max_num_reqs, self.device, self.num_spec_tokens)
         # The step's one device->host transfer: [rows, k + 2] = sampled tokens (-1 padded) and
-        # the number sampled, packed on the device (`_step_out.gpu`, which the captured greedy
-        # step writes) and copied into one of two pinned buffers, completed by an event.
-        self._step_out = CpuGpuBuffer(self.max_num_reqs, self.num_spec_tokens + 2,
-                                      dtype=torch.int64, device=self.device)
+        # the number sampled, packed on the device (`_step_buffers.gpu`, which the captured
+        # greedy step writes) and copied into one of two pinned buffers, completed by an event.
         self._step_buffers = StepOutputBuffers(self.max_num_reqs, self.num_spec_tokens + 2,
                                                self.device)
         # Async scheduling (execute_model_async): the launched step not collected yet, and the
@@ -459,7 +457,7 @@ class GPUModelRunner:
                                  batch.idx_mapping[: batch.num_reqs_padded],
                                  batch.query_start_loc[: batch.num_reqs_padded + 1],
                                  self.requests.draft_tokens, self.requests.last_sampled,
-                                 self.requests.scratch_slot, self._step_out.gpu)
+                                 self.requests.scratch_slot, self._step_buffers.gpu)
         else:
             logits = self.model.compute_logits(hidden[batch.logits_indices])
         return hidden, aux_hidden, logits
@@ -468,7 +466,7 @@ class GPUModelRunner:
                           wait: bool = True):
         """The step's one device->host transfer (pinned, non_blocking, event-completed).
         Returns (buffer index, event, host rows or None when not waited for)."""
-        packed = self._step_out.gpu[:rows]
+        packed = self._step_buffers.gpu[:rows]
         if sampled is not None:  # None: the captured greedy step packed the rows already
             packed[:, : sampled.shape[1]].copy_(sampled)
             packed[:, -1].copy_(num_sampled)
