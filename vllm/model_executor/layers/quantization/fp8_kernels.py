@@ -1,7 +1,8 @@
 """Triton kernels for block-FP8 linear layers (weights float8_e4m3fn with one float32 scale per
 (bn x bk) block, DeepSeek-V3 format; Hopper and newer).
 
-Two GEMM families, picked per call by `select_config` from the token count M:
+Two GEMM families, picked per call by `select_config` from the token count M (on a GPU with
+tuned tables: whichever the tuner measured faster for that shape and M; see configs/README.md):
 
 * W8A16, small M (decode): `w8a16_block_fp8_matmul(x, w, w_scale, block)`. The activation stays in
   the model dtype (no quantisation pass); each program streams a (BLOCK_N x BLOCK_K) fp8 weight
@@ -22,9 +23,17 @@ Two GEMM families, picked per call by `select_config` from the token count M:
   product by a_scale[m, kb] * w_scale[n // bn, kb] before it is added (fp8 tensor cores: twice the
   bf16 MMA rate where the GEMM is compute-bound).
 
-Split-K: with SPLIT_K > 1 each split writes float32 partials [split, M, N] and one reduce kernel
-adds them in split order, adds the bias and casts (deterministic: no atomics, the same bits on
-every run). Without a split the GEMM kernel itself adds the bias and writes the output dtype.
+Split-K: with SPLIT_K > 1 each split writes float32 partials [split, M, N]; the last split of a
+tile to finish (an atomic ticket per output tile) adds them in split order, adds the bias and
+casts. Why in the GEMM kernel: a decode GEMM takes 5-20 us, and a separate reduce kernel costs
+one more launch and ramp (~2 us, 11 % of the fp8 decode step's kernel time on the V3-rank config
+before this was done). Deterministic all the same: the sum always runs 0, 1, ..., split-1, only
+WHICH program runs it varies. The tickets live in a persistent zeroed int32 buffer per
+device and the reducer sets its ticket back to 0, so the buffer stays zero between
+launches (also across CUDA-graph replays); the engine's GEMMs run one after another on one
+stream and share it. Grids with more tiles than tickets fall back to the separate reduce kernel
+(`_splitk_reduce_kernel`). Without a split the GEMM kernel itself adds the bias and writes the
+output dtype.
 
 Launch configurations come from tuned JSON tables (fp8_gemm_configs.py, written by
 benchmarks/kernels/tune_fp8_gemm.py) for the current device when present, else from the shape
@@ -71,13 +80,32 @@ if triton is not None:
         tl.store(s_ptr + row * num_groups + group, scale)
 
     @triton.jit
-    def _store_tile(acc, offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, bias_ptr, split,
-                    IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
-        # acc [BLOCK_M, BLOCK_N] float32: a split's partial (bias and cast come in the reduce
-        # kernel), or the finished tile
+    def _store_tile(acc, offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, bias_ptr, lock_ptr, split,
+                    IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SERIAL: tl.constexpr):
+        # acc [BLOCK_M, BLOCK_N] float32: a split's partial, or the finished tile
         mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
         if IS_SPLIT:
-            tl.store(part_ptr + split * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
+            tile_offs = offs_m[:, None] * N + offs_n[None, :]
+            tl.store(part_ptr + split * M * N + tile_offs, acc, mask=mask)
+            if SERIAL:
+                # Every thread's partial store is issued before the ticket (bar.sync), and the
+                # ticket is a release/acquire at GPU scope: the program that draws the last
+                # ticket sees every split's partial.
+                num_splits = tl.num_programs(1)
+                tl.debug_barrier()
+                ticket = tl.atomic_add(lock_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+                if ticket == num_splits - 1:
+                    total = tl.zeros_like(acc)
+                    for s in range(num_splits):
+                        # .cg: read through L2, never an L1 line left by an earlier launch
+                        total += tl.load(part_ptr + s * M * N + tile_offs, mask=mask, other=0.0,
+                                         cache_modifier=".cg")
+                    if HAS_BIAS:
+                        total += tl.load(bias_ptr + offs_n, mask=offs_n < N,
+                                         other=0.0).to(tl.float32)[None, :]
+                    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+                             total.to(out_ptr.dtype.element_ty), mask=mask)
+                    tl.atomic_xchg(lock_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")
         else:
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
@@ -102,11 +130,11 @@ if triton is not None:
         tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit(do_not_specialize=["M", "chunks_per_split"])
-    def _w8a8_dot_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K,
+    def _w8a8_dot_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, M, N, K,
                          stride_am, stride_wn, stride_om, num_a_groups, num_ws_k, chunks_per_split,
                          GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                         IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+                         IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SERIAL: tl.constexpr):
         # program (tile, split); tiles in groups of GROUP_M row tiles that walk the column tiles
         # together (they share weight tiles in L2)
         pid = tl.program_id(0)
@@ -138,15 +166,15 @@ if triton is not None:
             a_s = tl.load(as_ptr + offs_m * num_a_groups + g, mask=mask_m, other=0.0)
             w_s = tl.load(ws_ptr + ws_rows + g, mask=mask_n, other=0.0)
             acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
-        _store_tile(acc, offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, bias_ptr, split,
-                    IS_SPLIT, HAS_BIAS)
+        _store_tile(acc, offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, bias_ptr, lock_ptr, split,
+                    IS_SPLIT, HAS_BIAS, SERIAL)
 
     @triton.jit(do_not_specialize=["M", "chunks_per_split"])
-    def _w8a16_dot_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K,
+    def _w8a16_dot_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, M, N, K,
                           stride_xm, stride_wn, stride_om, num_ws_k, chunks_per_split,
                           GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IS_SPLIT: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, FP32_IEEE: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, SERIAL: tl.constexpr, FP32_IEEE: tl.constexpr):
         # acc^T [BLOCK_N, BLOCK_M] = W_tile [BLOCK_N, BLOCK_K] . x_tile^T [BLOCK_K, BLOCK_M]:
         # weight rows on the MMA's wide side. Row tiles are the fastest program index, so the
         # programs sharing a weight tile (M > BLOCK_M) run side by side and hit L2.
@@ -178,14 +206,14 @@ if triton is not None:
                 part = tl.dot(w.to(xt.dtype), xt)  # e4m3 -> bf16/fp16 is exact
             acc += part * w_s[:, None]
         _store_tile(tl.trans(acc), offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, bias_ptr,
-                    split, IS_SPLIT, HAS_BIAS)
+                    lock_ptr, split, IS_SPLIT, HAS_BIAS, SERIAL)
 
     @triton.jit(do_not_specialize=["M", "chunks_per_split"])
-    def _w8a16_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K,
+    def _w8a16_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, M, N, K,
                            stride_xm, stride_wn, stride_om, num_ws_k, chunks_per_split,
                            GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IS_SPLIT: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr):
+                           HAS_BIAS: tl.constexpr, SERIAL: tl.constexpr, NUM_STAGES: tl.constexpr):
         # CUDA-core weight streaming: acc[m, n, k] += x[m, k] * w[n, k] * scale over the K chunks,
         # one reduction over k after the loop (the scale is folded in per chunk, so the deferred
         # sum is exact in meaning)
@@ -216,7 +244,7 @@ if triton is not None:
             w_s = tl.load(ws_ptr + ws_rows + (c * BLOCK_K) // GROUP_K, mask=mask_n, other=0.0)
             acc += x[:, None, :] * (w * w_s[:, None])[None, :, :]
         _store_tile(tl.sum(acc, axis=2), offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, bias_ptr,
-                    split, IS_SPLIT, HAS_BIAS)
+                    lock_ptr, split, IS_SPLIT, HAS_BIAS, SERIAL)
 
 
 def _need_triton() -> None:
@@ -330,11 +358,19 @@ def w8a16_config(m: int, n: int, k: int, block: tuple[int, int], device_name: st
 def select_config(m: int, n: int, k: int, block: tuple[int, int], device_name: str | None,
                   dtype: torch.dtype, num_sms: int, config_dir: str | None = None) -> GemmConfig:
     """The launch for M tokens of an [N, K] weight: W8A16 when M is at most the largest M of the
-    shape's fp8_w8a16 table (no table: M <= SMALL_M_MAX), else W8A8. Host-only and cached: safe
-    inside CUDA-graph capture."""
+    shape's fp8_w8a16 table, else W8A8. The tuner writes that table only over the Ms where W8A16
+    measured at least as fast as W8A8, so a tuned shape with a W8A8 table and no W8A16 table
+    runs W8A8 at every M; an untuned shape takes W8A16 up to SMALL_M_MAX. Host-only and cached:
+    safe inside CUDA-graph capture."""
     block = tuple(block)
     small = find_table(n, k, device_name, W8A16_TAG, block, config_dir) if device_name else None
-    if dtype in _W8A16_DTYPES and m <= (max(small) if small else SMALL_M_MAX):
+    if small:
+        limit = max(small)
+    elif device_name and find_table(n, k, device_name, W8A8_TAG, block, config_dir):
+        limit = 0  # tuned, and W8A8 won already at the smallest M
+    else:
+        limit = SMALL_M_MAX
+    if dtype in _W8A16_DTYPES and m <= limit:
         return w8a16_config(m, n, k, block, device_name, num_sms, config_dir)
     return w8a8_config(m, n, k, block, device_name, num_sms, config_dir)
 
@@ -359,6 +395,40 @@ def _outputs(m: int, n: int, split: int, out_dtype: torch.dtype, device) -> tupl
     out = torch.empty((m, n), dtype=out_dtype, device=device)
     part = torch.empty((split, m, n), dtype=torch.float32, device=device) if split > 1 else out
     return out, part
+
+
+# Split-K tickets: one int32 per output tile, kept at zero between launches (see the module
+# docstring); grids with more tiles take the separate reduce kernel.
+SPLIT_TICKETS = 4096
+_TICKETS: dict[tuple, torch.Tensor] = {}
+
+
+def _split_tickets(device: torch.device) -> torch.Tensor:
+    """The zeroed ticket buffer of `device`. One per device, not per stream: CUDA-graph capture
+    runs on a side stream of its own and must see the buffer the eager warm-up made. Sharing is
+    safe because the engine launches its GEMMs on one stream at a time (no side-stream GEMMs);
+    two fp8 GEMMs running concurrently on two streams would have to get separate buffers."""
+    key = (device.type, _device_index(device) if device.type == "cuda" else 0)
+    tickets = _TICKETS.get(key)
+    if tickets is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # Made during capture it would live in the graph's pool and be zeroed by a captured
+            # memset; every layer runs eagerly (warm-up) before any capture, so this means a bug.
+            raise RuntimeError("fp8 split-K tickets first requested during CUDA-graph capture; run "
+                               "the GEMM once eagerly before capturing it")
+        tickets = torch.zeros(SPLIT_TICKETS, dtype=torch.int32, device=device)
+        _TICKETS[key] = tickets
+    return tickets
+
+
+def _serial_reduce(num_tiles: int, split: int, serial: bool | None) -> bool:
+    """Reduce the splits inside the GEMM kernel (the default) unless the grid has more tiles than
+    tickets; `serial` False forces the separate reduce kernel (tests compare the two)."""
+    if split <= 1:
+        return False
+    if serial is None:
+        serial = True
+    return serial and num_tiles <= SPLIT_TICKETS
 
 
 def _reduce_splits(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, split: int) -> None:
@@ -388,11 +458,13 @@ def w8a8_block_fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.
                           weight_scale: torch.Tensor, block: tuple[int, int],
                           out_dtype: torch.dtype, split_k: int | None = None,
                           bias: torch.Tensor | None = None,
-                          config: GemmConfig | None = None) -> torch.Tensor:
+                          config: GemmConfig | None = None,
+                          serial_reduce: bool | None = None) -> torch.Tensor:
     """a [M, K] fp8, a_scale [M, ceil(K/bk)], weight [N, K] fp8, weight_scale [ceil(N/bn),
     ceil(K/bk)] -> [M, N] in out_dtype (+ bias). `config` None = the tuned table / heuristic for
     these shapes; `split_k` overrides its split. With a split the float32 partial sums of the K
-    ranges are added in a fixed order (deterministic, no atomics)."""
+    ranges are added in a fixed order (deterministic), by the tile's last split (`serial_reduce`
+    None/True) or by a separate reduce kernel (False)."""
     _need_triton()
     block = tuple(block)
     _check_block(block, "w8a8_block_fp8_matmul")
@@ -415,25 +487,29 @@ def w8a8_block_fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.
     config.check(block)
     per, split = _split_plan(k, config)
     out, part = _outputs(m, n, split, out_dtype, a.device)
-    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), split)
-    _w8a8_dot_kernel[grid](
-        a, a_scale, weight, weight_scale, bias if bias is not None else out, out, part, m, n, k,
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    serial = _serial_reduce(tiles, split, serial_reduce)
+    tickets = _split_tickets(a.device) if serial else out
+    _w8a8_dot_kernel[(tiles, split)](
+        a, a_scale, weight, weight_scale, bias if bias is not None else out, out, part, tickets, m, n, k,
         a.stride(0), weight.stride(0), out.stride(0), a_scale.shape[1], weight_scale.shape[1], per,
         GROUP_N=block[0], GROUP_K=block[1], BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, IS_SPLIT=split > 1, HAS_BIAS=bias is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages)
-    if split > 1:
+        SERIAL=serial, num_warps=config.num_warps, num_stages=config.num_stages)
+    if split > 1 and not serial:
         _reduce_splits(part, bias, out, split)
     return out
 
 
 def w8a16_block_fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                            block: tuple[int, int], bias: torch.Tensor | None = None,
-                           config: GemmConfig | None = None) -> torch.Tensor:
+                           config: GemmConfig | None = None,
+                           serial_reduce: bool | None = None) -> torch.Tensor:
     """x [M, K] bf16/fp16/fp32 (row stride free, unit column stride), weight [N, K] fp8,
     weight_scale [ceil(N/bn), ceil(K/bk)] -> x . dequant(weight)^T (+ bias) [M, N] in x.dtype,
     float32 accumulation; the activation is not quantised (see the module docstring).
-    `config` None = the tuned table / heuristic for these shapes."""
+    `config` None = the tuned table / heuristic for these shapes; `serial_reduce` as in
+    `w8a8_block_fp8_matmul`."""
     _need_triton()
     block = tuple(block)
     _check_block(block, "w8a16_block_fp8_matmul")
@@ -455,17 +531,20 @@ def w8a16_block_fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
     config.check(block)
     per, split = _split_plan(k, config)
     out, part = _outputs(m, n, split, x.dtype, x.device)
-    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), split)
-    args = (x, weight, weight_scale, bias if bias is not None else out, out, part, m, n, k, x.stride(0),
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    serial = _serial_reduce(tiles, split, serial_reduce)
+    grid = (tiles, split)
+    args = (x, weight, weight_scale, bias if bias is not None else out, out, part,
+            _split_tickets(x.device) if serial else out, m, n, k, x.stride(0),
             weight.stride(0), out.stride(0), weight_scale.shape[1], per)
     meta = dict(GROUP_N=block[0], GROUP_K=block[1], BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                BLOCK_K=config.block_k, IS_SPLIT=split > 1, HAS_BIAS=bias is not None,
+                BLOCK_K=config.block_k, IS_SPLIT=split > 1, HAS_BIAS=bias is not None, SERIAL=serial,
                 num_warps=config.num_warps, num_stages=config.num_stages)
     if config.kernel == "w8a16_dot":
         _w8a16_dot_kernel[grid](*args, FP32_IEEE=x.dtype == torch.float32, **meta)
     else:
         _w8a16_gemv_kernel[grid](*args, NUM_STAGES=config.num_stages, **meta)
-    if split > 1:
+    if split > 1 and not serial:
         _reduce_splits(part, bias, out, split)
     return out
 
