@@ -62,6 +62,7 @@ def run_case(args, method: str, batch: int, context: int, eager: bool,
         attention_backend=args.attention_backend, speculative_config=spec,
         max_num_seqs=max(batch, 1), max_num_batched_tokens=max(4096, batch * (context + 1)),
         enforce_eager=eager, seed=0, async_scheduling=async_scheduling,
+        quantization=args.quantization,
         **({"load_format": args.load_format}
                                          if args.load_format != "auto" else {}))
     engine = LLMEngine.from_engine_args(engine_args)
@@ -170,6 +171,9 @@ def main() -> None:
     parser.add_argument("--draft-model", default=None)
     parser.add_argument("--load-format", default="auto", help="auto or dummy (random weights)")
     parser.add_argument("--attention-backend", default="FLASHINFER_MLA")
+    parser.add_argument("--quantization", default=None,
+                        help="weight quantisation of the target (fp8: block-FP8 weights; with "
+                             "--load-format dummy they are random fp8 with unit-range block scales)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--contexts", type=int, nargs="+", default=None,
                         help="prompt tokens per request (default 1024; 64 for the built-in tiny "
@@ -245,8 +249,8 @@ def main() -> None:
                   f"{g['busy']:.2f} -> {r['busy']:.2f}; step / kernel time "
                   f"{r['step_ms'] / r['kernel_ms']:.2f}")
     for r in rows:
-        if r["mode"] == "graphs":
-            print(f"top kernels {r['method']} B={r['batch']}: " +
+        if r["mode"] in ("graphs", "async-graphs"):
+            print(f"top kernels {r['method']} B={r['batch']} {r['mode']}: " +
                   "; ".join(f"{k} {v:.3f}ms" for k, v in r["top_kernels_ms_per_step"][:5]))
     try:
         import matplotlib

@@ -12,9 +12,11 @@ and dropped when it fails to compile/launch or misses the tolerance; then timed 
 rotating weight copies (2x L2 in total, so each call streams its weight from HBM as in a model),
 median of graph replays. cuBLAS bf16 is timed the same way in the same run.
 
-Tables: fp8_w8a8 = the fastest W8A8 config per M. fp8_w8a16 = the fastest W8A16 config for every
-M <= 16, plus larger M as long as W8A16 beats W8A8 for that M and every smaller tuned M (the
-entry point runs W8A16 up to the table's largest M). Each shape's files are written as soon as the
+Tables: fp8_w8a8 = the fastest W8A8 config per M. fp8_w8a16 = the fastest W8A16 config for the
+smallest tuned Ms, as long as W8A16 is at least as fast as W8A8 (quantisation included) for that M
+and every smaller one: the entry point runs W8A16 up to the table's largest M and W8A8 above it,
+so the measured times of this run decide the path. A shape where W8A8 already wins at the smallest
+M gets no fp8_w8a16 file (the entry point then runs W8A8 for every M of that tuned shape). Each shape's files are written as soon as the
 shape is done, so a run cut short keeps the finished shapes. The markdown report has the best per
 (shape, M) vs bf16, the achieved weight bandwidth vs a device copy measured in the run, and the time
 of every config.
@@ -43,7 +45,6 @@ from vllm.model_executor.layers.quantization.fp8_gemm_configs import (  # noqa: 
     PACKAGE_CONFIG_DIR, W8A8_TAG, W8A16_TAG, GemmConfig, config_file_name, device_name_for_table)
 
 DEFAULT_M = (1, 2, 4, 8, 16, 32, 64)
-W8A16_ALWAYS_MAX_M = 16  # the W8A16 table always covers decode batches up to this M
 # relative Frobenius error vs the dequantised bf16 GEMM: W8A16 differs only by accumulation order
 # and bf16 output rounding; W8A8 also rounds the activation to e4m3 (RMS ~3.6 % per element)
 TOLERANCE = {"w8a16": 2e-2, "w8a8": 0.08}
@@ -115,18 +116,11 @@ def choose_tables(results: list[Result]) -> tuple[dict[int, GemmConfig], dict[in
     """({M: W8A16 config}, {M: W8A8 config}) of one shape; see the module docstring for the rule."""
     w8a8 = {r.m: r.best("w8a8")[1] for r in results if r.best("w8a8")}
     w8a16 = {}
-    extending = True
     for r in sorted(results, key=lambda r: r.m):
         small, big = r.best("w8a16"), r.best("w8a8")
-        if small is None:
-            continue
-        if r.m <= W8A16_ALWAYS_MAX_M:
-            w8a16[r.m] = small[1]
-            extending = extending and (big is None or small[0] <= big[0])
-        elif extending and (big is None or small[0] <= big[0]):
-            w8a16[r.m] = small[1]
-        else:
-            extending = False
+        if small is None or (big is not None and big[0] < small[0]):
+            break
+        w8a16[r.m] = small[1]
     return w8a16, w8a8
 
 
@@ -160,7 +154,7 @@ def render_report(results: list[Result], device: str, copy_gbps: float, elapsed_
         by_shape.setdefault((r.layer, r.n, r.k), []).append(r)
     for (layer, n, k), rs in by_shape.items():
         w8a16_table, _ = choose_tables(rs)
-        limit = max(w8a16_table) if w8a16_table else W8A16_ALWAYS_MAX_M
+        limit = max(w8a16_table) if w8a16_table else 0  # no W8A16 table: W8A8 for every M
         for r in rs:
             s, b = r.best("w8a16"), r.best("w8a8")
             path = "w8a16" if r.m <= limit and s else "w8a8"

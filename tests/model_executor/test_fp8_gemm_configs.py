@@ -70,6 +70,10 @@ def test_select_config_uses_tables_then_falls_back(tmp_path):
     # an activation dtype the W8A16 kernels do not take goes to W8A8
     assert select(1, dtype=torch.float8_e4m3fn).kernel == "w8a8_dot"
     assert find_table(n, k, DEVICE, W8A8_TAG, BLOCK, str(tmp_path / "none")) is None
+    # a tuned shape with only a W8A8 table (W8A8 measured faster at the smallest M): W8A8 at every M
+    _write(tmp_path, 1536, k, W8A8_TAG, {1: _entry(16, split=8)})
+    only = fp8_kernels.select_config(1, 1536, k, BLOCK, DEVICE, torch.bfloat16, 132, str(tmp_path))
+    assert only == GemmConfig("w8a8_dot", 16, 64, 128, 4, 3, 8, 1), only
 
 
 def test_env_folder_is_searched_before_the_package(tmp_path, monkeypatch):

@@ -113,6 +113,49 @@ def test_entry_point_replays_from_cuda_graph(m):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["w8a16_dot", "w8a16_gemv", "w8a8_dot"])
+def test_split_k_reduced_in_kernel_equals_reduce_kernel_over_many_graph_replays(kernel):
+    """The last split of each tile reduces the partials (atomic tickets): the same bits as the
+    separate reduce kernel, on every one of 200 graph replays of 8 back-to-back GEMMs sharing
+    the tickets (a missed release/acquire or a stale L1 line would show as a differing replay),
+    and the tickets are zero afterwards."""
+    from vllm.model_executor.layers.quantization import fp8_kernels as fk
+    from vllm.model_executor.layers.quantization.fp8_gemm_configs import GemmConfig
+    n, k, m = 576, 7168, 4
+    cfg = {"w8a16_dot": GemmConfig("w8a16_dot", 16, 64, 128, split_k=16),
+           "w8a16_gemv": GemmConfig("w8a16_gemv", 4, 16, 128, split_k=8),
+           "w8a8_dot": GemmConfig("w8a8_dot", 16, 64, 128, split_k=16)}[kernel]
+    operands = [_v3_operands(m, n, k, seed=20 + i) for i in range(8)]
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+
+    def gemm(x, qw, sw, serial):
+        if kernel == "w8a8_dot":
+            qa, sa = fk.per_token_group_quant_fp8(x, BLOCK[1])
+            return fk.w8a8_block_fp8_matmul(qa, sa, qw, sw, BLOCK, torch.bfloat16, bias=bias, config=cfg,
+                                            serial_reduce=serial)
+        return fk.w8a16_block_fp8_matmul(x, qw, sw, BLOCK, bias=bias, config=cfg, serial_reduce=serial)
+
+    want = [gemm(x, qw, sw, False) for x, qw, sw, _ in operands]
+    for (x, qw, sw, ref), w in zip(operands, want):  # and the values are right
+        assert _rel(w, ref + bias.float()) < 0.06 if kernel == "w8a8_dot" else _rel(w, ref + bias.float()) < 1e-2
+    for x, qw, sw, _ in operands:
+        gemm(x, qw, sw, True)  # eager warm-up (tickets made outside capture)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [gemm(x, qw, sw, True) for x, qw, sw, _ in operands]
+    mismatches = 0
+    for _ in range(200):
+        for o in outs:
+            o.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        mismatches += sum(not torch.equal(o, w) for o, w in zip(outs, want))
+    assert mismatches == 0
+    assert all(int(t.abs().sum()) == 0 for t in fk._TICKETS.values())
+
+
+@pytest.mark.gpu
 def test_activation_quant_kernel_matches_torch_on_gpu():
     from vllm.model_executor.layers.quantization.fp8_kernels import per_token_group_quant_fp8
     x = torch.randn(37, 7168, device="cuda", dtype=torch.bfloat16) * 3

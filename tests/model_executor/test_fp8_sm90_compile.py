@@ -11,7 +11,7 @@ triton = pytest.importorskip("triton")
 from vllm.model_executor.layers.quantization import fp8_kernels as fk  # noqa: E402
 
 _PTRS = {"x_ptr": "*bf16", "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
-         "bias_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+         "bias_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
          "fp8_max": "fp32", "min_scale": "fp32"}
 # what the launcher specialises at V3 shapes: 16-byte aligned pointers, N/K/strides % 16 == 0
 _DIV16 = ({a for a, t in _PTRS.items() if t.startswith("*")}
@@ -31,9 +31,9 @@ def _compile(kernel, constexprs, num_warps, num_stages):
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def _gemm_constexprs(cfg, split):
+def _gemm_constexprs(cfg, split, serial):
     c = dict(GROUP_N=128, GROUP_K=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-             IS_SPLIT=split, HAS_BIAS=not split)
+             IS_SPLIT=split, HAS_BIAS=not split or serial, SERIAL=serial)
     if cfg.kernel == "w8a16_dot":
         c["FP32_IEEE"] = False
     elif cfg.kernel == "w8a16_gemv":
@@ -53,8 +53,9 @@ def test_fp8_kernels_compile_for_sm90_without_a_gpu():
     configs |= {fk.w8a8_config(m, 7168, 2048, (128, 128), None, 132) for m in (32, 4096)}
     configs |= {GemmConfig("w8a16_gemv", 1, 16, 128, 4, 3), GemmConfig("w8a16_gemv", 4, 16, 128, 4, 1)}
     for cfg in sorted(configs, key=repr):
-        for split in (False, True):
-            compiled = _compile(kernels[cfg.kernel], _gemm_constexprs(cfg, split), cfg.num_warps,
+        # no split; split with the reduce kernel; split reduced by the last split (tickets)
+        for split, serial in ((False, False), (True, False), (True, True)):
+            compiled = _compile(kernels[cfg.kernel], _gemm_constexprs(cfg, split, serial), cfg.num_warps,
                                 cfg.num_stages)
             assert compiled.asm["cubin"], cfg
     _compile(fk._splitk_reduce_kernel, dict(BLOCK=1024, HAS_BIAS=True), 4, 1)

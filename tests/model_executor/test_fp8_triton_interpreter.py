@@ -26,3 +26,11 @@ def test_fp8_w8a16_kernels_equal_float64_reference_under_interpreter():
 def test_fp8_linear_entry_point_dispatches_by_batch_size_under_interpreter():
     """apply_w8a8_block_fp8_linear: W8A16 numerics for a decode-sized batch, W8A8 above it."""
     run_interpreter_driver(_DRIVER, ("linear",))
+
+
+@pytest.mark.slow
+def test_fp8_split_k_reduced_in_kernel_equals_reduce_kernel_under_interpreter():
+    """Split-K reduced by each tile's last split (atomic tickets) gives the reduce kernel's bits
+    for W8A8, W8A16 tensor-core and CUDA-core kernels; tickets return to zero; grids with more
+    tiles than tickets fall back to the reduce kernel."""
+    run_interpreter_driver(_DRIVER, ("split",))

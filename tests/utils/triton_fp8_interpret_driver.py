@@ -162,8 +162,50 @@ def check_linear(gen):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+def check_split_reduce(gen):
+    """Split-K reduced inside the GEMM by each tile's last split (tickets) gives the same bits as
+    the separate reduce kernel (both add the splits in order 0..split-1, then the bias), for all
+    three kernels; the tickets are back at zero after every launch; a grid with more tiles than
+    tickets takes the reduce kernel."""
+    m, n, k, block = 5, 200, 640, (128, 128)
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) / k ** 0.5
+    bias = torch.randn(n, generator=gen)
+    qw, sw = block_quantize(w, block)
+    qa, sa = per_token_group_quant_reference(x, block[1])
+    tickets = fp8_kernels._split_tickets(torch.device("cpu"))
+    launches = [
+        lambda cfg, serial: fp8_kernels.w8a8_block_fp8_matmul(qa, sa, qw, sw, block, torch.float32,
+                                                              bias=bias, config=cfg, serial_reduce=serial),
+        lambda cfg, serial: fp8_kernels.w8a16_block_fp8_matmul(x, qw, sw, block, bias=bias, config=cfg,
+                                                               serial_reduce=serial),
+        lambda cfg, serial: fp8_kernels.w8a16_block_fp8_matmul(x, qw, sw, block, bias=bias, config=cfg,
+                                                               serial_reduce=serial)]
+    configs = [GemmConfig("w8a8_dot", 16, 64, 128, split_k=3), GemmConfig("w8a16_dot", 16, 64, 128, split_k=5),
+               GemmConfig("w8a16_gemv", 2, 32, 128, split_k=4)]
+    refs = [gemm_oracle(qa, sa, qw, sw, block) + bias.double(), w8a16_oracle(x, qw, sw, block, bias),
+            w8a16_oracle(x, qw, sw, block, bias)]
+    for launch, cfg, ref in zip(launches, configs, refs):
+        in_kernel = launch(cfg, None)
+        assert int(tickets.abs().sum()) == 0, (cfg, "tickets not reset")
+        separate = launch(cfg, False)
+        assert torch.equal(in_kernel, separate), (cfg, (in_kernel - separate).abs().max())
+        err = (in_kernel.double() - ref).abs().max().item() / ref.abs().max().item()
+        assert err < 1e-5, (cfg, err)
+    # more tiles than tickets: the reduce kernel runs (same bits), tickets untouched
+    saved = fp8_kernels.SPLIT_TICKETS
+    fp8_kernels.SPLIT_TICKETS = 2
+    try:
+        assert not fp8_kernels._serial_reduce(4, 3, None) and fp8_kernels._serial_reduce(2, 3, None)
+        got = launches[1](configs[1], None)
+        assert torch.equal(got, launches[1](configs[1], False))
+    finally:
+        fp8_kernels.SPLIT_TICKETS = saved
+    assert int(tickets.abs().sum()) == 0
+
+
 CHECKS = {"w8a8": lambda g: (check_gemm(g), check_split_plan(), check_group_quant(g)),
-          "w8a16": check_w8a16, "linear": check_linear}
+          "w8a16": check_w8a16, "linear": check_linear, "split": check_split_reduce}
 
 
 if __name__ == "__main__":

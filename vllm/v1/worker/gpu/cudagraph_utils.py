@@ -10,6 +10,8 @@ steps run eagerly. `--enforce-eager` turns all of this off.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -24,6 +26,23 @@ logger = logging.getLogger(__name__)
 class CapturedStep:
     graph: torch.cuda.CUDAGraph
     outputs: tuple  # static (hidden, aux_hidden or None, logits) of the capture
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """No garbage collection while graphs are captured (upstream freezes the collector for the
+    same reason): a collection inside a capture can finalise objects of an earlier runner whose
+    teardown makes CUDA calls that are illegal during capture (pinned-memory frees, event or
+    graph destruction), which invalidates the capture. torch.cuda.graph collects once on entry;
+    this keeps the collector off until every size is captured."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class CudaGraphManager:
@@ -49,14 +68,15 @@ class CudaGraphManager:
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info(self.device)[0]
         self.pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.capture_sizes):
-            batch = prepare(size)
-            forward(batch)  # warm-up: JIT builds, FlashInfer plan of the graph wrapper
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                outputs = forward(batch)
-            self.graphs[size] = CapturedStep(graph, outputs)
+        with gc_paused():
+            for size in reversed(self.capture_sizes):
+                batch = prepare(size)
+                forward(batch)  # warm-up: JIT builds, FlashInfer plan of the graph wrapper
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    outputs = forward(batch)
+                self.graphs[size] = CapturedStep(graph, outputs)
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
         logger.info("captured %d CUDA graphs (batch sizes %s, Q=%d) in %.2f s using %.1f MiB",
