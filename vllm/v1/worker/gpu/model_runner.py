@@ -577,6 +577,11 @@ class GPUModelRunner:
                 # The replayed graph verified greedily already (graph_sampling.py): the same
                 # argmax, acceptance and last_sampled update the eager path below would make.
                 return None, None, num_draft, rows, rows_info
+        if self.rejection_sampler is not None and not num_draft.any():
+            # Nobody verifies drafts this step (the policy let nobody draft): sample as a plain
+            # engine does. With zero drafts the rejection sampler's result and its generator
+            # draws are exactly the sampler's (tests/v1/sample: zero-draft equivalence).
+            return self._sample_plain(batch, logits, metadata, rows, num_draft)
         # One host layout of the verified drafts serves the draft gather, q and verification.
         layout = verification_layout(num_draft)
         draft_slots = batch.idx_mapping_np[rows][layout["draft_req"]] if rows else \
@@ -605,6 +610,25 @@ class GPUModelRunner:
             emitted = sampled.gather(1, (num_sampled - 1).unsqueeze(1)).squeeze(1)
             self.requests.last_sampled[slots] = emitted
         return sampled, num_sampled, num_draft, rows, rows_info
+
+    def _sample_plain(self, batch: InputBatch, logits: torch.Tensor, metadata: SamplingMetadata,
+                      rows: list[int], num_draft: np.ndarray):
+        """Sampling of a step of a speculative engine in which nobody verifies drafts: what a
+        plain engine does (no verification layout, draft gather or rejection sampler)."""
+        req_ids = [batch.req_ids[r] for r in rows]
+        rows_info = BatchRows(req_ids, batch.idx_mapping_np[rows].tolist(),
+                              num_draft=num_draft.tolist(), draft_tokens=None,
+                              token_ids=[self.requests[r].token_ids for r in req_ids])
+        logits = self.sampling_states.process_logits(logits, rows_info)
+        sampled = self.sampler(logits, metadata).unsqueeze(1)
+        ones = self.__dict__.get("_ones")
+        if ones is None:  # read-only: every row of such a step samples exactly one token
+            ones = self._ones = torch.ones(self.max_num_reqs, dtype=torch.int64,
+                                           device=self.device)
+        if rows:
+            slots = self._pinned_index(batch.idx_mapping_np[rows], "sampled_slots")
+            self.requests.last_sampled[slots] = sampled[:, 0]
+        return sampled, ones[: len(rows)], num_draft, rows, rows_info
 
     def _verified_drafts(self, slots: np.ndarray, pos: np.ndarray) -> torch.Tensor:
         """Flat [D] drafts verified this step (request slot and index of each), read from the

@@ -1,0 +1,184 @@
+"""Host cost of each phase of a decode step: plain engine vs a speculative engine that does not
+draft vs one that drafts (runs on CPU or GPU; the built-in tiny model by default).
+
+Every phase is a perf_counter accumulator around one function (about a microsecond each, no
+profiler distortion); the table gives the median over the timed steps of each phase's time per
+step, in ms. On CPU the model forward costs far more than on a GPU, so compare the phases that
+are not the forward (`runner._forward` and the draft block forward are listed apart).
+
+Modes: "plain" (no speculation), "nodraft" (DSpark with disable_by_batch_size=1: the policy lets
+nobody draft), "draft" (DSpark drafting every step), "nopay" (DSpark with the "auto" policy and a
+cost model told every draft is rejected).
+
+Usage: python scripts/probe_spec_step.py --device cpu --batch 1 8 32 [--modes plain nodraft draft]
+       [--steps 60] [--json out.json]
+GPU:   python scripts/probe_spec_step.py --device cuda --dtype bfloat16 \
+           --attention-backend FLASHINFER_MLA --batch 1 8 32 --steps 200
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+from collections import defaultdict
+
+MODES = {"plain": None, "nodraft": 1, "draft": "always", "nopay": "auto"}
+
+# One accumulator per label for the current step; flushed into _STEPS after each step.
+_CURRENT: dict[str, float] = defaultdict(float)
+_STEPS: list[dict[str, float]] = []
+_WRAPPED: list[tuple[object, str, object]] = []
+
+
+def _wrap(owner, name: str, label: str) -> None:
+    original = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name)
+    if original is None:
+        return
+    if isinstance(original, staticmethod):
+        return
+
+    @functools.wraps(original)
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _CURRENT[label] += time.perf_counter() - start
+
+    _WRAPPED.append((owner, name, original))
+    setattr(owner, name, timed)
+
+
+def _unwrap() -> None:
+    while _WRAPPED:
+        owner, name, original = _WRAPPED.pop()
+        setattr(owner, name, original)
+
+
+def _instrument(engine) -> None:
+    from vllm.v1.worker.gpu import model_runner
+    runner_cls = model_runner.GPUModelRunner
+    sched_cls = type(engine.scheduler)
+    _wrap(sched_cls, "schedule", "scheduler.schedule")
+    _wrap(sched_cls, "update_from_output", "scheduler.update_from_output")
+    _wrap(type(engine), "_process_step", "engine._process_step (incl. update_from_output)")
+    _wrap(runner_cls, "execute_model_async", "runner.execute_model (all)")
+    _wrap(runner_cls, "_update_states", "runner._update_states")
+    _wrap(runner_cls, "_prepare_inputs", "runner._prepare_inputs")
+    _wrap(runner_cls, "_forward", "runner._forward (target model)")
+    _wrap(runner_cls, "_sample", "runner._sample")
+    _wrap(runner_cls, "_copy_step_output", "runner._copy_step_output (incl. wait)")
+    _wrap(runner_cls, "_finish_step", "runner._finish_step (incl. _propose)")
+    _wrap(runner_cls, "_propose", "runner._propose (incl. draft forward)")
+    runner = engine.executor.worker.model_runner
+    spec = runner.speculator
+    if spec is not None:
+        from vllm.v1.worker.gpu.spec_decode.block_speculator import BlockSpeculator
+        from vllm.v1.worker.gpu.spec_decode.speculator import Speculator
+        _wrap(Speculator, "_build_draft_attn_metadata", "speculator draft attn metadata")
+        _wrap(BlockSpeculator, "_block_step", "speculator block forward (draft model)")
+        _wrap(BlockSpeculator, "precompute_context", "speculator precompute_context (in fwd)")
+
+
+def _engine(mode: str, batch: int, args):
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+    spec = None
+    if MODES[mode] is not None:
+        spec = {"method": "dspark", "num_speculative_tokens": args.k,
+                "disable_by_batch_size": None if MODES[mode] == "always" else MODES[mode]}
+    extra = {} if args.device == "cuda" else {"device": args.device}
+    return LLMEngine.from_engine_args(EngineArgs(
+        model=args.model, dtype=args.dtype,
+        max_model_len=args.context + (args.steps + args.warmup) * (args.k + 1) + 64,
+        attention_backend=args.attention_backend, speculative_config=spec,
+        max_num_seqs=batch, max_num_batched_tokens=max(4096, batch * (args.context + 1)),
+        enforce_eager=args.enforce_eager, seed=0, async_scheduling=False, **extra))
+
+
+def probe(mode: str, batch: int, args) -> dict:
+    from vllm.sampling_params import SamplingParams
+    engine = _engine(mode, batch, args)
+    try:
+        if mode == "nopay":
+            engine.scheduler.spec_policy.cost_model.acceptance_override = 1.0
+        total = (args.steps + args.warmup) * (args.k + 1) + 8
+        params = SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True)
+        for i in range(batch):
+            engine.add_request(f"r{i}", [(7 * i + 13 * j) % 200 + 20 for j in range(args.context)],
+                               params)
+        for _ in range(args.warmup):
+            engine.step()
+        _instrument(engine)
+        _STEPS.clear()
+        _CURRENT.clear()
+        step_ms = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            engine.step()
+            step_ms.append((time.perf_counter() - t0) * 1e3)
+            _STEPS.append(dict(_CURRENT))
+            _CURRENT.clear()
+        _unwrap()
+        labels = sorted({k for s in _STEPS for k in s})
+        phases = {label: statistics.median(s.get(label, 0.0) for s in _STEPS) * 1e3
+                  for label in labels}
+        stats = engine.scheduler.get_stats().get("spec_decode") or {}
+        return {"mode": mode, "batch": batch, "step_ms": statistics.median(step_ms),
+                "phases_ms": phases, "policy": stats.get("policy"),
+                "mean_acceptance_length": stats.get("mean_acceptance_length")}
+    finally:
+        _unwrap()
+        engine.shutdown()
+
+
+def _table(results: list[dict]) -> str:
+    labels: list[str] = []
+    for r in results:
+        for label in r["phases_ms"]:
+            if label not in labels:
+                labels.append(label)
+    head = ["phase (median ms/step)"] + [f"{r['mode']} B={r['batch']}" for r in results]
+    rows = [["engine.step (wall)"] + [f"{r['step_ms']:.3f}" for r in results]]
+    for label in labels:
+        rows.append([label] + [f"{r['phases_ms'].get(label, 0.0):.3f}" for r in results])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--attention-backend", default="TORCH_MLA")
+    parser.add_argument("--model", default=None, help="None: the built-in tiny model")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--modes", nargs="+", default=["plain", "nodraft", "draft"],
+                        choices=list(MODES))
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=12)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.device == "cpu":
+        import torch
+        torch.set_num_threads(1)
+    results = []
+    for batch in args.batch:
+        for mode in args.modes:
+            results.append(probe(mode, batch, args))
+            r = results[-1]
+            print(f"{mode:8s} B={batch:<3d} step {r['step_ms']:.3f} ms", flush=True)
+    print(_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
