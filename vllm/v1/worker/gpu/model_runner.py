@@ -659,25 +659,30 @@ class GPUModelRunner:
     def _propose(self, batch: InputBatch, hidden: torch.Tensor, aux_hidden, sample_rows,
                  num_computed_new: np.ndarray, out_tokens: list[list[int]]) -> list[list[int]]:
         num_reqs = batch.num_reqs
-        qsl = batch.query_start_loc_np[: num_reqs + 1].astype(np.int64)
-        # Rows that sampled nothing (unfinished prefill chunks) draft from their last token too;
-        # their drafts are never verified before the prefill completes.
-        num_new = num_computed_new - batch.num_computed_np
-        last_accepted = qsl[:num_reqs] + np.maximum(num_new, 1) - 1
         ncn = self._num_computed_new
         ncn.np[:num_reqs] = num_computed_new
         ncn.copy_to_gpu(num_reqs)
-        last_accepted_dev = self._pinned_index(last_accepted, "last_accepted")
-        unfinished = [i for i in range(num_reqs) if not batch.samples_np[i]]
-        if unfinished:
+        last_accepted_dev = None
+        if getattr(self.speculator, "needs_last_accepted_index", True):
+            qsl = batch.query_start_loc_np[: num_reqs + 1].astype(np.int64)
+            # Rows that sampled nothing (unfinished prefill chunks) draft from their last token
+            # too; their drafts are never verified.
+            num_new = num_computed_new - batch.num_computed_np
+            last_accepted = qsl[:num_reqs] + np.maximum(num_new, 1) - 1
+            last_accepted_dev = self._pinned_index(last_accepted, "last_accepted")
+        samples = batch.samples_np[:num_reqs]
+        all_sample = bool(samples.all())
+        if not all_sample:
+            unfinished = np.flatnonzero(~samples)
             # An unfinished prefill chunk drafts from the next prompt token (EAGLE/MTP then write
             # their KV for the chunk's positions); those drafts are never verified.
             slots = batch.idx_mapping_np[unfinished]
             nxt = [self.requests[batch.req_ids[i]].token_ids[int(num_computed_new[i])]
-                   for i in unfinished]
+                   for i in unfinished.tolist()]
             self.requests.last_sampled[self._pinned_index(slots, "unfinished_slots")] = \
                 self._pinned_index(nxt, "unfinished_next")
-        next_tokens = self.requests.last_sampled[batch.idx_mapping[:num_reqs]]
+        row_slots = batch.idx_mapping[:num_reqs]
+        next_tokens = self.requests.last_sampled[row_slots]
         draft_inputs = DraftInputs(
             num_reqs=num_reqs,
             query_start_loc_np=batch.query_start_loc_np[: num_reqs + 1],
@@ -692,17 +697,20 @@ class GPUModelRunner:
             sampling_metadata=self._full_sampling_metadata(batch, sample_rows),
             num_computed_new_dev=ncn.gpu[:num_reqs],
             target_seq_lens=batch.seq_lens[:num_reqs],
-            slots=batch.idx_mapping[:num_reqs],
+            slots=row_slots,
         )
         drafts, probs = self.speculator.propose(draft_inputs)
-        self.requests.draft_tokens[batch.idx_mapping[:num_reqs]] = drafts
-        self._last_drafts = (list(batch.req_ids), drafts)
+        self.requests.draft_tokens[row_slots] = drafts
+        self._last_drafts = (batch.req_ids, drafts)
         self._draft_probs = probs
         self._has_draft_probs[batch.idx_mapping_np[:num_reqs]] = probs is not None
-        # Placeholders: the drafts stay on the device; the scheduler only needs their number.
-        # An unfinished prefill chunk proposes nothing (its drafts are never verified).
-        k = self.num_spec_tokens
-        return [[-1] * k if batch.samples_np[i] else [] for i in range(num_reqs)]
+        # Placeholders: the drafts stay on the device; the scheduler only needs their number
+        # (it copies each list). An unfinished prefill chunk proposes nothing (its drafts are
+        # never verified).
+        placeholder = [-1] * self.num_spec_tokens
+        if all_sample:
+            return [placeholder] * num_reqs
+        return [placeholder if s else [] for s in samples.tolist()]
 
     def _pinned_index(self, values, name: str) -> torch.Tensor:
         """Host int64 values -> device through a pinned buffer owned by `name` (one buffer per
