@@ -240,29 +240,39 @@ class SpeculationCostModel:
         probing = self._probe_window(step)
         decisions = {}
         requests = self._requests
+        override = self.acceptance_override
+        min_acceptance = cfg.min_acceptance_samples
+        stop_below, restart_above = 1.0 - cfg.hysteresis, 1.0 + cfg.hysteresis
+        probe_start = step == self._probe_start
         for c in candidates:
-            state = requests.get(c.req_id)
+            # Inlined acceptance() (this loop runs for every decoding request every step).
+            req_id = c.req_id
+            state = requests.get(req_id)
             if state is None:
-                state = requests[c.req_id] = _RequestState()
-            a = self.acceptance(c.req_id)
-            if a is None:
-                decisions[c.req_id] = _DRAFT  # no acceptance yet: measure it
+                state = requests[req_id] = _RequestState()
+            if override is not None:
+                a = float(override)
+            elif state.acceptance.count < min_acceptance:
+                decisions[req_id] = _DRAFT  # no acceptance yet: measure it
                 continue
+            else:
+                a = state.acceptance.value
             speedup = a / ratio
-            if state.drafting and speedup < 1.0 - cfg.hysteresis:
-                state.drafting = False
-            elif not state.drafting and speedup > 1.0 + cfg.hysteresis:
+            if state.drafting:
+                if speedup < stop_below:
+                    state.drafting = False
+            elif speedup > restart_above:
                 state.drafting = True
                 self._revived = True
             if state.drafting:
-                decisions[c.req_id] = _DRAFT
+                decisions[req_id] = _DRAFT
             elif probing:
-                if step == self._probe_start:
+                if probe_start:
                     state.restart_acceptance = True  # judge it on what the probe measures
                 self._probed_any = True
-                decisions[c.req_id] = _DRAFT
+                decisions[req_id] = _DRAFT
             else:
-                decisions[c.req_id] = _SKIP_COST
+                decisions[req_id] = _SKIP_COST
         # A probed request is judged once it has min_acceptance_samples fresh samples: the
         # probe's last step gives the first, each further drafting step one more.
         if self._review_pending and step >= (self._probe_start + cfg.probe_len

@@ -425,7 +425,9 @@ class GPUModelRunner:
             spec_token_ids = self._propose(batch, hidden, aux_hidden, sample_rows,
                                            num_computed_new, out_tokens)
         elif self.speculator is not None:
-            spec_token_ids = [[] for _ in req_ids]  # the policy lets nobody draft: no draft pass
+            # The policy lets nobody draft: no draft pass. One shared empty list (the scheduler
+            # copies each row's list).
+            spec_token_ids = [[]] * len(req_ids)
             self._last_drafts = None  # no drafts were proposed by this step
         return ModelRunnerOutput(req_ids=list(req_ids), sampled_token_ids=out_tokens,
                                  spec_token_ids=spec_token_ids, num_draft_tokens=num_draft_list,
