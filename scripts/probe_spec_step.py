@@ -31,6 +31,26 @@ MODES = {"plain": None, "nodraft": 1, "draft": "always", "nopay": "auto"}
 _CURRENT: dict[str, float] = defaultdict(float)
 _STEPS: list[dict[str, float]] = []
 _WRAPPED: list[tuple[object, str, object]] = []
+# --count-ops: ATen ops (views excluded) per step, charged to the innermost wrapped phase. On a
+# CUDA host each op costs ~5-10 us of launch/dispatch, which a CPU run's timings hide.
+_STACK: list[str] = ["(engine, unwrapped)"]
+_OPS: dict[str, int] = defaultdict(int)
+# Phases whose ops are model forwards (device work a CUDA graph replays with one launch).
+_FORWARD_LABELS = ("runner._forward (target model)", "speculator precompute_context (in fwd)",
+                   "speculator block forward (draft model)")
+
+
+def _op_counter():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not any(a.alias_info is not None and not a.alias_info.is_write
+                       for a in func._schema.returns):
+                _OPS[_STACK[-1]] += 1
+            return func(*args, **(kwargs or {}))
+
+    return Mode()
 
 
 def _wrap(owner, name: str, label: str) -> None:
@@ -42,11 +62,13 @@ def _wrap(owner, name: str, label: str) -> None:
 
     @functools.wraps(original)
     def timed(*args, **kwargs):
+        _STACK.append(label)
         start = time.perf_counter()
         try:
             return original(*args, **kwargs)
         finally:
             _CURRENT[label] += time.perf_counter() - start
+            _STACK.pop()
 
     _WRAPPED.append((owner, name, original))
     setattr(owner, name, timed)
@@ -141,6 +163,15 @@ def probe(mode: str, batch: int, args) -> dict:
             step_ms.append((time.perf_counter() - t0) * 1e3)
             _STEPS.append(dict(_CURRENT))
             _CURRENT.clear()
+        ops = {}
+        if args.count_ops:
+            _OPS.clear()
+            with _op_counter():
+                for _ in range(args.count_ops):
+                    engine.step()
+            ops = {label: n / args.count_ops for label, n in _OPS.items()}
+            ops["= outside model forwards"] = sum(
+                n for label, n in ops.items() if label not in _FORWARD_LABELS)
         _unwrap()
         gc.callbacks.remove(_gc_callback)
         labels = sorted({k for s in _STEPS for k in s})
@@ -160,7 +191,7 @@ def probe(mode: str, batch: int, args) -> dict:
              - s.get("speculator block forward (draft model)", 0.0)) for s in _STEPS) * 1e3
         stats = engine.scheduler.get_stats().get("spec_decode") or {}
         return {"mode": mode, "batch": batch, "step_ms": statistics.median(step_ms),
-                "phases_ms": phases, "policy": stats.get("policy"),
+                "phases_ms": phases, "ops_per_step": ops, "policy": stats.get("policy"),
                 "mean_acceptance_length": stats.get("mean_acceptance_length")}
     finally:
         _unwrap()
@@ -179,6 +210,14 @@ def _table(results: list[dict]) -> str:
     rows = [["engine.step (wall)"] + [f"{r['step_ms']:.3f}" for r in results]]
     for label in labels:
         rows.append([label] + [f"{r['phases_ms'].get(label, 0.0):.3f}" for r in results])
+    op_labels: list[str] = []
+    for r in results:
+        for label in r.get("ops_per_step", {}):
+            if label not in op_labels:
+                op_labels.append(label)
+    for label in op_labels:
+        rows.append([f"ATen ops/step: {label}"]
+                    + [f"{r['ops_per_step'].get(label, 0):.1f}" for r in results])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
@@ -199,6 +238,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs per (mode, batch); each phase keeps its lowest median")
+    parser.add_argument("--count-ops", type=int, default=0, metavar="STEPS",
+                        help="after the timed steps, count ATen ops per phase over STEPS steps")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -213,6 +254,7 @@ def main() -> None:
             r = dict(runs[0], step_ms=min(x["step_ms"] for x in runs))
             r["phases_ms"] = {label: min(x["phases_ms"].get(label, 0.0) for x in runs)
                               for label in runs[0]["phases_ms"]}
+            r["ops_per_step"] = runs[-1]["ops_per_step"]
             results.append(r)
             print(f"{mode:8s} B={batch:<3d} step {r['step_ms']:.3f} ms", flush=True)
     print(_table(results))
