@@ -13,7 +13,11 @@ cost model told every draft is rejected).
 Usage: python scripts/probe_spec_step.py --device cpu --batch 1 8 32 [--modes plain nodraft draft]
        [--steps 60] [--repeats 2] [--json out.json]
 GPU:   python scripts/probe_spec_step.py --device cuda --dtype bfloat16 \
-           --attention-backend FLASHINFER_MLA --batch 1 8 32 --steps 200
+           --attention-backend FLASHINFER_MLA --batch 1 8 32 --modes plain nodraft nopay draft \
+           --steps 200 --repeats 2 --count-ops 10 --json probe_spec_gpu.json
+With CUDA graphs the target forward and the draft block step are replays: they show under
+`CudaGraphManager.replay` (host side of both) and `runner._copy_step_output (incl. wait)` (the wait
+for the device), not under the forward labels.
 """
 from __future__ import annotations
 
@@ -133,7 +137,7 @@ def _engine(mode: str, batch: int, args):
     extra = {} if args.device == "cuda" else {"device": args.device}
     return LLMEngine.from_engine_args(EngineArgs(
         model=args.model, dtype=args.dtype,
-        max_model_len=args.context + (args.steps + args.warmup) * (args.k + 1) + 64,
+        max_model_len=args.context + (args.steps + args.warmup + args.count_ops) * (args.k + 1) + 64,
         attention_backend=args.attention_backend, speculative_config=spec,
         max_num_seqs=batch, max_num_batched_tokens=max(4096, batch * (args.context + 1)),
         enforce_eager=args.enforce_eager, seed=0, async_scheduling=False, **extra))
@@ -145,7 +149,7 @@ def probe(mode: str, batch: int, args) -> dict:
     try:
         if mode == "nopay":
             engine.scheduler.spec_policy.cost_model.acceptance_override = 1.0
-        total = (args.steps + args.warmup) * (args.k + 1) + 8
+        total = (args.steps + args.warmup + args.count_ops) * (args.k + 1) + 8
         params = SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True)
         for i in range(batch):
             engine.add_request(f"r{i}", [(7 * i + 13 * j) % 200 + 20 for j in range(args.context)],
