@@ -227,9 +227,8 @@ class Scheduler:
                 if num_new <= 0:
                     continue  # the budget is spent; it continues next step
             else:
-                if not keep_drafts:
-                    drafts = []
-                elif plan is not None and not plan_uniform and not plan.drafts(request.request_id):
+                if not keep_drafts or (plan is not None and not plan_uniform
+                                       and not plan.drafts(request.request_id)):
                     drafts = []
                 else:
                     # Drafts must not run past max_model_len (the last token sits at
