@@ -161,3 +161,41 @@ def test_disable_by_batch_size_follows_the_running_batch(plain_greedy):
     assert [finals[str(i)] for i in range(3)] == [t[:n] for t, n in zip(plain_greedy, lengths)]
     assert all(n == 0 for running, n in drafts_when if running >= 2)
     assert sum(n for running, n in drafts_when if running == 1) > 0
+
+
+def test_steps_nobody_drafts_do_what_a_plain_step_does():
+    """disable_by_batch_size=1, DSpark: after the first step a decode step verifies nothing and
+    proposes nothing, so it samples through the plain Sampler (the rejection sampler never runs),
+    makes no draft pass, and still writes the drafter's context KV (precompute_context, every
+    step) so that drafting could resume. Seeded random sampling equals the plain engine's."""
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    seeded = [SamplingParams(temperature=0.9, top_k=20, seed=7 + i, max_tokens=24,
+                             ignore_eos=True) for i in range(len(PROMPTS))]
+    with make_llm(None) as llm:
+        plain = tokens(llm.generate(PROMPTS, seeded, use_tqdm=False))
+    with make_llm("dspark", 1) as llm:
+        runner = llm.llm_engine.executor.worker.model_runner
+        proposes = count_proposes(llm)
+        calls = {"verify": 0, "context": 0}
+        verify, context = RejectionSampler.verify, runner.speculator.precompute_context
+
+        def counting_verify(self, *args, **kwargs):
+            calls["verify"] += 1
+            return verify(self, *args, **kwargs)
+
+        def counting_context(*args, **kwargs):
+            calls["context"] += 1
+            return context(*args, **kwargs)
+
+        runner.speculator.precompute_context = counting_context
+        RejectionSampler.verify = counting_verify
+        try:
+            out = tokens(llm.generate(PROMPTS, seeded, use_tqdm=False))
+        finally:
+            RejectionSampler.verify = verify
+        steps = llm.llm_engine.get_metrics()["spec_decode"]["policy"]["num_skipped"]
+    assert out == plain and all(len(set(t)) >= 3 for t in out)
+    assert calls["verify"] == 0
+    assert proposes[0] == 1  # the prefill step only (nobody ran yet)
+    # One context-KV write per target forward: the prefill step plus every decode step.
+    assert calls["context"] == 1 + 23 and steps[REASON_BATCH] == len(PROMPTS) * 23

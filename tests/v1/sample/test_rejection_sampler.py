@@ -144,3 +144,29 @@ def test_bad_shapes_and_method_are_clear_errors():
                                           torch.zeros(3, 8))
     with pytest.raises(ValueError, match="sampling metadata has 2 rows"):
         RejectionSampler()(torch.zeros(3, 8), [[1, 2]], greedy_md(2))
+
+
+@pytest.mark.parametrize("method", ["strict", "probabilistic"])
+def test_zero_drafts_sample_exactly_as_the_plain_sampler(method):
+    # A speculative runner samples a step in which nobody verifies drafts with the plain
+    # Sampler; that is only sound if the rejection sampler would have emitted the same tokens
+    # and drawn the same numbers from every request's generator (greedy, seeded, unseeded and
+    # top-k/top-p rows mixed; the next draw of each generator must agree too).
+    from vllm.v1.sample.sampler import Sampler
+    params = [Params(0.0), Params(0.7, seed=3), Params(1.0, top_k=5, seed=11),
+              Params(1.3, top_p=0.8, seed=5), Params(0.9)]
+    torch.manual_seed(0)
+    logits = torch.randn(len(params), 50)
+    outs = []
+    for use_plain in (True, False):
+        gens = {i: make_generator(p.seed, "cpu") for i, p in enumerate(params) if p.seed}
+        md = SamplingMetadata.from_sampling_params(params, "cpu", gens)
+        torch.manual_seed(123)  # the unseeded row's draws
+        if use_plain:
+            tokens = Sampler()(logits, md).tolist()
+        else:
+            tokens = [row[0] for row in
+                      RejectionSampler(method)(logits, [[]] * len(params), md).sampled_token_ids]
+        after = [torch.rand(1, generator=g).item() for _, g in sorted(gens.items())]
+        outs.append((tokens, after, torch.rand(1).item()))
+    assert outs[0] == outs[1]

@@ -15,7 +15,7 @@ from vllm.config import SpeculativeConfig
 from vllm.v1.spec_decode.cost_model import (PLAIN, REASON_BATCH, REASON_COST, REASON_EXPLORE,
                                             SPEC, Candidate, CostModelConfig, Decision,
                                             SpeculationCostModel, pow2_bucket)
-from vllm.v1.spec_decode.policy import SpeculationPolicy
+from vllm.v1.spec_decode.policy import SpeculationPolicy, StepPlan
 
 K = 4
 
@@ -222,10 +222,12 @@ def test_disable_by_batch_size_thresholds():
     policy = SpeculationPolicy(K, 3)
     cands = [Candidate(f"r{i}", 10) for i in range(3)]
     plan = policy.plan(cands[:2], num_running=2)
-    assert plan.propose and all(d.draft for d in plan.decisions.values())
+    assert plan.propose and all(plan.drafts(c.req_id) for c in cands[:2])
+    assert not plan.nobody_drafts
     plan = policy.plan(cands, num_running=3)  # >= N: nobody drafts
-    assert not plan.propose
-    assert all(not d.draft and d.reason == REASON_BATCH for d in plan.decisions.values())
+    assert not plan.propose and plan.nobody_drafts
+    assert all(plan.decision(c.req_id) == Decision(False, REASON_BATCH) for c in cands)
+    assert not any(plan.drafts(c.req_id) for c in cands)
     policy.count(plan, [c.req_id for c in cands])
     assert policy.stats()["num_skipped"] == {REASON_BATCH: 3}
     # N = 1: never drafts, not even a lone request.
@@ -306,3 +308,37 @@ def test_a_revival_resets_the_probe_interval():
     revived = next(i for i in range(100, 300) if all(e["a"] for e in loop.log[i:]))
     assert 16 in intervals[revived:revived + 8]
     assert all(entry["a"] for entry in loop.log[revived:])
+
+
+def test_uniform_plans_never_read_the_candidates():
+    # disable_by_batch_size N (and no policy) decide once per step: building a candidate per
+    # running request would be per-request host work in a step where nobody drafts.
+    def exploding():
+        raise AssertionError("a uniform policy iterated the candidates")
+        yield  # pragma: no cover
+
+    for n, running, drafts in ((3, 5, False), (3, 2, True), (None, 100, True)):
+        policy = SpeculationPolicy(K, n)
+        plan = policy.plan(exploding(), num_running=running)
+        assert plan.propose == drafts and plan.drafts("any") == drafts
+        assert plan.nobody_drafts == (not drafts)
+        policy.count(plan, (), 7)
+        stats = policy.stats()
+        assert (stats["num_drafted"], stats["num_skipped"]) == \
+            ((7, {}) if drafts else (0, {REASON_BATCH: 7}))
+
+
+def test_plan_timing_counts_matches_plan_timing():
+    # The scheduler's count-based call times the same steps as the per-request form.
+    cases = [({"a": K, "b": K}, True, True), ({"a": 0, "b": 0}, False, True),
+             ({"a": K, "b": 0}, True, True), ({"a": K, "b": K}, True, False)]
+    for drafts, propose, pure in cases:
+        plan = StepPlan({}, propose=propose)
+        by_dict, by_counts = auto_policy(), auto_policy()
+        out = object()
+        by_dict.plan_timing(out, plan, drafts, [100, 300], pure_decode=pure)
+        by_counts.plan_timing_counts(out, plan, len(drafts), sum(n > 0 for n in drafts.values()),
+                                     200, pure_decode=pure)
+        assert (by_dict._timed is None) == (by_counts._timed is None)
+        if by_dict._timed is not None:
+            assert by_dict._timed == by_counts._timed

@@ -243,3 +243,31 @@ def test_build_attn_metadata_rejects_bad_causal(causal):
     from tests.utils.spec_fakes import RecordingBuilder
     with pytest.raises(ValueError, match="causal"):
         _build((False, True), causal, [RecordingBuilder(), RecordingBuilder()])
+
+
+def test_query_starts_and_host_lengths_follow_every_build_in_a_sequence():
+    # The uniform query starts are rewritten (and copied to the device) only when
+    # (num_reqs, num_reqs_padded, Q) change, and the host lengths live in persistent buffers:
+    # a sequence of builds that changes one thing at a time, with an explicit-starts build
+    # (EAGLE's first pass) in between, must see exactly the brute-force layout every time.
+    spec, (builder,) = make_speculator(Speculator)
+    sequence = [(3, 4, 4, None), (3, 4, 4, None), (2, 4, 4, None), (2, 2, 4, None),
+                (3, 3, 1, None), (3, 3, 1, [0, 2, 5, 6]), (3, 3, 1, None), (3, 4, 4, None),
+                (3, 4, 1, None), (0, 2, 4, None)]
+    for num_reqs, padded, q, explicit in sequence:
+        lengths = np.arange(num_reqs) * 7 + 11
+        qsl_np = None if explicit is None else np.array(explicit)
+        tokens = padded * q if explicit is None else explicit[-1]
+        spec._build_draft_attn_metadata(
+            num_reqs=num_reqs, num_reqs_padded=padded, num_tokens_padded=tokens,
+            seq_lens_cpu_upper_bound=lengths, step=q, num_query_per_req=q,
+            query_start_loc_np=qsl_np, seq_lens_np=lengths + q)
+        want = (explicit if explicit is not None
+                else [min(i, num_reqs) * q for i in range(padded + 1)])
+        snap = builder.calls[-1]
+        assert snap.query_start_loc == want
+        assert spec.input_buffers.query_start_loc[: padded + 1].tolist() == want
+        assert snap.common.max_query_len == (max(np.diff(want)) if explicit else q)
+        seq_cpu = snap.common.seq_lens_cpu
+        assert seq_cpu.tolist() == list(lengths + q) + [0] * (padded - num_reqs)
+        assert snap.upper_bound.tolist() == list(lengths + q) + [0] * (padded - num_reqs)

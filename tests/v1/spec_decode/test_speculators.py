@@ -266,3 +266,29 @@ def test_probabilistic_block_drafts_sample_q_left_to_right():
         previous = 5 if j == 0 else int(drafts[0, j - 1])
         assert int(probs[0, j].argmax()) == (previous + 1) % VOCAB
     assert torch.equal(run(seed=3)[0], drafts)  # the request's generator makes it reproducible
+
+
+@pytest.mark.parametrize("cls,q_of_k", [(DFlashSpeculator, lambda k: k + 1),
+                                        (DSparkSpeculator, lambda k: k)])
+def test_block_inputs_stay_exact_across_steps_and_padding(cls, q_of_k):
+    # The block's mask columns are written once and only the anchor column each step: over a
+    # sequence of steps with shrinking / growing batches and CUDA-graph-style padding rows, the
+    # block ids, positions and draft seq_lens must equal the brute-force block every time.
+    k = 4
+    q = q_of_k(k)
+    spec, _ = make_speculator(cls, k=k, num_reqs=4, model=FakeBlockModel(),
+                              group_non_causal=(False, True), draft_groups=(1,))
+    buffers = spec.input_buffers
+    for num_reqs, padded, accepted, anchors in [(2, 2, [10, 25], [5, 7]), (4, 4, [3, 4, 5, 6], [1, 2, 3, 4]),
+                                                (1, 2, [40], [9]), (3, 4, [7, 8, 9], [6, 5, 4]),
+                                                (2, 2, [11, 1], [8, 3])]:
+        acc = torch.tensor(accepted, dtype=torch.int64)
+        buffers.positions.fill_(-5)  # stale values where the block must write
+        spec._write_block(num_reqs, padded, acc, torch.tensor(anchors, dtype=torch.int64))
+        ids = buffers.input_ids[: padded * q].view(padded, q).tolist()
+        positions = buffers.positions[: padded * q].view(padded, q).tolist()
+        want_anchor = anchors + [0] * (padded - num_reqs)
+        assert ids == [[a] + [MASK_TOKEN] * (q - 1) for a in want_anchor]
+        assert positions == ([list(range(n, n + q)) for n in accepted]
+                             + [[0] * q] * (padded - num_reqs))
+        assert buffers.seq_lens[:num_reqs].tolist() == [n + q for n in accepted]

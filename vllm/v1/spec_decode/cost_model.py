@@ -98,10 +98,16 @@ class Candidate:
     context_len: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class Decision:
     draft: bool
     reason: str | None = None  # why not (REASON_*), None when it drafts
+
+
+# Shared decisions (frozen): a step's decisions allocate nothing per request.
+_DRAFT = Decision(True)
+_SKIP_COST = Decision(False, REASON_COST)
+_SKIP_EXPLORE = Decision(False, REASON_EXPLORE)
 
 
 class SpeculationCostModel:
@@ -155,7 +161,9 @@ class SpeculationCostModel:
 
     def observe_acceptance(self, req_id: str, acceptance_length: float) -> None:
         """Tokens a request gained in one step that verified its drafts (1 + accepted)."""
-        state = self._requests.setdefault(req_id, _RequestState())
+        state = self._requests.get(req_id)
+        if state is None:
+            state = self._requests[req_id] = _RequestState()
         if state.restart_acceptance:
             state.acceptance = _Ema()
             state.restart_acceptance = False
@@ -218,40 +226,53 @@ class SpeculationCostModel:
 
         if ratio is None and self.step_time(SPEC, batch, context) is None:
             # Nothing to compare with yet: draft (what the user configured) and measure.
-            return {c.req_id: Decision(True) for c in candidates}
+            return dict.fromkeys((c.req_id for c in candidates), _DRAFT)
         if ratio is None:
             # Measure plain steps now: min_samples of them in a row, the whole batch at once.
             left = self._explore_left.setdefault(bucket, cfg.min_samples)
             if left > 0:
                 self._explore_left[bucket] = left - 1
-                return {c.req_id: Decision(False, REASON_EXPLORE) for c in candidates}
+                return dict.fromkeys((c.req_id for c in candidates), _SKIP_EXPLORE)
             # Explored but the samples were lost (steps with prefills are not timed): go again.
             self._explore_left[bucket] = cfg.min_samples
-            return {c.req_id: Decision(True) for c in candidates}
+            return dict.fromkeys((c.req_id for c in candidates), _DRAFT)
 
         probing = self._probe_window(step)
         decisions = {}
+        requests = self._requests
+        override = self.acceptance_override
+        min_acceptance = cfg.min_acceptance_samples
+        stop_below, restart_above = 1.0 - cfg.hysteresis, 1.0 + cfg.hysteresis
+        probe_start = step == self._probe_start
         for c in candidates:
-            state = self._requests.setdefault(c.req_id, _RequestState())
-            a = self.acceptance(c.req_id)
-            if a is None:
-                decisions[c.req_id] = Decision(True)  # no acceptance yet: measure it
+            # Inlined acceptance() (this loop runs for every decoding request every step).
+            req_id = c.req_id
+            state = requests.get(req_id)
+            if state is None:
+                state = requests[req_id] = _RequestState()
+            if override is not None:
+                a = float(override)
+            elif state.acceptance.count < min_acceptance:
+                decisions[req_id] = _DRAFT  # no acceptance yet: measure it
                 continue
+            else:
+                a = state.acceptance.value
             speedup = a / ratio
-            if state.drafting and speedup < 1.0 - cfg.hysteresis:
-                state.drafting = False
-            elif not state.drafting and speedup > 1.0 + cfg.hysteresis:
+            if state.drafting:
+                if speedup < stop_below:
+                    state.drafting = False
+            elif speedup > restart_above:
                 state.drafting = True
                 self._revived = True
             if state.drafting:
-                decisions[c.req_id] = Decision(True)
+                decisions[req_id] = _DRAFT
             elif probing:
-                if step == self._probe_start:
+                if probe_start:
                     state.restart_acceptance = True  # judge it on what the probe measures
                 self._probed_any = True
-                decisions[c.req_id] = Decision(True)
+                decisions[req_id] = _DRAFT
             else:
-                decisions[c.req_id] = Decision(False, REASON_COST)
+                decisions[req_id] = _SKIP_COST
         # A probed request is judged once it has min_acceptance_samples fresh samples: the
         # probe's last step gives the first, each further drafting step one more.
         if self._review_pending and step >= (self._probe_start + cfg.probe_len

@@ -27,14 +27,32 @@ MODE_AUTO = "auto"
 
 @dataclass
 class StepPlan:
-    """This step's decisions as the scheduler applies them."""
+    """This step's decisions as the scheduler applies them.
+
+    `decisions` holds per-request decisions ("auto"); a uniform plan (disable_by_batch_size N,
+    or no policy) leaves it empty and gives every request `default` instead, so a step costs
+    the scheduler O(1) whatever the batch size. A request with no decision drafts."""
 
     decisions: dict[str, Decision]
     propose: bool  # must the drafter run after this step?
+    default: Decision | None = None
+
+    def decision(self, req_id: str) -> Decision | None:
+        return self.decisions.get(req_id, self.default)
 
     def drafts(self, req_id: str) -> bool:
-        decision = self.decisions.get(req_id)
+        decision = self.decisions.get(req_id, self.default)
         return decision is None or decision.draft
+
+    @property
+    def nobody_drafts(self) -> bool:
+        """True for a uniform plan that lets nobody draft (the scheduler drops every draft)."""
+        return not self.decisions and self.default is not None and not self.default.draft
+
+
+_NO_POLICY_PLAN = StepPlan({}, propose=True)
+_BATCH_OFF = Decision(False, REASON_BATCH)
+_BATCH_ON = Decision(True)
 
 
 class SpeculationPolicy:
@@ -73,22 +91,31 @@ class SpeculationPolicy:
     # ---- per step ----------------------------------------------------------------------------
     def plan(self, decoding: Iterable[Candidate], num_running: int) -> StepPlan:
         """Decisions for the requests that decode this step; `num_running` is the size of the
-        running batch (upstream's disable_by_batch_size compares it with N)."""
-        decoding = list(decoding)
+        running batch (upstream's disable_by_batch_size compares it with N). Only "auto" reads
+        `decoding` (pass a generator: the other modes never build a candidate)."""
         if self.mode == MODE_ALWAYS:
-            return StepPlan({}, propose=True)
+            return _NO_POLICY_PLAN
         if self.mode == MODE_BATCH:
             off = num_running >= self.disable_by_batch_size
-            decisions = {c.req_id: Decision(not off, REASON_BATCH if off else None)
-                         for c in decoding}
-            return StepPlan(decisions, propose=not off)
+            return StepPlan({}, propose=not off, default=_BATCH_OFF if off else _BATCH_ON)
         decisions = self.cost_model.decide(decoding)
         # No decoding request yet (only prefills): draft, as the user configured, and measure.
         propose = any(d.draft for d in decisions.values()) if decisions else True
         return StepPlan(decisions, propose=propose)
 
-    def count(self, plan: StepPlan, scheduled_decodes: Iterable[str]) -> None:
-        """Count the decisions of the decode rows that were actually scheduled."""
+    def count(self, plan: StepPlan, scheduled_decodes: Iterable[str],
+              num_scheduled_decodes: int | None = None) -> None:
+        """Count the decisions of the decode rows that were actually scheduled (a uniform plan
+        counts `num_scheduled_decodes`, or the ids, without a per-request look-up)."""
+        if not plan.decisions:
+            n = (num_scheduled_decodes if num_scheduled_decodes is not None
+                 else sum(1 for _ in scheduled_decodes))
+            decision = plan.default
+            if decision is None or decision.draft:
+                self.num_drafted += n
+            elif n:
+                self.num_skipped[decision.reason or "unknown"] += n
+            return
         for req_id in scheduled_decodes:
             decision = plan.decisions.get(req_id)
             if decision is None or decision.draft:
@@ -102,16 +129,25 @@ class SpeculationPolicy:
         and the drafter runs after) or a PLAIN one (no drafts, no draft pass); steps with
         prefills or a mix of both are not timed."""
         self._timed = None
-        if self.cost_model is None or not pure_decode or not decode_drafts:
+        if self.cost_model is None or not decode_drafts:
             return
-        with_drafts = sum(1 for n in decode_drafts.values() if n > 0)
-        if plan.propose and with_drafts == len(decode_drafts):
+        self.plan_timing_counts(output, plan, len(decode_drafts),
+                                sum(1 for n in decode_drafts.values() if n > 0),
+                                sum(contexts) // len(contexts), pure_decode)
+
+    def plan_timing_counts(self, output, plan: StepPlan, num_decodes: int,
+                           num_with_drafts: int, mean_context: int, pure_decode: bool) -> None:
+        """plan_timing from counts the scheduler already has (no per-request dict)."""
+        self._timed = None
+        if self.cost_model is None or not pure_decode or num_decodes == 0:
+            return
+        if plan.propose and num_with_drafts == num_decodes:
             kind = SPEC
-        elif not plan.propose and with_drafts == 0:
+        elif not plan.propose and num_with_drafts == 0:
             kind = PLAIN
         else:
             return
-        self._timed = (id(output), kind, len(decode_drafts), sum(contexts) // len(contexts))
+        self._timed = (id(output), kind, num_decodes, mean_context)
 
     def observe_step_time(self, output, seconds: float) -> None:
         """The engine's host wall time of the step that ran `output`."""

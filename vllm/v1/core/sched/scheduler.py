@@ -208,10 +208,15 @@ class Scheduler:
             # A request whose in-flight token is its last finishes when that token arrives.
             order = [r for r in order if not self._finishes_with_placeholders(r)]
         plan = None
+        keep_drafts = True  # False: the policy lets nobody draft this step (checked once)
+        plan_uniform = True  # one decision for every request (no per-request look-up)
         if self.spec_policy is not None and self.spec_policy.active:
             # A request the policy keeps from drafting decodes plainly: its drafts are dropped.
-            plan = self.spec_policy.plan([Candidate(r.request_id, r.num_tokens) for r in decodes],
+            # Candidates are built only by a policy that decides per request ("auto").
+            plan = self.spec_policy.plan((Candidate(r.request_id, r.num_tokens) for r in decodes),
                                          num_running=len(self.running))
+            keep_drafts = not plan.nobody_drafts
+            plan_uniform = not plan.decisions
         for request in order:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
@@ -222,10 +227,14 @@ class Scheduler:
                 if num_new <= 0:
                     continue  # the budget is spent; it continues next step
             else:
-                # Drafts must not run past max_model_len (the last token sits at num_tokens - 1).
-                drafts = request.spec_token_ids[:max(0, self.max_model_len - request.num_tokens)]
-                if plan is not None and not plan.drafts(request.request_id):
+                if not keep_drafts or (plan is not None and not plan_uniform
+                                       and not plan.drafts(request.request_id)):
                     drafts = []
+                else:
+                    # Drafts must not run past max_model_len (the last token sits at
+                    # num_tokens - 1).
+                    drafts = request.spec_token_ids[:max(0, self.max_model_len
+                                                         - request.num_tokens)]
                 num_new = 1 + len(drafts)
                 assert num_new <= token_budget, "max_num_running_reqs keeps decode steps in budget"
             need = self._slots_needed(request, num_new)
@@ -298,18 +307,25 @@ class Scheduler:
         if self.async_scheduling:
             self._advance_scheduled(num_scheduled)
         if plan is not None:
-            scheduled_decodes = [r for r in decodes if r.request_id in num_scheduled]
-            self.spec_policy.count(plan, (r.request_id for r in scheduled_decodes))
-            if self.spec_policy.cost_model is not None:
-                self.spec_policy.plan_timing(
-                    output, plan,
-                    {r.request_id: len(spec_tokens.get(r.request_id, ()))
-                     for r in scheduled_decodes},
-                    [r.num_tokens for r in scheduled_decodes],
+            # Without a preemption every decode was scheduled (a decode always fits the budget).
+            scheduled_decodes = decodes if not preempted else [
+                r for r in decodes if r.request_id in num_scheduled]
+            if plan_uniform:
+                self.spec_policy.count(plan, (), len(scheduled_decodes))
+            else:
+                self.spec_policy.count(plan, (r.request_id for r in scheduled_decodes))
+            if self.spec_policy.cost_model is not None and scheduled_decodes:
+                # Only decode rows carry drafts (a prefill chunk never does).
+                self.spec_policy.plan_timing_counts(
+                    output, plan, len(scheduled_decodes), len(spec_tokens),
+                    sum(r.num_tokens for r in scheduled_decodes) // len(scheduled_decodes),
                     pure_decode=len(scheduled_decodes) == len(num_scheduled))
+            elif self.spec_policy.cost_model is not None:
+                self.spec_policy.plan_timing_counts(output, plan, 0, 0, 0, pure_decode=False)
         elif self.spec_policy is not None:
             # No policy: every scheduled decode drafts (a count, no per-request work).
-            self.spec_policy.num_drafted += sum(1 for r in decodes if r.request_id in num_scheduled)
+            self.spec_policy.num_drafted += len(decodes) if not preempted else sum(
+                1 for r in decodes if r.request_id in num_scheduled)
         return output
 
     def record_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:

@@ -425,7 +425,9 @@ class GPUModelRunner:
             spec_token_ids = self._propose(batch, hidden, aux_hidden, sample_rows,
                                            num_computed_new, out_tokens)
         elif self.speculator is not None:
-            spec_token_ids = [[] for _ in req_ids]  # the policy lets nobody draft: no draft pass
+            # The policy lets nobody draft: no draft pass. One shared empty list (the scheduler
+            # copies each row's list).
+            spec_token_ids = [[]] * len(req_ids)
             self._last_drafts = None  # no drafts were proposed by this step
         return ModelRunnerOutput(req_ids=list(req_ids), sampled_token_ids=out_tokens,
                                  spec_token_ids=spec_token_ids, num_draft_tokens=num_draft_list,
@@ -577,6 +579,11 @@ class GPUModelRunner:
                 # The replayed graph verified greedily already (graph_sampling.py): the same
                 # argmax, acceptance and last_sampled update the eager path below would make.
                 return None, None, num_draft, rows, rows_info
+        if self.rejection_sampler is not None and not num_draft.any():
+            # Nobody verifies drafts this step (the policy let nobody draft): sample as a plain
+            # engine does. With zero drafts the rejection sampler's result and its generator
+            # draws are exactly the sampler's (tests/v1/sample: zero-draft equivalence).
+            return self._sample_plain(batch, logits, metadata, rows, num_draft)
         # One host layout of the verified drafts serves the draft gather, q and verification.
         layout = verification_layout(num_draft)
         draft_slots = batch.idx_mapping_np[rows][layout["draft_req"]] if rows else \
@@ -605,6 +612,25 @@ class GPUModelRunner:
             emitted = sampled.gather(1, (num_sampled - 1).unsqueeze(1)).squeeze(1)
             self.requests.last_sampled[slots] = emitted
         return sampled, num_sampled, num_draft, rows, rows_info
+
+    def _sample_plain(self, batch: InputBatch, logits: torch.Tensor, metadata: SamplingMetadata,
+                      rows: list[int], num_draft: np.ndarray):
+        """Sampling of a step of a speculative engine in which nobody verifies drafts: what a
+        plain engine does (no verification layout, draft gather or rejection sampler)."""
+        req_ids = [batch.req_ids[r] for r in rows]
+        rows_info = BatchRows(req_ids, batch.idx_mapping_np[rows].tolist(),
+                              num_draft=num_draft.tolist(), draft_tokens=None,
+                              token_ids=[self.requests[r].token_ids for r in req_ids])
+        logits = self.sampling_states.process_logits(logits, rows_info)
+        sampled = self.sampler(logits, metadata).unsqueeze(1)
+        ones = self.__dict__.get("_ones")
+        if ones is None:  # read-only: every row of such a step samples exactly one token
+            ones = self._ones = torch.ones(self.max_num_reqs, dtype=torch.int64,
+                                           device=self.device)
+        if rows:
+            slots = self._pinned_index(batch.idx_mapping_np[rows], "sampled_slots")
+            self.requests.last_sampled[slots] = sampled[:, 0]
+        return sampled, ones[: len(rows)], num_draft, rows, rows_info
 
     def _verified_drafts(self, slots: np.ndarray, pos: np.ndarray) -> torch.Tensor:
         """Flat [D] drafts verified this step (request slot and index of each), read from the
@@ -635,25 +661,30 @@ class GPUModelRunner:
     def _propose(self, batch: InputBatch, hidden: torch.Tensor, aux_hidden, sample_rows,
                  num_computed_new: np.ndarray, out_tokens: list[list[int]]) -> list[list[int]]:
         num_reqs = batch.num_reqs
-        qsl = batch.query_start_loc_np[: num_reqs + 1].astype(np.int64)
-        # Rows that sampled nothing (unfinished prefill chunks) draft from their last token too;
-        # their drafts are never verified before the prefill completes.
-        num_new = num_computed_new - batch.num_computed_np
-        last_accepted = qsl[:num_reqs] + np.maximum(num_new, 1) - 1
         ncn = self._num_computed_new
         ncn.np[:num_reqs] = num_computed_new
         ncn.copy_to_gpu(num_reqs)
-        last_accepted_dev = self._pinned_index(last_accepted, "last_accepted")
-        unfinished = [i for i in range(num_reqs) if not batch.samples_np[i]]
-        if unfinished:
+        last_accepted_dev = None
+        if getattr(self.speculator, "needs_last_accepted_index", True):
+            qsl = batch.query_start_loc_np[: num_reqs + 1].astype(np.int64)
+            # Rows that sampled nothing (unfinished prefill chunks) draft from their last token
+            # too; their drafts are never verified.
+            num_new = num_computed_new - batch.num_computed_np
+            last_accepted = qsl[:num_reqs] + np.maximum(num_new, 1) - 1
+            last_accepted_dev = self._pinned_index(last_accepted, "last_accepted")
+        samples = batch.samples_np[:num_reqs]
+        all_sample = bool(samples.all())
+        if not all_sample:
+            unfinished = np.flatnonzero(~samples)
             # An unfinished prefill chunk drafts from the next prompt token (EAGLE/MTP then write
             # their KV for the chunk's positions); those drafts are never verified.
             slots = batch.idx_mapping_np[unfinished]
             nxt = [self.requests[batch.req_ids[i]].token_ids[int(num_computed_new[i])]
-                   for i in unfinished]
+                   for i in unfinished.tolist()]
             self.requests.last_sampled[self._pinned_index(slots, "unfinished_slots")] = \
                 self._pinned_index(nxt, "unfinished_next")
-        next_tokens = self.requests.last_sampled[batch.idx_mapping[:num_reqs]]
+        row_slots = batch.idx_mapping[:num_reqs]
+        next_tokens = self.requests.last_sampled[row_slots]
         draft_inputs = DraftInputs(
             num_reqs=num_reqs,
             query_start_loc_np=batch.query_start_loc_np[: num_reqs + 1],
@@ -668,17 +699,20 @@ class GPUModelRunner:
             sampling_metadata=self._full_sampling_metadata(batch, sample_rows),
             num_computed_new_dev=ncn.gpu[:num_reqs],
             target_seq_lens=batch.seq_lens[:num_reqs],
-            slots=batch.idx_mapping[:num_reqs],
+            slots=row_slots,
         )
         drafts, probs = self.speculator.propose(draft_inputs)
-        self.requests.draft_tokens[batch.idx_mapping[:num_reqs]] = drafts
-        self._last_drafts = (list(batch.req_ids), drafts)
+        self.requests.draft_tokens[row_slots] = drafts
+        self._last_drafts = (batch.req_ids, drafts)
         self._draft_probs = probs
         self._has_draft_probs[batch.idx_mapping_np[:num_reqs]] = probs is not None
-        # Placeholders: the drafts stay on the device; the scheduler only needs their number.
-        # An unfinished prefill chunk proposes nothing (its drafts are never verified).
-        k = self.num_spec_tokens
-        return [[-1] * k if batch.samples_np[i] else [] for i in range(num_reqs)]
+        # Placeholders: the drafts stay on the device; the scheduler only needs their number
+        # (it copies each list). An unfinished prefill chunk proposes nothing (its drafts are
+        # never verified).
+        placeholder = [-1] * self.num_spec_tokens
+        if all_sample:
+            return [placeholder] * num_reqs
+        return [placeholder if s else [] for s in samples.tolist()]
 
     def _pinned_index(self, values, name: str) -> torch.Tensor:
         """Host int64 values -> device through a pinned buffer owned by `name` (one buffer per

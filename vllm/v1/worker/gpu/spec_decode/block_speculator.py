@@ -20,6 +20,9 @@ class BlockSpeculator(Speculator):
     # The context KV is written inside the target forward (precompute_context), every step:
     # skipping the block pass loses nothing a later step reads.
     can_skip_propose = True
+    # The block needs no target row index (EAGLE/MTP gather the last accepted row's hidden).
+    needs_last_accepted_index = False
+    _masks_written = 0  # rows of the draft input_ids whose mask columns hold the mask token
 
     @property
     def query_len(self) -> int:
@@ -54,10 +57,11 @@ class BlockSpeculator(Speculator):
         accepted = inputs.accepted_on_device(self.device)
         accepted_np = np.asarray(inputs.num_computed_new, dtype=np.int64)
         anchors = self._write_block(num_reqs, padded, accepted, inputs.next_token_ids)
+        seq_lens_np = accepted_np[:num_reqs] + q
+        np.minimum(seq_lens_np, self.max_model_len, out=seq_lens_np)
         attn_metadata = self._build_draft_attn_metadata(
             num_reqs, padded, padded * q, inputs.target_seq_lens_cpu, step=q,
-            num_query_per_req=q, causal=False,
-            seq_lens_np=np.minimum(accepted_np + q, self.max_model_len),
+            num_query_per_req=q, causal=False, seq_lens_np=seq_lens_np,
             cudagraph=graph_size is not None)
         if graph_size is not None:
             return self.cudagraphs.replay(graph_size)[0][:num_reqs]
@@ -71,19 +75,35 @@ class BlockSpeculator(Speculator):
         buffers = self.input_buffers
         num_tokens = padded * q
         anchors = self._anchor_buffer()[:padded]
-        anchors.zero_()
+        if padded > num_reqs:
+            anchors[num_reqs:].zero_()
         anchors[:num_reqs].copy_(next_token_ids[:num_reqs])
         block_ids = buffers.input_ids[:num_tokens].view(padded, q)
-        block_ids.fill_(int(self.model.config.mask_token_id))
+        # Columns 1.. hold the mask token in every row, always: written once (the buffer is the
+        # speculator's own; only column 0, the anchor, changes between steps).
+        if self._masks_written < padded:
+            block_ids[:, 1:].fill_(int(self.model.config.mask_token_id))
+            self._masks_written = padded
         block_ids[:, 0] = anchors
-        offsets = torch.arange(q, dtype=torch.int64, device=self.device)
         positions = buffers.positions[:num_tokens].view(padded, q)
-        positions.zero_()
+        if padded > num_reqs:
+            positions[num_reqs:].zero_()
         # Clamped positions only occur for drafts the scheduler drops at max_model_len.
-        positions[:num_reqs].copy_((accepted[:num_reqs, None] + offsets).clamp(
-            max=self.max_model_len - 1))
-        buffers.seq_lens[:num_reqs].copy_((accepted[:num_reqs] + q).clamp(max=self.max_model_len))
+        torch.add(accepted[:num_reqs, None], self._block_offsets(), out=positions[:num_reqs])
+        positions[:num_reqs].clamp_(max=self.max_model_len - 1)
+        seq_lens = buffers.seq_lens[:num_reqs]
+        torch.add(accepted[:num_reqs], q, out=seq_lens)  # int32 buffer
+        seq_lens.clamp_(max=self.max_model_len)
         return anchors
+
+    def _block_offsets(self) -> torch.Tensor:
+        """arange(Q) on the device, made once."""
+        offsets = getattr(self, "_offsets", None)
+        if offsets is None:
+            with torch.inference_mode(False):
+                offsets = self._offsets = torch.arange(self.query_len, dtype=torch.int64,
+                                                       device=self.device)
+        return offsets
 
     def _anchor_buffer(self) -> torch.Tensor:
         buf = getattr(self, "_anchors", None)

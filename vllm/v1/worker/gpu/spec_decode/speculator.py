@@ -39,7 +39,7 @@ class DraftInputs:
     target_hidden_states: torch.Tensor      # [T, D] final hidden states of the target
     target_seq_lens_cpu: torch.Tensor       # [num_reqs] int32: upper bound of every draft seq_len
     num_computed_new: np.ndarray            # [num_reqs] int64 (host)
-    last_accepted_index: torch.Tensor       # [num_reqs] int64
+    last_accepted_index: torch.Tensor | None  # [num_reqs] int64 (None: speculator needs none)
     next_token_ids: torch.Tensor            # [num_reqs] int64 anchors
     aux_hidden_states: torch.Tensor | None = None  # [T, k*D] tapped target layers (block drafters)
     sampling_metadata: Any = None  # the step's SamplingMetadata (rows = requests); probabilistic drafts
@@ -67,6 +67,8 @@ class Speculator:
     # May the runner skip propose() in a step after which nobody drafts? Not for EAGLE/MTP:
     # their first draft pass writes the draft KV of the step's tokens, which later drafts read.
     can_skip_propose = False
+    # Does propose() read DraftInputs.last_accepted_index? (the runner skips its copy if not)
+    needs_last_accepted_index = True
 
     def __init__(self, vllm_config: Any, device: torch.device | str, block_tables: Any,
                  max_num_reqs: int, max_num_tokens: int):
@@ -91,8 +93,16 @@ class Speculator:
         self._sampling_metadata: Any = None
         # The draft's own buffers: its seq_lens differ from the target's every draft step.
         self.input_buffers = InputBuffers(max_num_reqs, max_num_tokens, self.device)
-        # Host upper bound of the draft seq_lens (metadata aliases it, like the other buffers).
+        # Host upper bound of the draft seq_lens (metadata aliases it, like the other buffers),
+        # and the exact host draft lengths; numpy views are written in place each draft step
+        # (one metadata build is consumed before the next one rewrites them).
         self.seq_lens_cpu_upper_bound = torch.zeros(max_num_reqs, dtype=torch.int32)
+        self._upper_bound_np = self.seq_lens_cpu_upper_bound.numpy()
+        self._seq_lens_cpu = torch.zeros(max_num_reqs, dtype=torch.int32)
+        self._seq_lens_cpu_np = self._seq_lens_cpu.numpy()
+        # (num_reqs, num_reqs_padded, Q) of the uniform query starts last copied to the device
+        # (block drafters: the same every step, so neither the host write nor the copy recurs).
+        self._uniform_qsl_key: tuple[int, int, int] | None = None
         # The drafter's OWN DCP geometry. `block_tables` is shared with the target, so its
         # cp_size is the target's: a replicated drafter (draft_decode_context_parallel_size=1
         # under a DCP target) must not recompute rank-local lengths from it.
@@ -208,38 +218,51 @@ class Speculator:
         qsl_np = buffers.query_start_loc_np
         if query_start_loc_np is None:
             per_req = 1 if num_query_per_req is None else int(num_query_per_req)
-            qsl_np[: num_reqs_padded + 1] = np.minimum(np.arange(num_reqs_padded + 1),
-                                                       num_reqs) * per_req
             max_query_len = per_req
+            key = (num_reqs, num_reqs_padded, per_req)
+            if key != self._uniform_qsl_key:
+                # Only this method writes the draft's query starts: unchanged key, unchanged
+                # device buffer.
+                qsl_np[: num_reqs_padded + 1] = np.minimum(np.arange(num_reqs_padded + 1),
+                                                           num_reqs) * per_req
+                buffers.query_start_loc[: num_reqs_padded + 1].copy_(
+                    buffers.query_start_loc_cpu[: num_reqs_padded + 1], non_blocking=True)
+                self._uniform_qsl_key = key
         else:
+            self._uniform_qsl_key = None
             qsl_np[: num_reqs_padded + 1] = query_start_loc_np[: num_reqs_padded + 1]
             query_lens = np.diff(qsl_np[: num_reqs_padded + 1])
             max_query_len = int(query_lens.max()) if num_reqs_padded else 0
+            buffers.query_start_loc[: num_reqs_padded + 1].copy_(
+                buffers.query_start_loc_cpu[: num_reqs_padded + 1], non_blocking=True)
         if int(qsl_np[num_reqs_padded]) > num_tokens_padded:
             raise ValueError(
                 f"the draft batch has {int(qsl_np[num_reqs_padded])} query tokens but "
                 f"num_tokens_padded={num_tokens_padded}; pass the padded token count.")
-        buffers.query_start_loc[: num_reqs_padded + 1].copy_(
-            buffers.query_start_loc_cpu[: num_reqs_padded + 1], non_blocking=True)
-        buffers.seq_lens[num_reqs:num_reqs_padded].zero_()
+        if num_reqs_padded > num_reqs:
+            buffers.seq_lens[num_reqs:num_reqs_padded].zero_()
 
         # Host upper bound of the draft lengths: each step adds at most `step` tokens past the
         # target's bound, and no sequence outgrows max_model_len. Padding rows stay 0.
         upper_bound = self.seq_lens_cpu_upper_bound[:num_reqs_padded]
-        upper_bound.zero_()
+        upper_np = self._upper_bound_np
+        upper_np[num_reqs:num_reqs_padded] = 0
+        max_seq_len = 0
         if num_reqs > 0:
-            bound = torch.as_tensor(np.asarray(seq_lens_cpu_upper_bound)[:num_reqs],
-                                    dtype=torch.int64)
-            upper_bound[:num_reqs] = (bound + step).clamp(max=self.max_model_len).to(torch.int32)
-        max_seq_len = int(upper_bound.max()) if num_reqs > 0 else 0
+            bound = seq_lens_cpu_upper_bound[:num_reqs]
+            if isinstance(bound, torch.Tensor):
+                bound = bound.numpy()
+            np.minimum(np.asarray(bound, dtype=np.int64) + step, self.max_model_len,
+                       out=upper_np[:num_reqs], casting="unsafe")
+            max_seq_len = int(upper_np[:num_reqs].max())
         if cudagraph:  # graph replays keep the capture's bound (shapes baked into kernels)
             max_seq_len = self.max_model_len
 
         seq_lens_cpu = None
         if seq_lens_np is not None:
-            seq_lens_cpu = torch.zeros(num_reqs_padded, dtype=torch.int32)
-            seq_lens_cpu[:num_reqs] = torch.from_numpy(np.asarray(seq_lens_np)[:num_reqs]
-                                                       .astype(np.int32))
+            seq_lens_cpu = self._seq_lens_cpu[:num_reqs_padded]
+            self._seq_lens_cpu_np[:num_reqs] = np.asarray(seq_lens_np)[:num_reqs]
+            self._seq_lens_cpu_np[num_reqs:num_reqs_padded] = 0
         elif buffers.seq_lens.device.type == "cpu":
             seq_lens_cpu = buffers.seq_lens[:num_reqs_padded]
         # The speculator's own DCP size, not block_tables.cp_size (the target's, shared): a
