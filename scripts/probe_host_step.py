@@ -1,0 +1,167 @@
+"""Host cost of a steady decode step, per phase, on any machine (CPU is enough).
+
+The GPU probe (`probe_decode_step.py`) needs a GPU and mixes host time with waits on the GPU.
+This one runs the built-in tiny model (or --model) and, by default, STUBS THE MODEL FORWARD: the
+runner's `_forward` returns persistent zero hidden states and fixed logits (argmax = one token),
+so what is timed is the engine's host work around the model: scheduling, the runner's input
+preparation and attention metadata, the (greedy) sampler on those fixed logits, the scheduler
+update, the output processor and the request-state bookkeeping. `--real-forward` runs the model.
+
+It wraps chosen functions with perf_counter accumulators (~1 us each) and reports the median per
+step (ms) of each phase over --steps steady decode steps, for every --batch size.
+
+Usage: python scripts/probe_host_step.py --batch 1 8 32 64 --steps 200 [--sync]
+    [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+_TIMES: dict[str, float] = defaultdict(float)  # label -> seconds in the current step
+_ACTIVE = [False]
+
+
+def _wrap(owner, name: str, label: str) -> None:
+    original = getattr(owner, name, None)
+    if original is None:
+        return
+
+    @functools.wraps(original)
+    def timed(*args, **kwargs):
+        if not _ACTIVE[0]:
+            return original(*args, **kwargs)
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _TIMES[label] += time.perf_counter() - start
+
+    setattr(owner, name, timed)
+
+
+def _instrument() -> None:
+    """Wrap once, on the classes: every engine built afterwards is instrumented."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import llm_engine
+    from vllm.v1.worker.gpu import input_batch, model_runner
+    runner_cls = model_runner.GPUModelRunner
+    _wrap(runner_cls, "_update_states", "runner._update_states")
+    _wrap(runner_cls, "_prepare_inputs", "runner._prepare_inputs")
+    _wrap(input_batch.InputBatchBuilder, "build", "  InputBatchBuilder.build")
+    _wrap(model_runner, "build_attn_metadata", "  build_attn_metadata")
+    _wrap(runner_cls, "_forward", "runner._forward (stub)")
+    _wrap(runner_cls, "_sample", "runner._sample")
+    _wrap(runner_cls, "_copy_step_output", "runner._copy_step_output")
+    _wrap(runner_cls, "_finish_step", "runner._finish_step")
+    _wrap(runner_cls, "_launched", "runner._launched (async)")
+    _wrap(runner_cls, "_collect", "runner._collect (async)")
+    _wrap(Scheduler, "schedule", "scheduler.schedule")
+    _wrap(Scheduler, "update_from_output", "scheduler.update_from_output")
+    _wrap(llm_engine.LLMEngine, "_process_step", "engine._process_step (incl. update)")
+    _wrap(llm_engine.LLMEngine, "_make_output", "  engine._make_output")
+    from vllm.v1.engine import detokenizer
+    _wrap(detokenizer.IncrementalDetokenizer, "update", "  detokenizer.update")
+
+
+def _stub_forward(runner) -> None:
+    """Replace the model forward by fixed outputs (no per-step allocation), so host work shows."""
+    hf = runner.vllm_config.model_config.hf_config
+    vocab, hidden = int(hf.vocab_size), int(hf.hidden_size)
+    n = runner.max_num_tokens
+    zeros = torch.zeros(n, hidden, dtype=runner.kv_dtype, device=runner.device)
+    logits = torch.zeros(n, vocab, dtype=torch.float32, device=runner.device)
+    logits[:, 7] = 1.0  # greedy picks token 7 in every row
+
+    def forward(batch):
+        return zeros[: batch.num_tokens_padded], None, logits[: len(batch.logits_indices)] \
+            if not batch.cudagraph else logits[: batch.num_tokens_padded]
+
+    runner._forward = forward
+
+
+def run_one(batch: int, steps: int, args) -> dict:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.llm_engine import LLMEngine
+    ctx = args.context
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=args.model, max_model_len=ctx + steps + 64, max_num_seqs=max(batch, 1),
+        async_scheduling=not args.sync, max_num_batched_tokens=max(2048, batch * ctx)))
+    runner = engine.executor.worker.model_runner
+    if not args.real_forward:
+        _stub_forward(runner)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True,
+                            detokenize=not args.no_detokenize)
+    for i in range(batch):
+        engine.add_request(f"r{i}", [(7 * i + 3 * j + 1) % 250 for j in range(ctx)], params)
+    while engine.scheduler.waiting:
+        engine.step()
+    for _ in range(10):
+        engine.step()
+    per_step: dict[str, list[float]] = defaultdict(list)
+    step_times = []
+    gc.collect()
+    for _ in range(steps):
+        _TIMES.clear()
+        _ACTIVE[0] = True
+        t0 = time.perf_counter()
+        engine.step()
+        step_times.append(time.perf_counter() - t0)
+        _ACTIVE[0] = False
+        for label, seconds in _TIMES.items():
+            per_step[label].append(seconds)
+    engine.shutdown()
+    result = {"batch": batch, "step_ms": statistics.median(step_times) * 1e3,
+              "phases_ms": {k: statistics.median(v) * 1e3 for k, v in per_step.items()}}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="default: the built-in tiny model")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--context", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--sync", action="store_true",
+                        help="async scheduling off (it is on by default, as in the engine)")
+    parser.add_argument("--real-forward", action="store_true",
+                        help="run the model instead of the fixed-output stub")
+    parser.add_argument("--no-detokenize", action="store_true",
+                        help="requests with detokenize=False (no output text)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    from vllm.v1.engine.llm_engine import LLMEngine  # noqa: F401 - import before wrapping
+    _instrument()
+    results = [run_one(b, args.steps, args) for b in args.batch]
+    mode = "sync" if args.sync else "async"
+    fwd = "real forward" if args.real_forward else "STUBBED forward (fixed logits), real sampler"
+    print(f"# host cost per decode step, {mode}, {fwd}, device=cpu, median ms per step")
+    labels = []
+    for r in results:
+        for k in r["phases_ms"]:
+            if k not in labels:
+                labels.append(k)
+    header = "| phase | " + " | ".join(f"B={r['batch']}" for r in results) + " |"
+    print(header)
+    print("|---" * (len(results) + 1) + "|")
+    print("| **engine.step (wall)** | " + " | ".join(f"**{r['step_ms']:.3f}**" for r in results)
+          + " |")
+    for label in labels:
+        print(f"| {label} | " + " | ".join(f"{r['phases_ms'].get(label, 0.0):.3f}"
+                                         for r in results) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"mode": mode, "forward": fwd, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
