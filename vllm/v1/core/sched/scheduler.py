@@ -192,7 +192,80 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     # ---- one step --------------------------------------------------------------------------
+    # The steady-decode fast path (`_schedule_steady_decode`); tests switch it off to compare it
+    # with the general path.
+    steady_decode_fast_path = True
+
     def schedule(self) -> SchedulerOutput:
+        if self.steady_decode_fast_path:
+            output = self._schedule_steady_decode()
+            if output is not None:
+                return output
+        return self._schedule_general()
+
+    def _schedule_steady_decode(self) -> SchedulerOutput | None:
+        """The common step of a busy engine, in one lean pass: plain decoding (no drafter), no
+        admission possible (nothing waits, or the batch is full), every running request decodes one token and the pool has the blocks
+        for all of them. Then the general path would schedule exactly the running requests in
+        order, one token each, with no preemption and no admission; this builds the same
+        SchedulerOutput without its per-request helper calls. Returns None (nothing changed)
+        when any condition fails, and the caller runs the general path."""
+        if self.spec_policy is not None or self.num_spec_tokens:
+            return None
+        if self.waiting and len(self.running) < self.max_num_running_reqs:
+            return None  # an admission may follow (with a full batch none can)
+        kv = self.kv_cache_manager
+        tokens_per_block = kv.tokens_per_block
+        held_blocks = kv.req_to_blocks
+        check_placeholders = self.async_scheduling
+        max_model_len = self.max_model_len
+        scheduled: list[Request] = []
+        grow: list[tuple[Request, int]] = []
+        new_blocks_total = 0
+        for request in self.running:
+            num_out = len(request.output_token_ids)
+            pending = request.num_output_placeholders
+            planned = request.num_prompt_tokens + num_out + pending
+            if check_placeholders and pending > 0 and (
+                    num_out + pending >= request.max_tokens or planned >= max_model_len):
+                continue  # its in-flight token is its last (_finishes_with_placeholders)
+            computed = request.num_computed_tokens
+            if planned - computed != 1:
+                return None  # an unfinished prefill: the general path
+            # _slots_needed(request, 1) without drafts: computed + 1 + 1 tokens.
+            need = -(-(computed + 2) // tokens_per_block) - len(held_blocks.get(request.request_id, ()))
+            if need > 0:
+                new_blocks_total += need
+                grow.append((request, computed + 2))
+            scheduled.append(request)
+        if len(scheduled) > self.max_num_batched_tokens:
+            return None  # cannot happen (max_num_running_reqs); the general path asserts it
+        if new_blocks_total > kv.num_free_blocks:
+            return None  # someone must be preempted: the general path picks the victims
+        grown = {}
+        for request, num_tokens in grow:
+            grown[request.request_id] = kv.allocate_slots(request.request_id, num_tokens)
+        req_ids = [r.request_id for r in scheduled]
+        cached = CachedRequestData(
+            req_ids=req_ids,
+            new_block_ids=[grown.get(req_id) or [] for req_id in req_ids] if grown
+            else [[] for _ in req_ids],
+            num_computed_tokens=[r.num_computed_tokens for r in scheduled])
+        num_scheduled = dict.fromkeys(req_ids, 1)
+        output = SchedulerOutput(
+            scheduled_new_reqs=[], scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=len(req_ids),
+            scheduled_spec_decode_tokens={}, finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=set(), propose_drafts=True)
+        self.finished_req_ids = set()
+        if check_placeholders:
+            # _advance_scheduled: the token counts as computed and the step samples one token.
+            for request in scheduled:
+                request.num_computed_tokens += 1
+                request.num_output_placeholders += 1
+        return output
+
+    def _schedule_general(self) -> SchedulerOutput:
         token_budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}
