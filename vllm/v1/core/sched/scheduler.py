@@ -37,7 +37,7 @@ from vllm.v1.spec_decode.policy import SpeculationPolicy
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     """Tokens a request gained this step (after stop truncation) and, if it ended, why."""
 
@@ -507,43 +507,51 @@ class Scheduler:
         schedule time). A request preempted after the step was launched keeps its token: it is
         prefilled again later with it."""
         outputs: list[EngineCoreOutput] = []
+        requests = self.requests
+        scheduled = scheduler_output.num_scheduled_tokens
+        all_sampled = runner_output.sampled_token_ids
+        running_status, preempted_status = RequestStatus.RUNNING, RequestStatus.PREEMPTED
+        check_stop = self._check_stop
         for row, req_id in enumerate(runner_output.req_ids):
-            request = self.requests.get(req_id)
-            if request is None or req_id not in scheduler_output.num_scheduled_tokens:
+            request = requests.get(req_id)
+            if request is None or req_id not in scheduled:
                 continue  # finished or aborted while the step ran: its output is dropped
-            sampled = list(runner_output.sampled_token_ids[row])
-            if not sampled:
+            sampled = all_sampled[row]
+            if not len(sampled):
                 continue  # an unfinished prefill chunk
             if len(sampled) != 1:
                 raise RuntimeError(f"model runner returned {len(sampled)} tokens for request "
                                    f"{req_id!r} in an async step without drafts; expected 1")
-            running = request.status == RequestStatus.RUNNING
+            status = request.status
+            running = status == running_status
             if running:
                 request.num_output_placeholders -= 1
-            elif request.status != RequestStatus.PREEMPTED:
+            elif status != preempted_status:
                 continue
             token = sampled[0]
             request.output_token_ids.append(token)
-            self._check_stop(request, token)
-            if request.is_finished():
+            if check_stop(request, token):
                 (self.running if running else self.waiting).remove(request)
                 self._free_request(request)
-            outputs.append(EngineCoreOutput(req_id, [token], request.get_finished_reason(),
-                                            request.stop_reason))
+                outputs.append(EngineCoreOutput(req_id, [token], request.get_finished_reason(),
+                                                request.stop_reason))
+            else:
+                outputs.append(EngineCoreOutput(req_id, [token], None, request.stop_reason))
         return outputs
 
     def _check_stop(self, request: Request, token: int) -> bool:
-        params = request.sampling_params
-        min_tokens = int(getattr(params, "min_tokens", 0) or 0)
-        if request.num_output_tokens >= min_tokens:
-            if token == request.eos_token_id and not getattr(params, "ignore_eos", False):
+        """Append-time stop check of one sampled token (already in output_token_ids); sets the
+        finished status and returns True when the request ends here."""
+        num_out = len(request.output_token_ids)
+        if num_out >= request.min_tokens:
+            if token == request.eos_token_id and not request.ignore_eos:
                 request.status = RequestStatus.FINISHED_STOPPED
                 return True
-            if token in (getattr(params, "stop_token_ids", None) or ()):
+            if request.stop_token_ids and token in request.stop_token_ids:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token
                 return True
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if num_out >= request.max_tokens or request.num_prompt_tokens + num_out >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
