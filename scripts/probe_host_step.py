@@ -7,8 +7,10 @@ so what is timed is the engine's host work around the model: scheduling, the run
 preparation and attention metadata, the (greedy) sampler on those fixed logits, the scheduler
 update, the output processor and the request-state bookkeeping. `--real-forward` runs the model.
 
-It wraps chosen functions with perf_counter accumulators (~1 us each) and reports the median per
-step (ms) of each phase over --steps steady decode steps, for every --batch size.
+It wraps chosen functions with clock accumulators (thread CPU time by default, ~1 us each: time
+descheduled on a shared machine is not counted) and reports the median per
+step (ms) of each phase over --steps steady decode steps, for every --batch size (with
+--repeats N: the smallest of N such medians).
 
 Usage: python scripts/probe_host_step.py --batch 1 8 32 64 --steps 200 [--sync]
     [--json out.json]
@@ -27,6 +29,9 @@ import torch
 
 _TIMES: dict[str, float] = defaultdict(float)  # label -> seconds in the current step
 _ACTIVE = [False]
+# CPU time of this thread by default: on a shared machine, time spent descheduled is not the
+# engine's host cost (--clock wall for perf_counter).
+_CLOCK = [time.thread_time]
 
 
 def _wrap(owner, name: str, label: str) -> None:
@@ -38,11 +43,12 @@ def _wrap(owner, name: str, label: str) -> None:
     def timed(*args, **kwargs):
         if not _ACTIVE[0]:
             return original(*args, **kwargs)
-        start = time.perf_counter()
+        clock = _CLOCK[0]
+        start = clock()
         try:
             return original(*args, **kwargs)
         finally:
-            _TIMES[label] += time.perf_counter() - start
+            _TIMES[label] += clock() - start
 
     setattr(owner, name, timed)
 
@@ -112,9 +118,9 @@ def run_one(batch: int, steps: int, args) -> dict:
     for _ in range(steps):
         _TIMES.clear()
         _ACTIVE[0] = True
-        t0 = time.perf_counter()
+        t0 = _CLOCK[0]()
         engine.step()
-        step_times.append(time.perf_counter() - t0)
+        step_times.append(_CLOCK[0]() - t0)
         _ACTIVE[0] = False
         for label, seconds in _TIMES.items():
             per_step[label].append(seconds)
@@ -136,15 +142,28 @@ def main() -> None:
                         help="run the model instead of the fixed-output stub")
     parser.add_argument("--no-detokenize", action="store_true",
                         help="requests with detokenize=False (no output text)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run each batch size this many times and keep, per phase, the "
+                             "smallest median (the machine's noise only adds time)")
+    parser.add_argument("--clock", choices=("thread", "wall"), default="thread",
+                        help="thread: CPU time of the engine thread (default); wall: perf_counter")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    _CLOCK[0] = time.thread_time if args.clock == "thread" else time.perf_counter
     torch.set_num_threads(1)
     from vllm.v1.engine.llm_engine import LLMEngine  # noqa: F401 - import before wrapping
     _instrument()
-    results = [run_one(b, args.steps, args) for b in args.batch]
+    results = []
+    for b in args.batch:
+        runs = [run_one(b, args.steps, args) for _ in range(args.repeats)]
+        phases = {k: min(r["phases_ms"].get(k, float("inf")) for r in runs)
+                  for k in runs[0]["phases_ms"]}
+        results.append({"batch": b, "step_ms": min(r["step_ms"] for r in runs),
+                        "phases_ms": phases})
     mode = "sync" if args.sync else "async"
     fwd = "real forward" if args.real_forward else "STUBBED forward (fixed logits), real sampler"
-    print(f"# host cost per decode step, {mode}, {fwd}, device=cpu, median ms per step")
+    print(f"# host cost per decode step, {mode}, {fwd}, device=cpu, {args.clock} clock, "
+          f"median ms per step (min over {args.repeats} runs)")
     labels = []
     for r in results:
         for k in r["phases_ms"]:
