@@ -369,7 +369,9 @@ class GPUModelRunner:
             logits = logits_all
 
         prompt_logprobs = None
-        if not batch.cudagraph:  # prefill rows (never in a graph) may ask for prompt logprobs
+        # Rows prefilled from position 0 (never in a graph) may ask for prompt logprobs; a step
+        # without such a row has none to compute (no per-request lists are built for it).
+        if not batch.cudagraph and (batch.num_computed_np == 0).any():
             prompt_logprobs = self.sampling_states.prompt_logprobs(
                 self.model.compute_logits, hidden, batch.req_ids,
                 batch.query_start_loc_np[: num_reqs + 1].tolist(),
