@@ -53,7 +53,7 @@ def _wrap(owner, name: str, label: str) -> None:
     setattr(owner, name, timed)
 
 
-def _instrument() -> None:
+def _instrument(per_request: bool) -> None:
     """Wrap once, on the classes: every engine built afterwards is instrumented."""
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine import llm_engine
@@ -72,9 +72,10 @@ def _instrument() -> None:
     _wrap(Scheduler, "schedule", "scheduler.schedule")
     _wrap(Scheduler, "update_from_output", "scheduler.update_from_output")
     _wrap(llm_engine.LLMEngine, "_process_step", "engine._process_step (incl. update)")
-    _wrap(llm_engine.LLMEngine, "_make_output", "  engine._make_output")
-    from vllm.v1.engine import detokenizer
-    _wrap(detokenizer.IncrementalDetokenizer, "update", "  detokenizer.update")
+    if per_request:  # a wrapper costs ~1 us per call: these inflate the step by ~2 us/request
+        _wrap(llm_engine.LLMEngine, "_make_output", "  engine._make_output (per request)")
+        from vllm.v1.engine import detokenizer
+        _wrap(detokenizer.IncrementalDetokenizer, "update", "  detokenizer.update (per request)")
 
 
 def _stub_forward(runner) -> None:
@@ -147,12 +148,15 @@ def main() -> None:
                              "smallest median (the machine's noise only adds time)")
     parser.add_argument("--clock", choices=("thread", "wall"), default="thread",
                         help="thread: CPU time of the engine thread (default); wall: perf_counter")
+    parser.add_argument("--per-request-phases", action="store_true",
+                        help="also time the per-request calls (output making, detokenizer); "
+                             "their wrappers inflate the step by ~2 us per request")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     _CLOCK[0] = time.thread_time if args.clock == "thread" else time.perf_counter
     torch.set_num_threads(1)
     from vllm.v1.engine.llm_engine import LLMEngine  # noqa: F401 - import before wrapping
-    _instrument()
+    _instrument(args.per_request_phases)
     results = []
     for b in args.batch:
         runs = [run_one(b, args.steps, args) for _ in range(args.repeats)]
