@@ -406,8 +406,8 @@ class GPUModelRunner:
         num_draft_list = [0] * num_reqs
         num_computed_new = batch.num_computed_np + batch.num_scheduled_np
         num_sample_rows = len(sample_rows)
-        if num_sample_rows and not num_draft.any() and (host[:num_sample_rows, -1] == 1).all():
-            # Plain decoding: one token per sampling row, nothing rejected (vectorised).
+        if self.num_spec_tokens == 0:
+            # Plain decoding (no draft can be scheduled): one token per sampling row.
             for row, token in zip(sample_rows, host[:num_sample_rows, 0].tolist()):
                 out_tokens[row] = [token]
         else:
