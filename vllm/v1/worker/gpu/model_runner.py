@@ -419,8 +419,12 @@ class GPUModelRunner:
                 num_computed_new[row] -= int(num_draft[j]) - (n - 1)
         # Counts for penalties / min_tokens, and logprobs of requests that asked (computed from
         # the raw logits; a step with none of these features does nothing here).
-        logprobs = self.sampling_states.after_sampling(
-            logits, rows_info, [out_tokens[r] for r in sample_rows]) if sample_rows else None
+        # (A step whose rows use none of them skips the call: needs_host_tokens covers every
+        # slot with a feature or logprobs, the only ones after_sampling touches.)
+        logprobs = None
+        if sample_rows and self.sampling_states.needs_host_tokens(rows_info.slots):
+            logprobs = self.sampling_states.after_sampling(
+                logits, rows_info, [out_tokens[r] for r in sample_rows])
         by_id = self.requests.by_id
         self.requests.num_computed.np[batch.idx_mapping_np[:num_reqs]] = num_computed_new
         for req_id, tokens, value in zip(req_ids, out_tokens, num_computed_new.tolist()):
