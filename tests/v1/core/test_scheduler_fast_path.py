@@ -1,9 +1,11 @@
-"""The scheduler's steady-decode fast path (`_schedule_steady_decode`) against the general path.
+"""The scheduler's fast paths against the general ones: the steady-decode schedule
+(`_schedule_steady_decode`) and the synchronous no-draft update (`_update_from_plain_output`).
 
 Brute force: random workloads (arrivals, stops, aborts, tight KV pools that force preemption,
 sync and async scheduling). At every step the scheduler is deep-copied, one copy schedules with
 the fast path off and one with it on; the SchedulerOutputs and the whole scheduler state after
-the call must be equal. The run then continues from the fast-path copy. The test also checks
+the call must be equal; each synchronous update is compared the same way. The run then
+continues from the fast-path copy. The test also checks
 that the fast path was taken in a good share of the steps (otherwise it would prove nothing).
 """
 from __future__ import annotations
@@ -46,6 +48,26 @@ def _schedule_both(s: Scheduler, counter: list[int]) -> tuple[Scheduler, object]
     return fast, got
 
 
+def _update_both(s: Scheduler, so, out, counter: list[int]) -> Scheduler:
+    """update_from_output with the plain (no-draft) update fast path off and on: equal outputs
+    and equal scheduler state; returns the fast-path copy."""
+    general = copy.deepcopy(s)
+    general.plain_update_fast_path = False
+    expected = general.update_from_output(so, out)
+    fast = copy.deepcopy(s)
+    calls = []
+    plain = fast._update_from_plain_output
+    fast._update_from_plain_output = lambda *a: calls.append(1) or plain(*a)
+    got = fast.update_from_output(so, out)
+    del fast._update_from_plain_output
+    counter[2] += len(calls)
+    assert got == expected
+    assert _state(fast) == _state(general)
+    assert all(r.spec_token_ids == g.spec_token_ids for r, g in
+               zip(fast.requests.values(), general.requests.values()))
+    return fast
+
+
 def _sampling_rows(s: Scheduler, so, async_scheduling: bool) -> dict[str, bool]:
     rows = {}
     for req_id, n in so.num_scheduled_tokens.items():
@@ -72,7 +94,7 @@ def test_fast_path_equals_general_path(async_scheduling, seed):
                          max_num_batched_tokens=rng.choice([32, 64, 512]))
     config.async_scheduling = async_scheduling
     s = Scheduler(config, num_blocks=rng.choice([26, 40, 400]))
-    counter = [0, 0]
+    counter = [0, 0, 0]
     next_id, pending = 0, None
     for _ in range(300):
         if rng.random() < 0.04 or not s.has_unfinished_requests():
@@ -94,6 +116,8 @@ def test_fast_path_equals_general_path(async_scheduling, seed):
                 s.update_from_output(*pending)
             pending = (so, out)
         else:
-            s.update_from_output(so, out)
+            s = _update_both(s, so, out, counter)
     assert counter[0] >= counter[1] // 5, f"fast path taken in only {counter[0]} of {counter[1]}"
     assert counter[0] < counter[1], "the general path never ran: the workload is too easy"
+    if not async_scheduling:
+        assert counter[2] == counter[1], "every synchronous update here has no drafts"

@@ -195,6 +195,8 @@ class Scheduler:
     # The steady-decode fast path (`_schedule_steady_decode`); tests switch it off to compare it
     # with the general path.
     steady_decode_fast_path = True
+    # The synchronous no-draft update (`_update_from_plain_output`); tests switch it off too.
+    plain_update_fast_path = True
 
     def schedule(self) -> SchedulerOutput:
         if self.steady_decode_fast_path:
@@ -458,6 +460,10 @@ class Scheduler:
         spec_out = runner_output.spec_token_ids
         if self.async_scheduling:
             return self._update_from_async_output(scheduler_output, runner_output)
+        if (self.plain_update_fast_path and spec_out is None and self.spec_policy is None
+                and self.spec_decoding_stats is None
+                and not scheduler_output.scheduled_spec_decode_tokens):
+            return self._update_from_plain_output(scheduler_output, runner_output)
         for row, req_id in enumerate(runner_output.req_ids):
             request = self.requests.get(req_id)
             num_scheduled = scheduler_output.num_scheduled_tokens.get(req_id)
@@ -499,6 +505,51 @@ class Scheduler:
                 request.spec_token_ids = list(spec_out[row]) if spec_out is not None else []
             outputs.append(EngineCoreOutput(req_id, new_tokens, request.get_finished_reason(),
                                             request.stop_reason))
+        return outputs
+
+    def _update_from_plain_output(self, scheduler_output: SchedulerOutput,
+                                  runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """update_from_output of a synchronous step without drafts (no drafter, no spec
+        stats or policy): what the general loop does with zero drafts, in one lean pass (one
+        token per completing row, nothing rejected)."""
+        outputs: list[EngineCoreOutput] = []
+        requests = self.requests
+        scheduled = scheduler_output.num_scheduled_tokens
+        all_sampled = runner_output.sampled_token_ids
+        running_status = RequestStatus.RUNNING
+        check_stop = self._check_stop
+        for row, req_id in enumerate(runner_output.req_ids):
+            request = requests.get(req_id)
+            num_scheduled = scheduled.get(req_id)
+            if request is None or num_scheduled is None or request.status != running_status:
+                continue  # finished or aborted while the step ran
+            sampled = all_sampled[row]
+            num_sampled = len(sampled)
+            computed = request.num_computed_tokens + num_scheduled
+            if computed < request.num_prompt_tokens + len(request.output_token_ids):
+                if num_sampled:
+                    raise RuntimeError(
+                        f"model runner sampled {num_sampled} tokens for request {req_id!r}, "
+                        f"whose prefill is unfinished ({request.num_computed_tokens} + "
+                        f"{num_scheduled} of {request.num_tokens} tokens); expected none")
+                request.num_computed_tokens = computed
+                continue
+            if num_sampled != 1:
+                raise RuntimeError(
+                    f"model runner returned {num_sampled} tokens for request {req_id!r}, which "
+                    f"verified 0 drafts; expected between 1 and 1")
+            request.num_computed_tokens = computed
+            token = sampled[0]
+            request.output_token_ids.append(token)
+            if check_stop(request, token):
+                self.running.remove(request)
+                self._free_request(request)
+                outputs.append(EngineCoreOutput(req_id, [token], request.get_finished_reason(),
+                                                request.stop_reason))
+                continue
+            if request.spec_token_ids:
+                request.spec_token_ids = []
+            outputs.append(EngineCoreOutput(req_id, [token], None, request.stop_reason))
         return outputs
 
     def _update_from_async_output(self, scheduler_output: SchedulerOutput,
