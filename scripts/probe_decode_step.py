@@ -9,7 +9,8 @@ perf_counter accumulators (about a microsecond each) and reports, per engine ste
   * the kernels one replay launches (torch.profiler), i.e. the graph's size.
 
 Usage (GPU node): python scripts/probe_decode_step.py --model benchmarks/configs/deepseek_v3_tp8_rank \
-    --load-format dummy --batch 1 --steps 100 [--speculative-config '{...}']
+    --load-format dummy --batch 1 --steps 100 [--speculative-config '{...}'] [--async-scheduling]
+    [--cuda-api 20]
 """
 from __future__ import annotations
 
@@ -102,6 +103,56 @@ def _replay_probe(runner, repeats: int = 50) -> dict:
             "cudaGraphLaunch_us": [round(e.cpu_time_total, 1) for e in launch][:3]}
 
 
+def _cuda_api_probe(engine, steps: int) -> dict:
+    """CUDA runtime calls per step, by name, inside `_prepare_inputs` and in the whole step
+    (torch.profiler's runtime events). Their host durations say whether a call waits on the
+    busy stream (a blocking call lasts as long as the GPU work ahead of it). The profiler adds
+    host overhead, so compare sync and async runs of this probe with each other only."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from vllm.v1.worker.gpu import model_runner
+    cls = model_runner.GPUModelRunner
+    original = cls._prepare_inputs
+
+    def marked(self, *args, **kwargs):
+        with record_function("probe::_prepare_inputs"):
+            return original(self, *args, **kwargs)
+
+    cls._prepare_inputs = marked
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+    finally:
+        cls._prepare_inputs = original
+    events = prof.events()
+    ranges = sorted((e.time_range.start, e.time_range.end) for e in events
+                    if e.name == "probe::_prepare_inputs")
+
+    def inside(t: float) -> bool:
+        return any(a <= t <= b for a, b in ranges)
+
+    table: dict[str, dict] = {}
+    for e in events:
+        name = e.name
+        if not (name.startswith("cuda") or name.startswith("cu")) or e.device_type != \
+                torch.autograd.DeviceType.CPU:
+            continue
+        row = table.setdefault(name, {"calls": 0, "us": 0.0, "in_prepare_calls": 0,
+                                      "in_prepare_us": 0.0, "max_us": 0.0})
+        us = e.time_range.end - e.time_range.start
+        row["calls"] += 1
+        row["us"] += us
+        row["max_us"] = max(row["max_us"], us)
+        if inside(e.time_range.start):
+            row["in_prepare_calls"] += 1
+            row["in_prepare_us"] += us
+    for row in table.values():
+        for key in ("calls", "us", "in_prepare_calls", "in_prepare_us"):
+            row[key] = round(row[key] / steps, 2)
+    return dict(sorted(table.items(), key=lambda kv: -kv[1]["us"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None)
@@ -113,6 +164,9 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="overlap step N+1's host work with step N (plain decoding)")
+    parser.add_argument("--cuda-api", type=int, default=0, metavar="STEPS",
+                        help="after the timed steps, profile this many more and list the CUDA "
+                             "runtime calls per step (inside _prepare_inputs and overall)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     from vllm.engine.arg_utils import EngineArgs
@@ -154,6 +208,14 @@ def main() -> None:
     result["flashinfer_plans"] = {"native_replans": sum(s.native_replans for s in slots if s),
                                   "full_plans": sum(s.full_plans for s in slots if s)}
     print("  flashinfer plans:", result["flashinfer_plans"])
+    if args.cuda_api:
+        result["cuda_api_per_step"] = _cuda_api_probe(engine, args.cuda_api)
+        print(f"  CUDA runtime calls per step ({args.cuda_api} profiled steps): "
+              "calls / us total, of which inside _prepare_inputs, max us of one call")
+        for name, row in result["cuda_api_per_step"].items():
+            print(f"    {name:32s} {row['calls']:7.1f} / {row['us']:8.1f} us   in prepare "
+                  f"{row['in_prepare_calls']:6.1f} / {row['in_prepare_us']:8.1f} us   "
+                  f"max {row['max_us']:.1f}")
     if runner.cudagraphs is not None and runner.cudagraphs.graphs:
         result["replay"] = _replay_probe(runner)
     print(f"step {result['step_ms']:.3f} ms (median of {args.steps}), B={args.batch}, "

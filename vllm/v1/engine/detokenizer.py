@@ -48,11 +48,16 @@ class IncrementalDetokenizer:
         """Append tokens; return the stop string if one appeared (text is then cut at it)."""
         if self.stopped:
             return None
-        if self._stream is not None:
+        stream = self._stream
+        if stream is not None:
+            backend = self._backend
             for token in new_token_ids:
-                delta = self._stream.step(self._backend, int(token))
-                if delta and self._append(delta):
-                    return self._matched
+                delta = stream.step(backend, int(token))
+                if delta:
+                    if not self.stop:  # nothing to search for: just keep the text
+                        self.output_text += delta
+                    elif self._append(delta):
+                        return self._matched
             return None
         for token in new_token_ids:
             self._tokens.append(int(token))

@@ -356,43 +356,51 @@ class LLMEngine:
         # model's measurement. No device sync is added: the runner's step ends in its own copy.
         self.scheduler.record_step_time(scheduler_output, now - step_start)
         outputs = []
-        step_logprobs = runner_output.logprobs or {}
-        step_prompt_logprobs = runner_output.prompt_logprobs or {}
+        step_logprobs = runner_output.logprobs
+        step_prompt_logprobs = runner_output.prompt_logprobs
+        states = self._states
+        make_output = self._make_output
+        num_new_tokens = 0
+        merged = False  # some output is a parent's (n > 1): dedupe at the end
         for core in core_outputs:
-            state = self._states.get(core.request_id)
+            req_id = core.request_id
+            state = states.get(req_id)
             if state is None:
                 continue
-            if core.request_id in step_prompt_logprobs and state.prompt_logprobs is None:
-                state.prompt_logprobs = self._prompt_logprobs(
-                    step_prompt_logprobs[core.request_id])
-            if state.logprobs is not None and core.request_id in step_logprobs:
-                self._append_logprobs(state, step_logprobs[core.request_id],
-                                      len(core.new_token_ids))
-            state.output_token_ids.extend(core.new_token_ids)
+            new_token_ids = core.new_token_ids
+            if step_prompt_logprobs and req_id in step_prompt_logprobs \
+                    and state.prompt_logprobs is None:
+                state.prompt_logprobs = self._prompt_logprobs(step_prompt_logprobs[req_id])
+            if step_logprobs and state.logprobs is not None and req_id in step_logprobs:
+                self._append_logprobs(state, step_logprobs[req_id], len(new_token_ids))
+            state.output_token_ids.extend(new_token_ids)
             finish_reason, stop_reason = core.finish_reason, core.stop_reason
-            if state.detokenizer is not None:
-                stop_str = state.detokenizer.update(core.new_token_ids)
+            detokenizer = state.detokenizer
+            if detokenizer is not None:
+                stop_str = detokenizer.update(new_token_ids)
                 if stop_str is not None:
                     finish_reason, stop_reason = "stop", stop_str
-                    if not core.finished:
-                        self.scheduler.finish_requests(core.request_id,
-                                                       RequestStatus.FINISHED_STOPPED)
-            state.timer.record_tokens(len(core.new_token_ids), now)
-            self._num_generation_tokens += len(core.new_token_ids)
+                    if core.finish_reason is None:
+                        self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_STOPPED)
+            num_new = len(new_token_ids)
+            num_new_tokens += num_new
+            state.timer.record_tokens(num_new, now)
             finished = finish_reason is not None
-            output = self._make_output(state, finished, finish_reason, stop_reason)
+            output = make_output(state, finished, finish_reason, stop_reason)
             if finished:
                 self._record_finished(state)
-                del self._states[core.request_id]
+                del states[req_id]
             if state.parent_id is not None:
+                merged = True
                 output = self._merge_child(state, output)
                 if output is None:
                     continue
             outputs.append(output)
+        self._num_generation_tokens += num_new_tokens
         # Prompt tokens prefilled + tokens generated this step (vllm:iteration_tokens_total).
         self.last_iteration_tokens = num_prompt_tokens + sum(
             len(core.new_token_ids) for core in core_outputs)
-        return self._dedupe_parents(outputs)
+        return self._dedupe_parents(outputs) if merged else outputs
 
     # ---- failure isolation -------------------------------------------------------------------
     def take_request_errors(self) -> dict[str, str]:
@@ -513,19 +521,18 @@ class LLMEngine:
 
     def _make_output(self, state: _RequestState, finished: bool, finish_reason,
                      stop_reason) -> RequestOutput:
-        text = state.detokenizer.output_text if state.detokenizer is not None else ""
-        completion = CompletionOutput(index=state.index, text=text,
-                                      token_ids=list(state.output_token_ids),
-                                      finish_reason=finish_reason, stop_reason=stop_reason,
-                                      cumulative_logprob=state.cumulative_logprob,
-                                      logprobs=list(state.logprobs)
-                                      if state.logprobs is not None else None)
+        detokenizer = state.detokenizer
+        logprobs = state.logprobs
+        completion = CompletionOutput(state.index, "" if detokenizer is None
+                                      else detokenizer.output_text,
+                                      list(state.output_token_ids), finish_reason, stop_reason,
+                                      state.cumulative_logprob,
+                                      None if logprobs is None else list(logprobs))
         # The prompt ids never change after add_request, so every output shares one list (as
         # upstream does) instead of copying the whole prompt for every request at every step.
-        return RequestOutput(request_id=state.request_id, prompt=state.prompt,
-                             prompt_token_ids=state.prompt_token_ids, outputs=[completion],
-                             finished=finished, prompt_logprobs=state.prompt_logprobs,
-                             metrics=state.timer.phases() if finished else None)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion],
+                             finished, state.timer.phases() if finished else None,
+                             state.prompt_logprobs)
 
     def _record_finished(self, state: _RequestState) -> None:
         self._num_finished += 1

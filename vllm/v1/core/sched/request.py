@@ -60,6 +60,12 @@ class Request:
     def __post_init__(self):
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        # The stop settings the scheduler checks for every sampled token, read once here (the
+        # engine hands each request a private copy of its params that nothing changes later).
+        params = self.sampling_params
+        self.min_tokens = int(getattr(params, "min_tokens", 0) or 0)
+        self.ignore_eos = bool(getattr(params, "ignore_eos", False))
+        self.stop_token_ids = frozenset(getattr(params, "stop_token_ids", None) or ())
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -37,7 +37,7 @@ from vllm.v1.spec_decode.policy import SpeculationPolicy
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     """Tokens a request gained this step (after stop truncation) and, if it ended, why."""
 
@@ -192,7 +192,82 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     # ---- one step --------------------------------------------------------------------------
+    # The steady-decode fast path (`_schedule_steady_decode`); tests switch it off to compare it
+    # with the general path.
+    steady_decode_fast_path = True
+    # The synchronous no-draft update (`_update_from_plain_output`); tests switch it off too.
+    plain_update_fast_path = True
+
     def schedule(self) -> SchedulerOutput:
+        if self.steady_decode_fast_path:
+            output = self._schedule_steady_decode()
+            if output is not None:
+                return output
+        return self._schedule_general()
+
+    def _schedule_steady_decode(self) -> SchedulerOutput | None:
+        """The common step of a busy engine, in one lean pass: plain decoding (no drafter), no
+        admission possible (nothing waits, or the batch is full), every running request decodes one token and the pool has the blocks
+        for all of them. Then the general path would schedule exactly the running requests in
+        order, one token each, with no preemption and no admission; this builds the same
+        SchedulerOutput without its per-request helper calls. Returns None (nothing changed)
+        when any condition fails, and the caller runs the general path."""
+        if self.spec_policy is not None or self.num_spec_tokens:
+            return None
+        if self.waiting and len(self.running) < self.max_num_running_reqs:
+            return None  # an admission may follow (with a full batch none can)
+        kv = self.kv_cache_manager
+        tokens_per_block = kv.tokens_per_block
+        held_blocks = kv.req_to_blocks
+        check_placeholders = self.async_scheduling
+        max_model_len = self.max_model_len
+        scheduled: list[Request] = []
+        grow: list[tuple[Request, int]] = []
+        new_blocks_total = 0
+        for request in self.running:
+            num_out = len(request.output_token_ids)
+            pending = request.num_output_placeholders
+            planned = request.num_prompt_tokens + num_out + pending
+            if check_placeholders and pending > 0 and (
+                    num_out + pending >= request.max_tokens or planned >= max_model_len):
+                continue  # its in-flight token is its last (_finishes_with_placeholders)
+            computed = request.num_computed_tokens
+            if planned - computed != 1:
+                return None  # an unfinished prefill: the general path
+            # _slots_needed(request, 1) without drafts: computed + 1 + 1 tokens.
+            need = -(-(computed + 2) // tokens_per_block) - len(held_blocks.get(request.request_id, ()))
+            if need > 0:
+                new_blocks_total += need
+                grow.append((request, computed + 2))
+            scheduled.append(request)
+        if len(scheduled) > self.max_num_batched_tokens:
+            return None  # cannot happen (max_num_running_reqs); the general path asserts it
+        if new_blocks_total > kv.num_free_blocks:
+            return None  # someone must be preempted: the general path picks the victims
+        grown = {}
+        for request, num_tokens in grow:
+            grown[request.request_id] = kv.allocate_slots(request.request_id, num_tokens)
+        req_ids = [r.request_id for r in scheduled]
+        cached = CachedRequestData(
+            req_ids=req_ids,
+            new_block_ids=[grown.get(req_id) or [] for req_id in req_ids] if grown
+            else [[] for _ in req_ids],
+            num_computed_tokens=[r.num_computed_tokens for r in scheduled])
+        num_scheduled = dict.fromkeys(req_ids, 1)
+        output = SchedulerOutput(
+            scheduled_new_reqs=[], scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=len(req_ids),
+            scheduled_spec_decode_tokens={}, finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=set(), propose_drafts=True)
+        self.finished_req_ids = set()
+        if check_placeholders:
+            # _advance_scheduled: the token counts as computed and the step samples one token.
+            for request in scheduled:
+                request.num_computed_tokens += 1
+                request.num_output_placeholders += 1
+        return output
+
+    def _schedule_general(self) -> SchedulerOutput:
         token_budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}
@@ -401,6 +476,10 @@ class Scheduler:
         spec_out = runner_output.spec_token_ids
         if self.async_scheduling:
             return self._update_from_async_output(scheduler_output, runner_output)
+        if (self.plain_update_fast_path and spec_out is None and self.spec_policy is None
+                and self.spec_decoding_stats is None
+                and not scheduler_output.scheduled_spec_decode_tokens):
+            return self._update_from_plain_output(scheduler_output, runner_output)
         for row, req_id in enumerate(runner_output.req_ids):
             request = self.requests.get(req_id)
             num_scheduled = scheduler_output.num_scheduled_tokens.get(req_id)
@@ -444,49 +523,102 @@ class Scheduler:
                                             request.stop_reason))
         return outputs
 
+    def _update_from_plain_output(self, scheduler_output: SchedulerOutput,
+                                  runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """update_from_output of a synchronous step without drafts (no drafter, no spec
+        stats or policy): what the general loop does with zero drafts, in one lean pass (one
+        token per completing row, nothing rejected)."""
+        outputs: list[EngineCoreOutput] = []
+        requests = self.requests
+        scheduled = scheduler_output.num_scheduled_tokens
+        all_sampled = runner_output.sampled_token_ids
+        running_status = RequestStatus.RUNNING
+        check_stop = self._check_stop
+        for row, req_id in enumerate(runner_output.req_ids):
+            request = requests.get(req_id)
+            num_scheduled = scheduled.get(req_id)
+            if request is None or num_scheduled is None or request.status != running_status:
+                continue  # finished or aborted while the step ran
+            sampled = all_sampled[row]
+            num_sampled = len(sampled)
+            computed = request.num_computed_tokens + num_scheduled
+            if computed < request.num_prompt_tokens + len(request.output_token_ids):
+                if num_sampled:
+                    raise RuntimeError(
+                        f"model runner sampled {num_sampled} tokens for request {req_id!r}, "
+                        f"whose prefill is unfinished ({request.num_computed_tokens} + "
+                        f"{num_scheduled} of {request.num_tokens} tokens); expected none")
+                request.num_computed_tokens = computed
+                continue
+            if num_sampled != 1:
+                raise RuntimeError(
+                    f"model runner returned {num_sampled} tokens for request {req_id!r}, which "
+                    f"verified 0 drafts; expected between 1 and 1")
+            request.num_computed_tokens = computed
+            token = sampled[0]
+            request.output_token_ids.append(token)
+            if check_stop(request, token):
+                self.running.remove(request)
+                self._free_request(request)
+                outputs.append(EngineCoreOutput(req_id, [token], request.get_finished_reason(),
+                                                request.stop_reason))
+                continue
+            if request.spec_token_ids:
+                request.spec_token_ids = []
+            outputs.append(EngineCoreOutput(req_id, [token], None, request.stop_reason))
+        return outputs
+
     def _update_from_async_output(self, scheduler_output: SchedulerOutput,
                                   runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """The tokens of a step scheduled with placeholders (its computed counts advanced at
         schedule time). A request preempted after the step was launched keeps its token: it is
         prefilled again later with it."""
         outputs: list[EngineCoreOutput] = []
+        requests = self.requests
+        scheduled = scheduler_output.num_scheduled_tokens
+        all_sampled = runner_output.sampled_token_ids
+        running_status, preempted_status = RequestStatus.RUNNING, RequestStatus.PREEMPTED
+        check_stop = self._check_stop
         for row, req_id in enumerate(runner_output.req_ids):
-            request = self.requests.get(req_id)
-            if request is None or req_id not in scheduler_output.num_scheduled_tokens:
+            request = requests.get(req_id)
+            if request is None or req_id not in scheduled:
                 continue  # finished or aborted while the step ran: its output is dropped
-            sampled = list(runner_output.sampled_token_ids[row])
-            if not sampled:
+            sampled = all_sampled[row]
+            if not len(sampled):
                 continue  # an unfinished prefill chunk
             if len(sampled) != 1:
                 raise RuntimeError(f"model runner returned {len(sampled)} tokens for request "
                                    f"{req_id!r} in an async step without drafts; expected 1")
-            running = request.status == RequestStatus.RUNNING
+            status = request.status
+            running = status == running_status
             if running:
                 request.num_output_placeholders -= 1
-            elif request.status != RequestStatus.PREEMPTED:
+            elif status != preempted_status:
                 continue
             token = sampled[0]
             request.output_token_ids.append(token)
-            self._check_stop(request, token)
-            if request.is_finished():
+            if check_stop(request, token):
                 (self.running if running else self.waiting).remove(request)
                 self._free_request(request)
-            outputs.append(EngineCoreOutput(req_id, [token], request.get_finished_reason(),
-                                            request.stop_reason))
+                outputs.append(EngineCoreOutput(req_id, [token], request.get_finished_reason(),
+                                                request.stop_reason))
+            else:
+                outputs.append(EngineCoreOutput(req_id, [token], None, request.stop_reason))
         return outputs
 
     def _check_stop(self, request: Request, token: int) -> bool:
-        params = request.sampling_params
-        min_tokens = int(getattr(params, "min_tokens", 0) or 0)
-        if request.num_output_tokens >= min_tokens:
-            if token == request.eos_token_id and not getattr(params, "ignore_eos", False):
+        """Append-time stop check of one sampled token (already in output_token_ids); sets the
+        finished status and returns True when the request ends here."""
+        num_out = len(request.output_token_ids)
+        if num_out >= request.min_tokens:
+            if token == request.eos_token_id and not request.ignore_eos:
                 request.status = RequestStatus.FINISHED_STOPPED
                 return True
-            if token in (getattr(params, "stop_token_ids", None) or ()):
+            if request.stop_token_ids and token in request.stop_token_ids:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token
                 return True
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if num_out >= request.max_tokens or request.num_prompt_tokens + num_out >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False

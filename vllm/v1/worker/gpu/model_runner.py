@@ -96,6 +96,9 @@ class GPUModelRunner:
                                    fill=1.0)
         self._zero_temperature = torch.zeros(self.max_num_reqs, dtype=torch.float32,
                                              device=self.device)
+        # is_greedy(params) per slot (set on admission): the per-step all-greedy test is one
+        # numpy gather instead of a Python call per request.
+        self._greedy_np = np.ones(self.max_num_reqs, dtype=bool)
         self._forced = CpuGpuBuffer(self.max_num_reqs, max(self.num_spec_tokens, 1),
                                     dtype=torch.int64, device=self.device)
         self._num_computed_new = CpuGpuBuffer(self.max_num_reqs, dtype=torch.int64,
@@ -309,6 +312,7 @@ class GPUModelRunner:
                                              new.sampling_params)
             params = new.sampling_params
             greedy = is_greedy(params)
+            self._greedy_np[state.slot] = greedy
             self._temperature.np[state.slot] = 0.0 if greedy else float(params.temperature)
             self._top_k.np[state.slot] = max(int(getattr(params, "top_k", 0) or 0), 0) \
                 if params is not None else 0
@@ -365,7 +369,9 @@ class GPUModelRunner:
             logits = logits_all
 
         prompt_logprobs = None
-        if not batch.cudagraph:  # prefill rows (never in a graph) may ask for prompt logprobs
+        # Rows prefilled from position 0 (never in a graph) may ask for prompt logprobs; a step
+        # without such a row has none to compute (no per-request lists are built for it).
+        if not batch.cudagraph and (batch.num_computed_np == 0).any():
             prompt_logprobs = self.sampling_states.prompt_logprobs(
                 self.model.compute_logits, hidden, batch.req_ids,
                 batch.query_start_loc_np[: num_reqs + 1].tolist(),
@@ -399,20 +405,32 @@ class GPUModelRunner:
         num_accepted = [0] * num_reqs
         num_draft_list = [0] * num_reqs
         num_computed_new = batch.num_computed_np + batch.num_scheduled_np
-        for j, row in enumerate(sample_rows):
-            n = int(host[j, -1])
-            out_tokens[row] = host[j, :n].tolist()
-            num_draft_list[row] = int(num_draft[j])
-            num_accepted[row] = n - 1
-            num_computed_new[row] -= int(num_draft[j]) - (n - 1)
+        num_sample_rows = len(sample_rows)
+        if self.num_spec_tokens == 0:
+            # Plain decoding (no draft can be scheduled): one token per sampling row.
+            for row, token in zip(sample_rows, host[:num_sample_rows, 0].tolist()):
+                out_tokens[row] = [token]
+        else:
+            for j, row in enumerate(sample_rows):
+                n = int(host[j, -1])
+                out_tokens[row] = host[j, :n].tolist()
+                num_draft_list[row] = int(num_draft[j])
+                num_accepted[row] = n - 1
+                num_computed_new[row] -= int(num_draft[j]) - (n - 1)
         # Counts for penalties / min_tokens, and logprobs of requests that asked (computed from
         # the raw logits; a step with none of these features does nothing here).
-        logprobs = self.sampling_states.after_sampling(
-            logits, rows_info, [out_tokens[r] for r in sample_rows]) if sample_rows else None
-        for i, req_id in enumerate(req_ids):
-            state = self.requests[req_id]
-            state.token_ids.extend(out_tokens[i])
-            self.requests.set_num_computed(state, int(num_computed_new[i]))
+        # (A step whose rows use none of them skips the call: needs_host_tokens covers every
+        # slot with a feature or logprobs, the only ones after_sampling touches.)
+        logprobs = None
+        if sample_rows and self.sampling_states.needs_host_tokens(rows_info.slots):
+            logprobs = self.sampling_states.after_sampling(
+                logits, rows_info, [out_tokens[r] for r in sample_rows])
+        by_id = self.requests.by_id
+        self.requests.num_computed.np[batch.idx_mapping_np[:num_reqs]] = num_computed_new
+        for req_id, tokens, value in zip(req_ids, out_tokens, num_computed_new.tolist()):
+            state = by_id[req_id]
+            state.token_ids.extend(tokens)
+            state.num_computed_tokens = value  # (the slot twin was set above)
 
         spec_token_ids = None
         # A drafter whose context KV is written inside the target forward (block drafters) may
@@ -492,15 +510,19 @@ class GPUModelRunner:
         states, positions = [], []
         num_computed_new = batch.num_computed_np + batch.num_scheduled_np
         # The host num_computed is only read on the host (the input builder stages its own
-        # per-row copy), so it can advance now.
-        row_states = [self.requests[req_id] for req_id in batch.req_ids]
+        # per-row copy), so it can advance now: the slot-indexed twin in one numpy scatter,
+        # the per-request value in the loop below (RequestStates.set_num_computed, inlined).
+        by_id = self.requests.by_id
+        row_states = [by_id[req_id] for req_id in batch.req_ids]
+        self.requests.num_computed.np[batch.idx_mapping_np[: batch.num_reqs]] = num_computed_new
         for state, value in zip(row_states, num_computed_new.tolist()):
-            self.requests.set_num_computed(state, value)
+            state.num_computed_tokens = value
         for row in sample_rows:
             state = row_states[row]
             states.append(state)
-            positions.append(len(state.token_ids))
-            state.token_ids.append(-1)  # placeholder until get_output()
+            token_ids = state.token_ids
+            positions.append(len(token_ids))
+            token_ids.append(-1)  # placeholder until get_output()
         step = LaunchedStep(req_ids=list(batch.req_ids), sample_rows=list(sample_rows),
                             states=states, positions=positions, buffer_index=index,
                             num_rows=len(sample_rows), event=event)
@@ -514,16 +536,21 @@ class GPUModelRunner:
         if previous is not None and not previous.done:
             previous.get_output()  # launch order
         host = self._step_buffers.wait(step.buffer_index, step.event, step.num_rows)
-        out_tokens: list[list[int]] = [[] for _ in step.req_ids]
-        for j, row in enumerate(step.sample_rows):
-            token = int(host[j, 0])
-            out_tokens[row] = [token]
-            state = step.states[j]
+        tokens = host[: step.num_rows, 0].tolist()
+        num_rows = len(step.req_ids)
+        if len(step.sample_rows) == num_rows:  # every row sampled (the steady decode)
+            out_tokens = [[token] for token in tokens]
+        else:
+            out_tokens = [[] for _ in step.req_ids]
+            for row, token in zip(step.sample_rows, tokens):
+                out_tokens[row] = [token]
+        by_id = self.requests.by_id
+        for state, position, token in zip(step.states, step.positions, tokens):
             # A request dropped (finished, preempted) since the launch has no placeholder left
             # to fill; a re-admitted one is a new RequestState.
-            if self.requests.by_id.get(state.req_id) is state:
-                state.token_ids[step.positions[j]] = token
-        zeros = [0] * len(step.req_ids)
+            if by_id.get(state.req_id) is state:
+                state.token_ids[position] = token
+        zeros = [0] * num_rows
         return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=out_tokens,
                                  spec_token_ids=None, num_draft_tokens=zeros,
                                  num_accepted_tokens=list(zeros))
@@ -542,13 +569,13 @@ class GPUModelRunner:
     def _sampling_metadata(self, batch: InputBatch, rows: list[int]) -> SamplingMetadata:
         """Sampling settings of the sampling rows, gathered on the device from the per-slot
         buffers (no tensor built from Python lists)."""
-        req_ids = [batch.req_ids[r] for r in rows]
-        params = [self.requests[r].sampling_params for r in req_ids]
-        greedy = [is_greedy(p) for p in params]
-        if all(greedy):
+        greedy_np = self._greedy_np[batch.idx_mapping_np[rows]]
+        if greedy_np.all():
             # A view of a persistent zero buffer: no per-step allocation or copy.
             return SamplingMetadata(temperature=self._zero_temperature[: len(rows)],
                                     all_greedy=True, all_random=False)
+        req_ids = [batch.req_ids[r] for r in rows]
+        greedy = greedy_np.tolist()
         slots = self._pinned_index(batch.idx_mapping_np[rows], "sampling_slots")
         self._temperature.copy_to_gpu()
         self._top_k.copy_to_gpu()
@@ -566,15 +593,14 @@ class GPUModelRunner:
     def _sample(self, batch: InputBatch, logits: torch.Tensor):
         """Verify / sample the rows that sample this step, on the device.
         Returns (sampled [S, k+1], num_sampled [S], num_draft host [S], sampling row ids)."""
-        rows = [i for i in range(batch.num_reqs) if batch.samples_np[i]]
+        samples = batch.samples_np[: batch.num_reqs]
+        rows = (list(range(batch.num_reqs)) if samples.all()
+                else np.flatnonzero(samples).tolist())
         metadata = self._sampling_metadata(batch, rows)
         self._step_sampling_metadata = metadata
         num_draft = batch.num_draft_np[rows] if rows else np.zeros(0, dtype=np.int64)
         if batch.cudagraph and metadata.all_greedy and rows:
-            req_ids = [batch.req_ids[r] for r in rows]
-            rows_info = BatchRows(req_ids, batch.idx_mapping_np[rows].tolist(),
-                                  num_draft=num_draft.tolist(), draft_tokens=None,
-                                  token_ids=[self.requests[r].token_ids for r in req_ids])
+            rows_info = self._batch_rows(batch, rows, num_draft, None)
             if not self.sampling_states.any_active(rows_info):
                 # The replayed graph verified greedily already (graph_sampling.py): the same
                 # argmax, acceptance and last_sampled update the eager path below would make.
@@ -590,10 +616,7 @@ class GPUModelRunner:
             np.zeros(0, dtype=np.int64)
         draft_pos = layout["draft_pos"]
         drafts = self._verified_drafts(draft_slots, draft_pos)
-        req_ids = [batch.req_ids[r] for r in rows]
-        rows_info = BatchRows(req_ids, batch.idx_mapping_np[rows].tolist(),
-                              num_draft=num_draft.tolist(), draft_tokens=drafts,
-                              token_ids=[self.requests[r].token_ids for r in req_ids])
+        rows_info = self._batch_rows(batch, rows, num_draft, drafts)
         raw_logits = logits
         logits = self.sampling_states.process_logits(raw_logits, rows_info)
         if self.rejection_sampler is not None:
@@ -613,14 +636,24 @@ class GPUModelRunner:
             self.requests.last_sampled[slots] = emitted
         return sampled, num_sampled, num_draft, rows, rows_info
 
+    def _batch_rows(self, batch: InputBatch, rows: list[int], num_draft: np.ndarray,
+                    drafts) -> BatchRows:
+        """The sampling rows for the sampling extras. The host token history (read only by
+        multi-token bad words, a featured slot) is attached only when a row has features."""
+        req_ids = [batch.req_ids[r] for r in rows] if len(rows) != batch.num_reqs \
+            else list(batch.req_ids)
+        rows_info = BatchRows(req_ids, batch.idx_mapping_np[rows].tolist(),
+                              num_draft=num_draft.tolist(), draft_tokens=drafts)
+        if self.sampling_states.any_active(rows_info):
+            by_id = self.requests.by_id
+            rows_info.token_ids = [by_id[r].token_ids for r in req_ids]
+        return rows_info
+
     def _sample_plain(self, batch: InputBatch, logits: torch.Tensor, metadata: SamplingMetadata,
                       rows: list[int], num_draft: np.ndarray):
         """Sampling of a step of a speculative engine in which nobody verifies drafts: what a
         plain engine does (no verification layout, draft gather or rejection sampler)."""
-        req_ids = [batch.req_ids[r] for r in rows]
-        rows_info = BatchRows(req_ids, batch.idx_mapping_np[rows].tolist(),
-                              num_draft=num_draft.tolist(), draft_tokens=None,
-                              token_ids=[self.requests[r].token_ids for r in req_ids])
+        rows_info = self._batch_rows(batch, rows, num_draft, None)
         logits = self.sampling_states.process_logits(logits, rows_info)
         sampled = self.sampler(logits, metadata).unsqueeze(1)
         ones = self.__dict__.get("_ones")
@@ -746,6 +779,46 @@ class GPUModelRunner:
     # ------------------------------------------------------------------ inputs
     def _prepare_inputs(self, scheduler_output: Any) -> InputBatch:
         """Lay out the step (host), build the InputBatch (device prep) and its metadata."""
+        layout = self._steady_decode_layout(scheduler_output)
+        if layout is None:
+            layout = self._general_layout(scheduler_output)
+        rows, counts, _, samples, host_ids = layout
+        padded = None
+        manager = self._graph_managers.get(counts[0]) if counts else None
+        if manager is not None:
+            q = manager.query_len
+            if (all(c == q for c in counts) and all(samples)
+                    and all(h is None for h in host_ids)):
+                padded = manager.padded_num_reqs(len(rows))
+        return self._build_batch(layout, padded, cudagraph=padded is not None)
+
+    def _steady_decode_layout(self, scheduler_output: Any):
+        """The layout of a step in which every row is a plain one-token decode of a started
+        request (no admission, no drafts), in one lean pass; None when any row is not, and
+        `_general_layout` lays the step out. For such a step the general layout keeps the
+        scheduler's order and gives every row (1 token, 0 drafts, samples, ids from the device
+        state), which is what this returns."""
+        if scheduler_output.scheduled_new_reqs or scheduler_output.scheduled_spec_decode_tokens:
+            return None
+        by_id = self.requests.by_id
+        rows = []
+        max_model_len = self.max_model_len
+        for req_id, count in scheduler_output.num_scheduled_tokens.items():
+            state = by_id.get(req_id)
+            if state is None or count != 1:
+                return None
+            start = state.num_computed_tokens
+            if start + 1 != len(state.token_ids) or start < state.num_prompt_tokens or start == 0:
+                return None  # a prefill chunk (or a re-admitted request's first token)
+            if start + 1 > max_model_len:
+                return None  # the general layout raises the error
+            rows.append(state)
+        n = len(rows)
+        return rows, [1] * n, [0] * n, [True] * n, [None] * n
+
+    def _general_layout(self, scheduler_output: Any):
+        """Decode rows first (their anchors and drafts come from the device state), then the
+        prefill chunks (ids from the host history); validates every row against the state."""
         new_set = {n.req_id for n in scheduler_output.scheduled_new_reqs}
         decode_rows, prefill_rows = [], []
         threshold = 1 + self.num_spec_tokens
@@ -802,15 +875,7 @@ class GPUModelRunner:
                 sel = [s for s, d in forced_rows if len(d) == w]
                 idx = self._pinned_index(sel, f"forced{w}")
                 self.requests.draft_tokens[idx, :w] = self._forced.gpu[idx, :w]
-        layout = (rows, counts, num_drafts, samples, host_ids)
-        padded = None
-        manager = self._graph_managers.get(counts[0]) if counts else None
-        if manager is not None:
-            q = manager.query_len
-            if (all(c == q for c in counts) and all(samples)
-                    and all(h is None for h in host_ids)):
-                padded = manager.padded_num_reqs(len(rows))
-        return self._build_batch(layout, padded, cudagraph=padded is not None)
+        return rows, counts, num_drafts, samples, host_ids
 
     def _build_batch(self, layout, num_reqs_padded: int | None, cudagraph: bool) -> InputBatch:
         rows, counts, num_drafts, samples, host_ids = layout
@@ -820,6 +885,9 @@ class GPUModelRunner:
             num_reqs_padded=num_reqs_padded,
             num_tokens_padded=None if num_reqs_padded is None else num_reqs_padded * q)
         batch.cudagraph = cudagraph
+        # One host copy serves both length arguments (exact lengths are their own upper bound;
+        # the builders only read them).
+        seq_lens_cpu = torch.from_numpy(batch.seq_lens_np.copy())
         batch.attn_metadata = build_attn_metadata(
             attn_metadata_builders=self.attn_metadata_builders,
             kv_cache_config=self.kv_cache_config,
@@ -837,8 +905,8 @@ class GPUModelRunner:
             causal=True,
             dcp_local_seq_lens=(None if batch.dcp_local_seq_lens is None
                                 else self.input_buffers.dcp_local_seq_lens),
-            seq_lens_cpu_upper_bound=torch.from_numpy(batch.seq_lens_np.copy()),
-            seq_lens_cpu=torch.from_numpy(batch.seq_lens_np.copy()),
+            seq_lens_cpu_upper_bound=seq_lens_cpu,
+            seq_lens_cpu=seq_lens_cpu,
             dcp_local_seq_lens_cpu=(None if batch.dcp_local_seq_lens_np is None
                                     else torch.from_numpy(batch.dcp_local_seq_lens_np.copy())),
             block_tables_cpu=self.block_tables.input_block_tables_cpu,

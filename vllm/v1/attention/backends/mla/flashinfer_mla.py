@@ -543,10 +543,13 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
                            kv_len_arr=kv_len)
             wrapper = fi.mla.BatchMLAPagedAttentionWrapper(
                 self._get_workspace(), use_cuda_graph=True, backend="fa3", **buffers)
-            # Depth 2: a graph wrapper is planned once per step and every step ends with the
-            # runner's synchronisation, so its previous staging set is always consumed (the eager
-            # wrapper keeps depth 8: EAGLE/MTP plan it k times within one step). The sets are sized
-            # for full-length requests; a deeper ring would multiply that pinned memory.
+            # Depth 2: a graph wrapper is planned once per step. A set comes round again two
+            # plans later, and its copy was enqueued before that older step's forward: a
+            # synchronous step ends in the runner's synchronisation, and under async scheduling
+            # the runner has waited for that step's inputs event (_retire_previous_step) before
+            # this plan, so `acquire`'s event query finds it done and never blocks (the eager
+            # wrapper keeps depth 8: EAGLE/MTP plan it k times within one step). The sets are
+            # sized for full-length requests; a deeper ring would multiply that pinned memory.
             slot = self._graph_slots[(num_requests, causal)] = _WrapperSlot(
                 wrapper, staging=PlanStaging(num_requests, max_pages, depth=2),
                 packed_device=packed, packed_layout=(num_requests, max_pages))

@@ -1,0 +1,123 @@
+"""The scheduler's fast paths against the general ones: the steady-decode schedule
+(`_schedule_steady_decode`) and the synchronous no-draft update (`_update_from_plain_output`).
+
+Brute force: random workloads (arrivals, stops, aborts, tight KV pools that force preemption,
+sync and async scheduling). At every step the scheduler is deep-copied, one copy schedules with
+the fast path off and one with it on; the SchedulerOutputs and the whole scheduler state after
+the call must be equal; each synchronous update is compared the same way. The run then
+continues from the fast-path copy. The test also checks
+that the fast path was taken in a good share of the steps (otherwise it would prove nothing).
+"""
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+
+from vllm.v1.core.sched.request import RequestStatus
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import ModelRunnerOutput
+
+from tests.utils.fake_model import EOS
+from tests.utils.sched_helpers import make_config, make_request
+
+
+def _state(s: Scheduler) -> tuple:
+    reqs = tuple(sorted(
+        (r.request_id, int(r.status), r.num_computed_tokens, r.num_output_placeholders,
+         tuple(r.output_token_ids), r.num_preemptions,
+         tuple(s.kv_cache_manager.req_to_blocks.get(r.request_id, ())))
+        for r in s.requests.values()))
+    return (reqs, tuple(r.request_id for r in s.running), tuple(r.request_id for r in s.waiting),
+            s.kv_cache_manager.num_free_blocks, sorted(s.finished_req_ids), s.num_preemptions)
+
+
+def _schedule_both(s: Scheduler, counter: list[int]) -> tuple[Scheduler, object]:
+    general = copy.deepcopy(s)
+    general.steady_decode_fast_path = False
+    expected = general.schedule()
+    fast = copy.deepcopy(s)
+    took_fast = fast._schedule_steady_decode() is not None
+    fast = copy.deepcopy(s)
+    got = fast.schedule()
+    counter[0] += took_fast
+    counter[1] += 1
+    assert got == expected
+    assert _state(fast) == _state(general)
+    return fast, got
+
+
+def _update_both(s: Scheduler, so, out, counter: list[int]) -> Scheduler:
+    """update_from_output with the plain (no-draft) update fast path off and on: equal outputs
+    and equal scheduler state; returns the fast-path copy."""
+    general = copy.deepcopy(s)
+    general.plain_update_fast_path = False
+    expected = general.update_from_output(so, out)
+    fast = copy.deepcopy(s)
+    calls = []
+    plain = fast._update_from_plain_output
+    fast._update_from_plain_output = lambda *a: calls.append(1) or plain(*a)
+    got = fast.update_from_output(so, out)
+    del fast._update_from_plain_output
+    counter[2] += len(calls)
+    assert got == expected
+    assert _state(fast) == _state(general)
+    assert all(r.spec_token_ids == g.spec_token_ids for r, g in
+               zip(fast.requests.values(), general.requests.values()))
+    return fast
+
+
+def _sampling_rows(s: Scheduler, so, async_scheduling: bool) -> dict[str, bool]:
+    rows = {}
+    for req_id, n in so.num_scheduled_tokens.items():
+        r = s.requests[req_id]
+        if async_scheduling:  # computed counts advanced at schedule time
+            rows[req_id] = r.num_tokens + r.num_output_placeholders - r.num_computed_tokens == 1
+        else:
+            rows[req_id] = r.num_computed_tokens + n >= r.num_tokens
+    return rows
+
+
+def _runner_output(so, rows: dict[str, bool], rng: random.Random) -> ModelRunnerOutput:
+    req_ids = list(so.num_scheduled_tokens)
+    sampled = [[EOS if rng.random() < 0.03 else rng.randrange(4, 90)] if rows[r] else []
+               for r in req_ids]
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_fast_path_equals_general_path(async_scheduling, seed):
+    rng = random.Random(seed * 7 + async_scheduling)
+    config = make_config(max_model_len=64, block_size=4, max_num_seqs=rng.choice([4, 8, 12]),
+                         max_num_batched_tokens=rng.choice([32, 64, 512]))
+    config.async_scheduling = async_scheduling
+    s = Scheduler(config, num_blocks=rng.choice([26, 40, 400]))
+    counter = [0, 0, 0]
+    next_id, pending = 0, None
+    for _ in range(300):
+        if rng.random() < 0.04 or not s.has_unfinished_requests():
+            for _ in range(rng.randint(1, 6)):
+                stop = [rng.randrange(4, 90)] if rng.random() < 0.3 else None
+                s.add_request(make_request(f"q{next_id}", [rng.randrange(4, 90) for _ in
+                                                           range(rng.randint(1, 24))],
+                                           max_tokens=rng.randint(1, 40),
+                                           ignore_eos=rng.random() < 0.3,
+                                           stop_token_ids=stop))
+                next_id += 1
+        if s.running and rng.random() < 0.05:
+            s.finish_requests(rng.choice(s.running).request_id, RequestStatus.FINISHED_ABORTED)
+        s, so = _schedule_both(s, counter)
+        rows = _sampling_rows(s, so, async_scheduling)
+        out = _runner_output(so, rows, rng)
+        if async_scheduling:
+            if pending is not None:
+                s.update_from_output(*pending)
+            pending = (so, out)
+        else:
+            s = _update_both(s, so, out, counter)
+    assert counter[0] >= counter[1] // 5, f"fast path taken in only {counter[0]} of {counter[1]}"
+    assert counter[0] < counter[1], "the general path never ran: the workload is too easy"
+    if not async_scheduling:
+        assert counter[2] == counter[1], "every synchronous update here has no drafts"
