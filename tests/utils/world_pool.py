@@ -105,8 +105,8 @@ class WorldPool:
         for jobs in self._jobs:
             jobs.put(None)
         for proc in self._procs:
-            proc.join(timeout=10)
+            proc.join(timeout=3)
             if proc.is_alive():
                 proc.terminate()
-                proc.join(timeout=10)
+                proc.join(timeout=3)
         self._procs, self._jobs, self._results, self._done = [], [], None, None
