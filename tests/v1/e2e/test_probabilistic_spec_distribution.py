@@ -64,10 +64,7 @@ def test_sampled_drafts_keep_the_target_distribution(tiny, second_token_conditio
             "draft_sample_method": "probabilistic", "rejection_sample_method": "probabilistic"}
     params = [SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=seed)
               for seed in range(NUM_REQUESTS)]
-    # Batches of 1000 (the 4-token prompts and 1 + 3-token verifications still fit the default
-    # 4096-token budget): 3 waves instead of 47, same per-request seeded samples (what is sampled
-    # does not depend on the batch a request lands in).
-    with LLM(device="cpu", max_model_len=64, max_num_seqs=1000, speculative_config=spec) as llm:
+    with LLM(device="cpu", max_model_len=64, max_num_seqs=64, speculative_config=spec) as llm:
         outputs = llm.generate([PROMPT] * NUM_REQUESTS, params, use_tqdm=False)
         spec_stats = llm.llm_engine.get_metrics()["spec_decode"]
     tokens = torch.tensor([o.outputs[0].token_ids[:2] for o in outputs])
