@@ -22,3 +22,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def cpu_world_pool():
+    """Spawned gloo ranks kept for the session (tests/utils/world_pool.py): the CPU DCP worlds
+    of several end-to-end modules start their interpreters once instead of once per world."""
+    from tests.utils.world_pool import WorldPool
+    pool = WorldPool()
+    yield pool
+    pool.close()

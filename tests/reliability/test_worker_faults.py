@@ -13,7 +13,8 @@ import time
 import httpx
 import pytest
 
-from tests.utils.reliability import GREEDY, last_error_lines, worker_pids
+from tests.utils.reliability import (GREEDY, last_error_lines, wait_requests_running,
+                                     worker_pids)
 from tests.utils.server_process import ServerProcess
 
 WATCHDOG_S = 6  # VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS for the SIGSTOP case
@@ -60,7 +61,7 @@ def test_sigkill_of_rank1_exits_nonzero(tmp_path, under_load):
         for t in threads:
             t.start()
         if under_load:
-            time.sleep(1.0)
+            wait_requests_running(server.base_url)  # the fault hits a running batch
         os.kill(workers[1], signal.SIGKILL)
         code, seconds = wait_exit(server, EXIT_BOUND_S)
         stop.set()
@@ -86,7 +87,7 @@ def test_sigstop_of_rank1_turns_unhealthy_then_exits(tmp_path):
                    for _ in range(2)]
         for t in threads:
             t.start()
-        time.sleep(1.0)
+        wait_requests_running(server.base_url)  # rank 1 stops inside a running batch
         os.kill(workers[1], signal.SIGSTOP)
         stopped_at = time.time()
         unhealthy_after = None

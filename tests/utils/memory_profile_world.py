@@ -52,9 +52,11 @@ def world_main(rank, world_size, port, paths, cases, scenario, max_model_len, bu
 
 
 def spawn_profile_world(world_size, paths, cases, scenario, max_model_len, budget,
-                        timeout_s: float = 300.0) -> dict:
-    """{case: ((new, context) of the profile, profiled outputs, never-profiled outputs)}."""
-    return spawn_world(
+                        timeout_s: float = 300.0, pool=None) -> dict:
+    """{case: ((new, context) of the profile, profiled outputs, never-profiled outputs)}.
+    pool: a tests.utils.world_pool.WorldPool to run on (already started ranks), else fresh
+    spawned processes."""
+    return (pool.run if pool is not None else spawn_world)(
         world_main, world_size,
         lambda r, port, q: (r, world_size, port, paths, cases, scenario, max_model_len, budget, q),
         "profile world", timeout_s)

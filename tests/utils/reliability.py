@@ -25,6 +25,18 @@ def engine_state(base_url: str) -> dict:
     return httpx.get(f"{base_url}/debug/engine_state", timeout=10).json()
 
 
+def wait_requests_running(base_url: str, timeout: float = 60.0) -> dict:
+    """Waits until the engine runs at least one request (a load generator's first requests are in
+    flight); returns the state. Used instead of a fixed sleep before injecting a fault."""
+    start, state = time.time(), {}
+    while time.time() - start < timeout:
+        state = engine_state(base_url)
+        if state["num_requests_running"] > 0:
+            return state
+        time.sleep(0.05)
+    raise AssertionError(f"no request running after {timeout} s of load: {state}")
+
+
 def wait_kv_free(base_url: str, timeout: float = 30.0) -> tuple[dict, float]:
     """Waits until no request runs or waits and every KV block is free; returns the state and
     the seconds it took."""

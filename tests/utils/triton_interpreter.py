@@ -2,7 +2,12 @@
 
 The drivers compare a kernel's logic with the torch path and print TRITON_INTERPRET_OK; they run in
 a subprocess because the interpreter flag is read when triton is imported. GPU compilation itself is
-covered by the `gpu` tests."""
+covered by the `gpu` tests.
+
+The drivers listed in BATCHED run together in one subprocess (tests/utils/triton_interpret_batch.py),
+started by the first test that asks for any of them; every test still checks its own driver's exit
+status and output. Others (e.g. the FP8 driver) get a subprocess each."""
+import json
 import os
 import subprocess
 import sys
@@ -10,17 +15,55 @@ from pathlib import Path
 
 import pytest
 
+UTILS = Path(__file__).resolve().parent
+ROOT = UTILS.parents[1]
+# (driver file in tests/utils, its arguments): independent checks that only read their arguments.
+BATCHED = (
+    ("triton_merge_interpret_driver.py", ()),
+    ("triton_row_seq_lens_interpret_driver.py", ()),
+    ("triton_interpret_driver.py", ()),
+    ("triton_input_batch_interpret_driver.py", ()),
+    ("triton_fused_ops_interpret_driver.py", ("kv_cache",)),
+    ("triton_fused_ops_interpret_driver.py", ("moe",)),
+    ("triton_fused_ops_interpret_driver.py", ("rms_norm", "rope")),
+)
+_batch_results: dict | None = None
+
+
+def _env() -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    # Drivers may import shared test helpers (`tests.utils...`): put this checkout's root first.
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(
+        os.pathsep) if p])
+    return env
+
+
+def _run_batch() -> dict:
+    specs = [str(UTILS / name) + ("::" + ",".join(args) if args else "") for name, args in BATCHED]
+    proc = subprocess.run([sys.executable, "-m", "tests.utils.triton_interpret_batch", *specs],
+                          cwd=str(ROOT), env=_env(), capture_output=True, text=True,
+                          timeout=240 * len(BATCHED))
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0 and lines, (
+        f"the batched interpreter drivers crashed (exit {proc.returncode}):\n"
+        f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    return {(Path(driver).name, tuple(args)): (code, out, err)
+            for driver, args, code, out, err in json.loads(lines[-1])}
+
 
 def run_interpreter_driver(driver: Path, args: tuple[str, ...] = ()) -> None:
     """`args` are passed to the driver (e.g. the names of the checks to run)."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    # Drivers may import shared test helpers (`tests.utils...`): put this checkout's root first.
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(
-        os.pathsep) if p])
-    proc = subprocess.run([sys.executable, str(driver), *args], env=env, capture_output=True, text=True,
-                          timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    if "NO_TRITON" in proc.stdout:
+    global _batch_results
+    key = (Path(driver).name, tuple(args))
+    if Path(driver).resolve().parent == UTILS and key in BATCHED:
+        if _batch_results is None:
+            _batch_results = _run_batch()
+        returncode, stdout, stderr = _batch_results[key]
+    else:
+        proc = subprocess.run([sys.executable, str(driver), *args], env=_env(), capture_output=True,
+                              text=True, timeout=240)
+        returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    assert returncode == 0, stdout + stderr
+    if "NO_TRITON" in stdout:
         pytest.skip("triton is not importable here")
-    assert "TRITON_INTERPRET_OK" in proc.stdout
+    assert "TRITON_INTERPRET_OK" in stdout

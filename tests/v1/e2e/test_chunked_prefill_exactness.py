@@ -16,7 +16,7 @@ import dataclasses
 import pytest
 
 from tests.utils.runner_harness import (Scenario, greedy_oracle, make_config, make_runner,
-                                        run_all_methods, spawn_dcp_world)
+                                        run_all_methods)
 from vllm.model_executor.models.tiny import write_tiny_models
 
 pytestmark = pytest.mark.slow
@@ -37,7 +37,7 @@ CHUNKED4 = dataclasses.replace(WHOLE, name="chunked4", prefill_chunk=4)
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(cpu_world_pool):
     paths = write_tiny_models()
     paths = {name: getattr(paths, name) for name in ("target", *METHODS)}
     oracle = greedy_oracle(make_runner(make_config(paths["target"])).model, PROMPTS,
@@ -45,8 +45,8 @@ def runs():
     results = {(1, sc.name): run_all_methods(paths, CASES, sc, oracle)
                for sc in (WHOLE, CHUNKED, CHUNKED4)}
     for dcp, interleave in ((2, 4), (4, 1)):
-        results[(dcp, CHUNKED.name)], _ = spawn_dcp_world(dcp, interleave, paths, CASES,
-                                                          CHUNKED, oracle)
+        results[(dcp, CHUNKED.name)], _ = cpu_world_pool.run_dcp_world(dcp, interleave, paths,
+                                                                       CASES, CHUNKED, oracle)
     return oracle, results
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.utils.runner_harness import (NUM_BLOCKS, Scenario, greedy_oracle, make_config,
-                                        make_runner, spawn_dcp_world, spec_tag)
+                                        make_runner, spec_tag)
 from vllm.model_executor.models.tiny import write_tiny_models
 
 pytestmark = pytest.mark.slow
@@ -31,12 +31,12 @@ SCENARIO = Scenario("decoupled", PROMPTS, max_new_tokens=6, arrival_step={"singl
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(cpu_world_pool):
     paths = write_tiny_models()
     paths = {name: getattr(paths, name) for name in ("target", *(m for m, _ in DRAFTERS))}
     oracle = greedy_oracle(make_runner(make_config(paths["target"])).model, PROMPTS,
                            SCENARIO.max_new_tokens)
-    results, _ = spawn_dcp_world(DCP, 1, paths, CASES, SCENARIO, oracle)
+    results, _ = cpu_world_pool.run_dcp_world(DCP, 1, paths, CASES, SCENARIO, oracle)
     return oracle, results
 
 

@@ -11,15 +11,15 @@ positions 8.. and accepting 1 draft leaves the accepted prefix at 10: EAGLE's fi
 seq_len 11 (rank-0 local 7 at N=2, I=4, not the target's stale 8) and DSpark's Q=4 block has
 seq_len 14 (rank 0: 8, rank 1: 6).
 
-One world per DCP size runs every drafter (spawned once), to keep the suite fast.
+One world per DCP size runs every drafter, on the session's pooled ranks (tests/utils/world_pool.py),
+to keep the suite fast.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.utils.runner_harness import (spec_tag, Scenario, greedy_oracle, make_config, make_runner, run_all_methods,
-                            spawn_dcp_world)
+from tests.utils.runner_harness import (spec_tag, Scenario, greedy_oracle, make_config, make_runner, run_all_methods)
 from vllm.model_executor.models.tiny import write_tiny_models
 from vllm.sampling_params import SamplingParams
 from vllm.forward_context import dense_attention_context
@@ -48,7 +48,7 @@ DCP_WORLDS = {2: 4, 4: 1}  # DCP size -> interleave
 
 
 @pytest.fixture(scope="module")
-def e2e(tmp_path_factory):
+def e2e(tmp_path_factory, cpu_world_pool):
     paths = write_tiny_models()  # shared cache: distilled drafters, written once per machine
     paths = {name: getattr(paths, name) for name in ("target", *METHODS)}
     oracle_runner = make_runner(make_config(paths["target"]))
@@ -59,8 +59,8 @@ def e2e(tmp_path_factory):
     for dcp, interleave in DCP_WORLDS.items():
         stale_cases = ([("eagle", 3), ("dspark", 4), ("eagle", 3, "removed"),
                         ("dspark", 4, "removed")] if dcp == 2 else [])
-        results[dcp], stale_results = spawn_dcp_world(dcp, interleave, paths, CASES, SCENARIO,
-                                                      oracle, stale_cases)
+        results[dcp], stale_results = cpu_world_pool.run_dcp_world(dcp, interleave, paths, CASES,
+                                                                   SCENARIO, oracle, stale_cases)
         stale.update(stale_results)
     return {"oracle": oracle, "results": results, "stale": stale, "paths": paths}
 

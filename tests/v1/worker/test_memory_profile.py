@@ -243,7 +243,7 @@ def test_profiled_runner_generates_what_an_unprofiled_one_does(paths, method, k)
     assert run_scenario(profiled, scenario).outputs == run_scenario(plain, scenario).outputs
 
 
-def test_profile_under_dcp2_runs_the_same_step_on_both_ranks(paths):
+def test_profile_under_dcp2_runs_the_same_step_on_both_ranks(paths, cpu_world_pool):
     """The dummy step's context passes run DCP collectives: both ranks must take it (else the
     world hangs), and the profiled ranks then serve exactly what never-profiled ranks do."""
     from tests.utils.memory_profile_world import spawn_profile_world
@@ -252,7 +252,7 @@ def test_profile_under_dcp2_runs_the_same_step_on_both_ranks(paths):
     scenario = Scenario("profile-dcp", prompts, max_new_tokens=5, arrival_step={"b": 1},
                         prefill_chunk=16)
     out = spawn_profile_world(2, paths, [(None, 0), ("dspark", 4)], scenario,
-                              max_model_len=512, budget=64)
+                              max_model_len=512, budget=64, pool=cpu_world_pool)
     for case, (shape, profiled, plain) in out.items():
         assert shape == (64, 512 - 64), case
         assert profiled == plain, case
