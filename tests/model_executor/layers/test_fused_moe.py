@@ -134,19 +134,56 @@ def test_align_block_size_groups_every_pair_once(num_tokens, num_experts, top_k,
             assert rows.tolist() == sorted(rows.tolist())  # token order inside an expert
 
 
-def test_torch_experts_chunking_is_exact(monkeypatch):
-    """The bounded-chunk loop gives the same result whatever the chunk size."""
+@pytest.mark.parametrize("dense", [False, True])
+def test_torch_experts_chunking_is_exact(monkeypatch, dense):
+    """The bounded-chunk loop gives the same result whatever the chunk size: bit for bit on the
+    gather path (per-token mat-vecs), to float32 rounding on the dense path (its GEMMs block
+    differently for 9 rows than for 1)."""
     from vllm.model_executor.layers import moe_kernels
     gen = torch.Generator().manual_seed(10)
     x, w13, w2 = torch.randn(9, 16, generator=gen), torch.randn(4, 24, 16, generator=gen), torch.randn(4, 16, 12, generator=gen)
     ids = torch.randint(0, 4, (9, 2), generator=gen)
     weights = torch.rand(9, 2, generator=gen)
-    whole = fused_experts_torch(x, w13, w2, weights, ids)
+    whole = fused_experts_torch(x, w13, w2, weights, ids, dense=dense)
     monkeypatch.setattr(moe_kernels, "_GATHER_BUDGET", 1)  # one token per chunk
-    assert torch.allclose(fused_experts_torch(x, w13, w2, weights, ids), whole, rtol=1e-6, atol=1e-6)
+    chunked = fused_experts_torch(x, w13, w2, weights, ids, dense=dense)
+    if dense:
+        assert (chunked - whole).abs().max() <= 1e-6 * whole.abs().max()
+    else:
+        assert torch.equal(chunked, whole)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("num_experts,top_k", [(4, 2), (8, 3), (16, 2)])
+def test_torch_experts_dense_and_gathered_paths_equal_float64(num_experts, top_k):
+    """Both torch paths (every expert on every token with a routing mask, and the per-token
+    gather) equal a float64 per-token loop, including a token that picks one expert twice and
+    an unchosen expert whose output overflows (it must not leak a NaN)."""
+    gen = torch.Generator().manual_seed(num_experts * 10 + top_k)
+    t, d, i = 37, 24, 16
+    x = torch.randn(t, d, generator=gen)
+    w13 = torch.randn(num_experts, 2 * i, d, generator=gen) / d ** 0.5
+    w2 = torch.randn(num_experts, d, i, generator=gen) / i ** 0.5
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(t)])
+    ids[0, 1] = ids[0, 0]  # a repeated expert counts twice
+    weights = torch.rand(t, top_k, generator=gen)
+    ref = torch.zeros(t, d, dtype=torch.float64)
+    for n in range(t):
+        for j in range(top_k):
+            e = int(ids[n, j])
+            gate, up = (w13[e].double() @ x[n].double()).chunk(2)
+            ref[n] += weights[n, j].double() * (w2[e].double() @ (F.silu(gate) * up))
+    for dense in (True, False):
+        got = fused_experts_torch(x, w13, w2, weights, ids, dense=dense)
+        assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5), dense
+    unused = sorted(set(range(num_experts)) - set(ids.flatten().tolist()))
+    if unused:
+        w13_big = w13.clone()
+        w13_big[unused[0]] = 1e30  # its output is inf for every token
+        got = fused_experts_torch(x, w13_big, w2, weights, ids, dense=True)
+        assert torch.isfinite(got).all() and torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_moe_grouped_gemm_under_interpreter():
     """The Triton align + gate_up + down kernels, run by Triton's CPU interpreter, equal a float64
     brute force (several token counts, expert counts, top-k and M tiles; masked edges)."""
