@@ -76,6 +76,26 @@ def test_logprobs_equal_target_log_softmax(engine, temperature, request, hf_mode
         assert math.isclose(entry[PROMPT[p]].logprob, float(ref[p - 1, PROMPT[p]]), abs_tol=2e-4)
 
 
+def test_prompt_logprobs_of_a_chunked_prefill_equal_target_log_softmax(hf_model):
+    """A prompt longer than the step's token budget is prefilled in chunks (here 16, 16, 16, 2
+    tokens, with a second request sharing the steps); its prompt logprobs are scored chunk by
+    chunk and equal log_softmax of the HF target's logits at every position, and the request
+    beside it gets its own. (Before: the step failed with an index error.)"""
+    long_prompt = [(11 * j) % 200 + 3 for j in range(50)]
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
+    with LLM(max_model_len=128, max_num_seqs=4, device="cpu", max_num_batched_tokens=16,
+             speculative_config=None) as llm:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=long_prompt),
+                             TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)
+    for prompt, out in zip((long_prompt, PROMPT), outs):
+        ref = torch.log_softmax(_hf_logits(hf_model, prompt), dim=-1)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for p in range(1, len(prompt)):
+            entry = out.prompt_logprobs[p]
+            assert math.isclose(entry[prompt[p]].logprob, float(ref[p - 1, prompt[p]]), abs_tol=2e-4), p
+            assert set(torch.topk(ref[p - 1], 2).indices.tolist()) <= set(entry)
+
+
 def _greedy_with_penalties(hf_model, prompt, steps, presence, frequency, repetition, bias=None):
     """Brute force: full forward each step, upstream's order (logit_bias, then repetition,
     frequency, presence) element by element."""

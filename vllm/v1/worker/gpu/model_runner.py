@@ -369,14 +369,14 @@ class GPUModelRunner:
             logits = logits_all
 
         prompt_logprobs = None
-        # Rows prefilled from position 0 (never in a graph) may ask for prompt logprobs; a step
-        # without such a row has none to compute (no per-request lists are built for it).
-        if not batch.cudagraph and (batch.num_computed_np == 0).any():
+        # Prompt rows (never in a graph) may ask for prompt logprobs, also chunk by chunk; while
+        # no admitted request waits for them, nothing per request is built.
+        if not batch.cudagraph and self.sampling_states.wants_prompt_logprobs:
             prompt_logprobs = self.sampling_states.prompt_logprobs(
                 self.model.compute_logits, hidden, batch.req_ids,
                 batch.query_start_loc_np[: num_reqs + 1].tolist(),
                 [self.requests[r].token_ids for r in batch.req_ids],
-                (batch.num_computed_np == 0).tolist())
+                batch.num_computed_np[:num_reqs].tolist())
         sampled, num_sampled, num_draft, sample_rows, rows_info = self._sample(batch, logits)
         if overlap and sampled is not None and self._sample_event is not None:
             # The eager sampling path copied host twins after the forward was enqueued.

@@ -96,6 +96,12 @@ class SamplingStates:
         self._params: dict[int, object] = {}
         self._num_prompt_tokens: dict[str, int] = {}
         self._prompt_logprobs_done: set[str] = set()
+        # Prompt logprobs of a prompt prefilled in chunks: the finished chunks' rows, delivered
+        # together when the last chunk is done (the engine takes one list per request).
+        self._prompt_logprobs_partial: dict[str, list[LogprobsLists]] = {}
+        # Requests that asked for prompt logprobs and have not had them yet: the runner asks
+        # only while this is non-empty (no per-request work in the common step).
+        self._prompt_logprobs_pending: set[str] = set()
         self._slot_of: dict[str, int] = {}
         # Slots whose request uses any feature: any_active is then a set test, no per-row loop
         # (the common batch has none, and the runner asks every step).
@@ -178,6 +184,9 @@ class SamplingStates:
             self._host_slots.discard(slot)
         self._params[slot] = params
         self._slot_of[req_id] = slot
+        if (params is not None and params.prompt_logprobs is not None
+                and req_id not in self._prompt_logprobs_done):
+            self._prompt_logprobs_pending.add(req_id)
 
     def remove_request(self, req_id: str, slot: int | None, finished: bool) -> None:
         self._slot_of.pop(req_id, None)
@@ -189,6 +198,8 @@ class SamplingStates:
         if finished:
             self._num_prompt_tokens.pop(req_id, None)
             self._prompt_logprobs_done.discard(req_id)
+            self._prompt_logprobs_partial.pop(req_id, None)
+            self._prompt_logprobs_pending.discard(req_id)
 
     def _check_token_ids(self, params) -> None:
         for name, ids in (("logit_bias", list(params.logit_bias or ())),
@@ -333,27 +344,45 @@ class SamplingStates:
             pos += n
         return result
 
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Some admitted request still waits for its prompt logprobs."""
+        return bool(self._prompt_logprobs_pending)
+
     def prompt_logprobs(self, compute_logits, hidden: torch.Tensor, req_ids: list[str],
                         query_start_loc: list[int], token_ids: list[list[int]],
-                        is_prefill: list[bool]) -> dict[str, LogprobsLists] | None:
-        """Prompt logprobs of requests prefilled this step: position p scores prompt token p+1
-        (upstream returns None for the first prompt token; the engine adds it)."""
+                        num_computed: list[int]) -> dict[str, LogprobsLists] | None:
+        """Prompt logprobs of the prompt rows prefilled this step: position p scores prompt
+        token p+1 (upstream returns None for the first prompt token; the engine adds it). A row
+        covers positions [num_computed, num_computed + its query length) of its request; a
+        prompt prefilled in chunks is scored chunk by chunk and delivered with its last chunk."""
         result = {}
         for i, req_id in enumerate(req_ids):
-            params = self._params_of(req_id)
-            if (not is_prefill[i] or params is None or params.prompt_logprobs is None
-                    or req_id in self._prompt_logprobs_done):
+            if req_id not in self._prompt_logprobs_pending:
                 continue
+            params = self._params_of(req_id)
             num_prompt = self._num_prompt_tokens.get(req_id, 0)
-            start = query_start_loc[i]
-            if num_prompt < 2:
-                result[req_id] = LogprobsLists([], [], [])
-            else:
-                logits = compute_logits(hidden[start:start + num_prompt - 1])
-                targets = _ids(token_ids[i][1:num_prompt], logits.device)
-                result[req_id] = gather_logprobs(compute_logprobs(logits), params.prompt_logprobs,
-                                                 targets).tolists()
-            self._prompt_logprobs_done.add(req_id)
+            first = num_computed[i]
+            if params is None or first >= num_prompt:
+                continue  # a decode row: the prompt was scored already
+            start, stop = query_start_loc[i], query_start_loc[i + 1]
+            if first == 0:  # (re)started from position 0: drop a preempted run's chunks
+                self._prompt_logprobs_partial[req_id] = []
+            chunks = self._prompt_logprobs_partial.setdefault(req_id, [])
+            end = min(first + (stop - start), num_prompt - 1)  # last scored position + 1
+            if end > first:
+                logits = compute_logits(hidden[start:start + end - first])
+                targets = _ids(token_ids[i][first + 1:end + 1], logits.device)
+                chunks.append(gather_logprobs(compute_logprobs(logits), params.prompt_logprobs,
+                                              targets).tolists())
+            if first + (stop - start) >= num_prompt:  # the prompt's last chunk
+                self._prompt_logprobs_partial.pop(req_id, None)
+                result[req_id] = LogprobsLists(
+                    [row for c in chunks for row in c.logprob_token_ids],
+                    [row for c in chunks for row in c.logprobs],
+                    [rank for c in chunks for rank in c.sampled_token_ranks])
+                self._prompt_logprobs_done.add(req_id)
+                self._prompt_logprobs_pending.discard(req_id)
         return result or None
 
     def _params_of(self, req_id: str):
