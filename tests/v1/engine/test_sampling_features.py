@@ -240,3 +240,24 @@ def test_penalties_and_min_tokens_survive_preemption(tiny):
         got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
         assert tight.llm_engine.get_metrics()["num_preemptions"] > 0
     assert got == expected
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_inside_a_speculative_step_cuts_the_tokens_as_plain_decoding(plain, spec, include):
+    """A stop string completed by an accepted draft token ends the output at that token: the
+    tokens the same speculative step accepted after it are not output, so token ids, text and
+    stop reason equal plain greedy decoding's. The stop string is chosen from plain greedy's own
+    continuation, at a token the drafter accepted several tokens around."""
+    prompt = [(11 * j) % 200 + 3 for j in range(9)]
+    free = plain.generate([TokensPrompt(prompt_token_ids=prompt)],
+                          SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)[0].outputs[0]
+    # The first character of the 11th generated token's text (past the first steps).
+    text_before = plain.get_tokenizer().decode(free.token_ids[:10])
+    stop = free.text[len(text_before)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, stop=[stop], include_stop_str_in_output=include)
+    want = plain.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0].outputs[0]
+    got = spec.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0].outputs[0]
+    assert want.finish_reason == "stop" and want.stop_reason == stop
+    assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == \
+        (want.token_ids, want.text, want.finish_reason, want.stop_reason)
+    assert len(got.token_ids) < len(free.token_ids)

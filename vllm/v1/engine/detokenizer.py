@@ -30,6 +30,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         self.output_text = ""
         self.stopped = False
+        self.num_consumed = 0  # tokens of the last update() up to its stop string (all: no stop)
         self._stream = None
         backend = getattr(tokenizer, "backend", None)
         if backend is not None:
@@ -45,21 +46,26 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def update(self, new_token_ids: Sequence[int]) -> str | None:
-        """Append tokens; return the stop string if one appeared (text is then cut at it)."""
+        """Append tokens; return the stop string if one appeared (text is then cut at it).
+        `num_consumed` is then how many of `new_token_ids` it took to complete the stop string:
+        a speculative step emits several tokens, and the ones after the stop are not output
+        (a plain engine, one token per step, never generates them)."""
+        self.num_consumed = len(new_token_ids)
         if self.stopped:
             return None
         stream = self._stream
         if stream is not None:
             backend = self._backend
-            for token in new_token_ids:
+            for i, token in enumerate(new_token_ids):
                 delta = stream.step(backend, int(token))
                 if delta:
                     if not self.stop:  # nothing to search for: just keep the text
                         self.output_text += delta
                     elif self._append(delta):
+                        self.num_consumed = i + 1
                         return self._matched
             return None
-        for token in new_token_ids:
+        for i, token in enumerate(new_token_ids):
             self._tokens.append(int(token))
             prefix_text = self._decode(self._tokens[self._prefix_offset:self._read_offset])
             full_text = self._decode(self._tokens[self._prefix_offset:])
@@ -68,6 +74,7 @@ class IncrementalDetokenizer:
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._tokens)
             if self._append(full_text[len(prefix_text):]):
+                self.num_consumed = i + 1
                 return self._matched
         return None
 

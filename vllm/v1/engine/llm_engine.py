@@ -371,17 +371,20 @@ class LLMEngine:
             if step_prompt_logprobs and req_id in step_prompt_logprobs \
                     and state.prompt_logprobs is None:
                 state.prompt_logprobs = self._prompt_logprobs(step_prompt_logprobs[req_id])
-            if step_logprobs and state.logprobs is not None and req_id in step_logprobs:
-                self._append_logprobs(state, step_logprobs[req_id], len(new_token_ids))
-            state.output_token_ids.extend(new_token_ids)
             finish_reason, stop_reason = core.finish_reason, core.stop_reason
             detokenizer = state.detokenizer
             if detokenizer is not None:
                 stop_str = detokenizer.update(new_token_ids)
                 if stop_str is not None:
                     finish_reason, stop_reason = "stop", stop_str
+                    # Tokens of a speculative step after the one that completed the stop string
+                    # are not output (a plain engine never generates them).
+                    new_token_ids = new_token_ids[:detokenizer.num_consumed]
                     if core.finish_reason is None:
                         self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_STOPPED)
+            if step_logprobs and state.logprobs is not None and req_id in step_logprobs:
+                self._append_logprobs(state, step_logprobs[req_id], len(new_token_ids))
+            state.output_token_ids.extend(new_token_ids)
             num_new = len(new_token_ids)
             num_new_tokens += num_new
             state.timer.record_tokens(num_new, now)
