@@ -3,7 +3,8 @@ ran to completion, holding KV and preempting live work).
 
 Mixed load: 200 requests (completions / chat, streaming / not, several lengths) at concurrency
 32; every greedy text must equal the same request sent alone. Disconnects: 50 streaming clients
-that hang up after the first chunk and 20 non-streaming clients that time out; every one is
+that hang up after the first chunk and 20 non-streaming clients that hang up once the server
+holds their requests; every one is
 aborted (vllm:request_aborted counts them) and the KV cache returns to 0.
 """
 import asyncio
@@ -12,7 +13,7 @@ import time
 
 import httpx
 
-from tests.utils.reliability import GREEDY, metric_value, percentile, wait_kv_free
+from tests.utils.reliability import GREEDY, engine_state, metric_value, percentile, wait_kv_free
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "1, 2, 3,", "def add(a, b):",
            "Once upon a time", "The quick brown fox", "In 1969, astronauts", "A B C D"]
@@ -114,12 +115,23 @@ def test_disconnects_are_aborted_and_free_the_kv_cache(server):
                 if line.startswith("data: "):
                     break  # first chunk seen: walk away
 
-    async def wait_and_give_up(client):
-        try:
-            await client.post("/v1/completions", json=long_body, timeout=0.5)
-        except httpx.TimeoutException:
-            return True
-        return False
+    async def give_up_once_admitted(client, n=20):
+        """n non-streaming requests; each client hangs up once the server holds all n (running
+        or waiting). A fixed client timeout raced the server under load: a client could leave
+        before its request arrived, and then there was nothing to abort."""
+        loop = asyncio.get_running_loop()
+        tasks = [asyncio.create_task(client.post("/v1/completions", json=long_body)) for _ in range(n)]
+        deadline = loop.time() + 30
+        while not any(t.done() for t in tasks):
+            state = await asyncio.to_thread(engine_state, server.base_url)
+            if state["num_requests_running"] + state["num_requests_waiting"] >= n:
+                break
+            assert loop.time() < deadline, f"the server never held all {n} requests: {state}"
+            await asyncio.sleep(0.02)
+        for t in tasks:
+            t.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        return [isinstance(r, asyncio.CancelledError) for r in results]
 
     async def main():
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60,
@@ -127,7 +139,7 @@ def test_disconnects_are_aborted_and_free_the_kv_cache(server):
             await asyncio.gather(*(stream_and_hang_up(client) for _ in range(50)))
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60,
                                      limits=httpx.Limits(max_connections=100)) as client:
-            return await asyncio.gather(*(wait_and_give_up(client) for _ in range(20)))
+            return await give_up_once_admitted(client)
 
     gave_up = asyncio.run(main())
     assert all(gave_up)  # each non-streaming client really left before its answer
