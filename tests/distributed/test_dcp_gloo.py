@@ -1,6 +1,5 @@
 """Real multi-process DCP on gloo: q all-gather, sharded TORCH_MLA decode, LSE merge +
 reduce-scatter; every rank's heads must equal the dense float64 oracle."""
-import socket
 
 import pytest
 import torch
@@ -8,7 +7,10 @@ import torch.multiprocessing as mp
 
 from tests.utils.mla_dcp_helpers import build_rank, make_case, reference_decode
 from vllm.distributed import parallel_state as ps
-from vllm.v1.attention.backends.mla.torch_mla import TorchMLAImpl, TorchMLAMetadataBuilder
+from vllm.v1.attention.backends.mla.torch_mla import (
+    TorchMLAImpl,
+    TorchMLAMetadataBuilder,
+)
 from vllm.v1.attention.ops.dcp_combine import cp_lse_ag_out_rs, dcp_all_gather_q
 
 CASES = [  # (seq_lens, query_lens, causal, interleave)
@@ -18,15 +20,10 @@ CASES = [  # (seq_lens, query_lens, causal, interleave)
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
-
-def _worker(rank: int, world: int, port: int, heads_per_rank: int) -> None:
+def _worker(rank: int, world: int, rendezvous: str, heads_per_rank: int) -> None:
     torch.set_num_threads(1)
-    ps.init_distributed_environment(world, rank, "gloo", f"tcp://127.0.0.1:{port}")
+    ps.init_distributed_environment(world, rank, "gloo", f"file://{rendezvous}")
     try:
         ps.initialize_model_parallel(world, world)
         dcp = ps.get_dcp_group()
@@ -71,8 +68,10 @@ def _worker(rank: int, world: int, port: int, heads_per_rank: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_dcp_decode_over_gloo_matches_dense_oracle(world):
+def test_dcp_decode_over_gloo_matches_dense_oracle(world, tmp_path):
     # fork: the children inherit the imported torch (spawn re-imports it per rank, tens of
     # seconds on a loaded 2-core CI box); each child drops to one intra-op thread first.
-    mp.start_processes(_worker, args=(world, free_port(), 2), nprocs=world, join=True,
-                       start_method="fork")
+    # A file rendezvous in this test's own directory: a free TCP port picked here could be taken
+    # by another test run on the machine before the ranks bind it (seen with parallel suites).
+    mp.start_processes(_worker, args=(world, str(tmp_path / "rendezvous"), 2), nprocs=world,
+                       join=True, start_method="fork")

@@ -3,14 +3,18 @@ TP = DCP, every rank owns its heads' q and kv_b_proj rows and stores only its sh
 context. The q all-gather, the one-time all-gather of the group's kv_b_proj rows, the
 rank-local context passes and the LSE merge + reduce-scatter must give every rank's heads the
 dense float64 answer (= DCP 1), with interleave 1 and 4; no KV is all-gathered."""
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.utils.mla_prefill_helpers import (NOPE, build_prefill_rank, fake_layer,
-                                             make_prefill_case, reference_prefill)
+from tests.utils.mla_prefill_helpers import (
+    NOPE,
+    build_prefill_rank,
+    fake_layer,
+    make_prefill_case,
+    reference_prefill,
+)
 from vllm.distributed import parallel_state as ps
 from vllm.v1.attention.backends.mla.prefill import forward_mla_prefill
 
@@ -20,15 +24,10 @@ CASE = ([0, 1, 19, 45], [6, 3, 8, 5])
 HEADS_PER_RANK = 2
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
-
-def _worker(rank: int, world: int, port: int, interleave: int) -> None:
+def _worker(rank: int, world: int, rendezvous: str, interleave: int) -> None:
     torch.set_num_threads(1)
-    ps.init_distributed_environment(world, rank, "gloo", f"tcp://127.0.0.1:{port}")
+    ps.init_distributed_environment(world, rank, "gloo", f"file://{rendezvous}")
     try:
         ps.initialize_model_parallel(world, world)
         case = make_prefill_case(*CASE, num_heads=HEADS_PER_RANK * world, seed=world + interleave)
@@ -61,6 +60,7 @@ def _worker(rank: int, world: int, port: int, interleave: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("interleave", [1, 4])
 @pytest.mark.parametrize("world", [2, 4])
-def test_dcp_prefill_context_over_gloo_matches_dense_oracle(world, interleave):
-    mp.start_processes(_worker, args=(world, free_port(), interleave), nprocs=world, join=True,
-                       start_method="fork")
+def test_dcp_prefill_context_over_gloo_matches_dense_oracle(world, interleave, tmp_path):
+    # file rendezvous in the test's own directory (no TCP port race with other runs)
+    mp.start_processes(_worker, args=(world, str(tmp_path / "rendezvous"), interleave), nprocs=world,
+                       join=True, start_method="fork")
