@@ -99,6 +99,8 @@ class GPUModelRunner:
         # is_greedy(params) per slot (set on admission): the per-step all-greedy test is one
         # numpy gather instead of a Python call per request.
         self._greedy_np = np.ones(self.max_num_reqs, dtype=bool)
+        # num_sampled of a step that verifies no drafts: one token per row (read-only)
+        self._ones = torch.ones(self.max_num_reqs, dtype=torch.int64, device=self.device)
         self._forced = CpuGpuBuffer(self.max_num_reqs, max(self.num_spec_tokens, 1),
                                     dtype=torch.int64, device=self.device)
         self._num_computed_new = CpuGpuBuffer(self.max_num_reqs, dtype=torch.int64,
@@ -656,14 +658,11 @@ class GPUModelRunner:
         rows_info = self._batch_rows(batch, rows, num_draft, None)
         logits = self.sampling_states.process_logits(logits, rows_info)
         sampled = self.sampler(logits, metadata).unsqueeze(1)
-        ones = self.__dict__.get("_ones")
-        if ones is None:  # read-only: every row of such a step samples exactly one token
-            ones = self._ones = torch.ones(self.max_num_reqs, dtype=torch.int64,
-                                           device=self.device)
         if rows:
             slots = self._pinned_index(batch.idx_mapping_np[rows], "sampled_slots")
             self.requests.last_sampled[slots] = sampled[:, 0]
-        return sampled, ones[: len(rows)], num_draft, rows, rows_info
+        # every row of such a step samples exactly one token (a read-only persistent buffer)
+        return sampled, self._ones[: len(rows)], num_draft, rows, rows_info
 
     def _verified_drafts(self, slots: np.ndarray, pos: np.ndarray) -> torch.Tensor:
         """Flat [D] drafts verified this step (request slot and index of each), read from the
