@@ -526,16 +526,17 @@ class LLMEngine:
                      stop_reason) -> RequestOutput:
         detokenizer = state.detokenizer
         logprobs = state.logprobs
-        completion = CompletionOutput(state.index, "" if detokenizer is None
-                                      else detokenizer.output_text,
-                                      list(state.output_token_ids), finish_reason, stop_reason,
-                                      state.cumulative_logprob,
-                                      None if logprobs is None else list(logprobs))
+        completion = CompletionOutput(
+            index=state.index, text="" if detokenizer is None else detokenizer.output_text,
+            token_ids=list(state.output_token_ids), finish_reason=finish_reason,
+            stop_reason=stop_reason, cumulative_logprob=state.cumulative_logprob,
+            logprobs=None if logprobs is None else list(logprobs))
         # The prompt ids never change after add_request, so every output shares one list (as
         # upstream does) instead of copying the whole prompt for every request at every step.
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion],
-                             finished, state.timer.phases() if finished else None,
-                             state.prompt_logprobs)
+        return RequestOutput(request_id=state.request_id, prompt=state.prompt,
+                             prompt_token_ids=state.prompt_token_ids, outputs=[completion],
+                             finished=finished, metrics=state.timer.phases() if finished else None,
+                             prompt_logprobs=state.prompt_logprobs)
 
     def _record_finished(self, state: _RequestState) -> None:
         self._num_finished += 1

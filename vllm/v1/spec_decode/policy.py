@@ -41,7 +41,7 @@ class StepPlan:
         return self.decisions.get(req_id, self.default)
 
     def drafts(self, req_id: str) -> bool:
-        decision = self.decisions.get(req_id, self.default)
+        decision = self.decision(req_id)
         return decision is None or decision.draft
 
     @property

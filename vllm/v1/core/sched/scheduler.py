@@ -207,8 +207,8 @@ class Scheduler:
 
     def _schedule_steady_decode(self) -> SchedulerOutput | None:
         """The common step of a busy engine, in one lean pass: plain decoding (no drafter), no
-        admission possible (nothing waits, or the batch is full), every running request decodes one token and the pool has the blocks
-        for all of them. Then the general path would schedule exactly the running requests in
+        admission possible (nothing waits, or the batch is full), every running request decodes
+        one token and the pool has the blocks for all of them. Then the general path would schedule exactly the running requests in
         order, one token each, with no preemption and no admission; this builds the same
         SchedulerOutput without its per-request helper calls. Returns None (nothing changed)
         when any condition fails, and the caller runs the general path."""
@@ -217,8 +217,8 @@ class Scheduler:
         if self.waiting and len(self.running) < self.max_num_running_reqs:
             return None  # an admission may follow (with a full batch none can)
         kv = self.kv_cache_manager
-        tokens_per_block = kv.tokens_per_block
-        held_blocks = kv.req_to_blocks
+        blocks_needed = kv.num_new_blocks_needed
+        slots_needed = self._slots_needed
         check_placeholders = self.async_scheduling
         max_model_len = self.max_model_len
         scheduled: list[Request] = []
@@ -234,11 +234,11 @@ class Scheduler:
             computed = request.num_computed_tokens
             if planned - computed != 1:
                 return None  # an unfinished prefill: the general path
-            # _slots_needed(request, 1) without drafts: computed + 1 + 1 tokens.
-            need = -(-(computed + 2) // tokens_per_block) - len(held_blocks.get(request.request_id, ()))
+            num_tokens = slots_needed(request, 1)
+            need = blocks_needed(request.request_id, num_tokens)
             if need > 0:
                 new_blocks_total += need
-                grow.append((request, computed + 2))
+                grow.append((request, num_tokens))
             scheduled.append(request)
         if len(scheduled) > self.max_num_batched_tokens:
             return None  # cannot happen (max_num_running_reqs); the general path asserts it
@@ -553,7 +553,7 @@ class Scheduler:
             if num_sampled != 1:
                 raise RuntimeError(
                     f"model runner returned {num_sampled} tokens for request {req_id!r}, which "
-                    f"verified 0 drafts; expected between 1 and 1")
+                    f"verified no drafts; expected 1")
             request.num_computed_tokens = computed
             token = sampled[0]
             request.output_token_ids.append(token)

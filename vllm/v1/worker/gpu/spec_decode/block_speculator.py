@@ -96,22 +96,24 @@ class BlockSpeculator(Speculator):
         seq_lens.clamp_(max=self.max_model_len)
         return anchors
 
-    def _block_offsets(self) -> torch.Tensor:
-        """arange(Q) on the device, made once."""
-        offsets = getattr(self, "_offsets", None)
-        if offsets is None:
-            with torch.inference_mode(False):
-                offsets = self._offsets = torch.arange(self.query_len, dtype=torch.int64,
-                                                       device=self.device)
-        return offsets
-
-    def _anchor_buffer(self) -> torch.Tensor:
-        buf = getattr(self, "_anchors", None)
+    def _persistent(self, name: str, make) -> torch.Tensor:
+        """A device buffer made on first use and kept (Q is known only once the drafter is
+        loaded); made outside inference mode so CUDA graphs and in-place writes may use it."""
+        buf = self.__dict__.get(name)
         if buf is None:
             with torch.inference_mode(False):
-                buf = self._anchors = torch.zeros(self.max_num_reqs, dtype=torch.int64,
-                                                  device=self.device)
+                buf = make()
+            setattr(self, name, buf)
         return buf
+
+    def _block_offsets(self) -> torch.Tensor:
+        """arange(Q) on the device, made once."""
+        return self._persistent("_offsets", lambda: torch.arange(
+            self.query_len, dtype=torch.int64, device=self.device))
+
+    def _anchor_buffer(self) -> torch.Tensor:
+        return self._persistent("_anchors", lambda: torch.zeros(
+            self.max_num_reqs, dtype=torch.int64, device=self.device))
 
     def _block_step(self, attn_metadata, padded: int, anchors: torch.Tensor) -> tuple:
         """The captured part of a draft step: block forward, LM head, draft choice."""
