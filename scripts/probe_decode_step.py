@@ -54,6 +54,9 @@ def _instrument(engine) -> None:
     _wrap(input_batch.InputBatchBuilder, "build", "InputBatchBuilder.build")
     _wrap(flashinfer_mla, "_plan", "flashinfer plan() (python + C++)")
     _wrap(flashinfer_mla, "plan_hopper_decode", "plan_hopper_decode (CSR on host)")
+    _wrap(flashinfer_mla, "_refresh", "flashinfer plan refresh (try, incl. CSR copy)")
+    _wrap(flashinfer_mla, "_native_replan", "flashinfer native re-plan")
+    _wrap(flashinfer_mla, "_adopt_plan", "flashinfer plan skeleton read-back")
     from vllm.v1.attention.backends.mla import common as mla_common
     from vllm.v1.worker.gpu import attn_utils, block_table
     _wrap(mla_common.MLACommonMetadataBuilder, "_row_seq_lens", "mla._row_seq_lens (device)")
@@ -206,7 +209,8 @@ def main() -> None:
         slots += (list(getattr(builder, "_slots", {}).values())
                   + list(getattr(builder, "_graph_slots", {}).values()))
     result["flashinfer_plans"] = {"native_replans": sum(s.native_replans for s in slots if s),
-                                  "full_plans": sum(s.full_plans for s in slots if s)}
+                                  "full_plans": sum(s.full_plans for s in slots if s),
+                                  "refreshes": sum(s.refreshes for s in slots if s)}
     print("  flashinfer plans:", result["flashinfer_plans"])
     if args.cuda_api:
         result["cuda_api_per_step"] = _cuda_api_probe(engine, args.cuda_api)

@@ -150,8 +150,8 @@ def test_triton_merge_matches_torch_on_gpu(n, base_e):
 @pytest.mark.parametrize("qlen", [1, 4])
 def test_graph_wrapper_native_replans_with_the_packed_copy_match_torch_mla(qlen):
     """One builder over several graph-mode steps of the same padded size: the first plan is a
-    full FlashInfer plan, the later ones are native re-plans that move the CSR into the graph
-    wrapper's packed buffers in ONE copy; every step must still equal TORCH_MLA on the same
+    full FlashInfer plan, the later ones are native re-plans (or plan refreshes) that move the
+    CSR into the graph wrapper's packed buffers in ONE copy; every step must still equal TORCH_MLA on the same
     metadata (eager run() on the graph wrapper reads exactly those buffers)."""
     from dataclasses import replace
     from types import SimpleNamespace
@@ -182,4 +182,52 @@ def test_graph_wrapper_native_replans_with_the_packed_copy_match_torch_mla(qlen)
         assert slot.packed_device is not None
         if step:
             assert md.decode.backend_state.hopper_inputs.packed is not None
-    assert slot.native_replans >= 3 and slot.full_plans == 1
+    # steps 1 and 3 only grow the lengths by one: refreshed instead of re-planned
+    assert slot.native_replans + slot.refreshes >= 3 and slot.full_plans == 1
+
+
+@pytest.mark.parametrize("qlen,causal", [(1, True), (4, False)])
+def test_graph_wrapper_plan_refreshes_match_torch_mla(qlen, causal):
+    """Steady decode on one graph wrapper: lengths grow by one per step, so after the first plan
+    the builder refreshes the plan's length-dependent work arrays instead of re-planning
+    (flashinfer_plan_refresh.py). Every step must equal TORCH_MLA; a jump that changes a
+    request's chunk count, and a step with other rows, must be planned for real."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from tests.utils.mla_dcp_helpers import mla_spec, parallel_config
+    config = SimpleNamespace(parallel_config=parallel_config(1, 1).parallel_config,
+                             model_config=SimpleNamespace(max_model_len=8192), max_num_seqs=8)
+    builder = FlashInferMLAMetadataBuilder(mla_spec(BLOCK, not causal, torch.bfloat16),
+                                           ["layer.0"], config, DEVICE, dcp_rank=0,
+                                           kernel_family="hopper")
+    builder.reorder_batch_threshold = qlen
+    seq = [700, 2049, 64, 9]
+    planned_before = 0
+    for step in range(24):
+        if step == 12:
+            seq[0] += 1500  # many more chunks for request 0: a real plan
+        live = [g for g in seq]
+        if step == 18:
+            live[3] = 0  # a padding row this step: other query rows, a real plan
+        qlens = [qlen if g else 0 for g in live]
+        case = make_case(live, qlens, num_heads=HEADS, causal=causal, seed=40 + step,
+                         dtype=torch.bfloat16)
+        _, cache, cm, _ = build_rank(case, FlashInferMLAMetadataBuilder, 1, 0, 1, BLOCK,
+                                     non_causal_group=not causal, fill=0.0, device=DEVICE,
+                                     builder_kwargs=dict(kernel_family="hopper"))
+        md = builder.build(0, replace(cm, cudagraph=True))
+        q = torch.zeros(md.decode.num_decode_tokens, HEADS, case.q.shape[-1],
+                        dtype=case.q.dtype, device=DEVICE)
+        q[: case.q.shape[0]] = case.q.to(DEVICE)
+        fi = FlashInferMLAImpl(num_heads=HEADS, scale=case.scale).forward_decode(q, cache,
+                                                                                 md.decode)
+        ref = TorchMLAImpl(num_heads=HEADS, scale=case.scale).forward_decode(q, cache, md.decode)
+        assert_states_close(fi, ref)
+        slot = md.decode.backend_state.wrapper_slot
+        planned = slot.native_replans + slot.full_plans
+        if step in (12, 18, 19):
+            assert planned > planned_before, f"step {step} must be planned for real"
+        planned_before = planned
+        seq = [g + 1 for g in seq]
+    assert slot.refreshes >= 18, (slot.refreshes, slot.native_replans, slot.full_plans)

@@ -31,6 +31,7 @@ from vllm.v1.attention.backends.mla.common import (MLACommonDecodeMetadata, MLAC
                                                     MLACommonMetadata,
                                                     MLACommonMetadataBuilder, MLADecodeKind,
                                                     uniform_query_block)
+from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import PlanRefresher, PlanSkeleton
 from vllm.v1.attention.ops.dcp_combine import LN2
 
 logger = logging.getLogger(__name__)
@@ -293,6 +294,13 @@ class _WrapperSlot:
     # out like the staging sets (packed_csr_views, `packed_layout` = (R, max_pages)).
     packed_device: torch.Tensor | None = None
     packed_layout: tuple[int, int] | None = None
+    # Graph wrappers: the last real plan's skeleton, refreshed for new lengths in place of a
+    # re-plan while every request keeps its chunk count (flashinfer_plan_refresh.py).
+    refresher: PlanRefresher | None = None
+
+    @property
+    def refreshes(self) -> int:
+        return 0 if self.refresher is None else self.refresher.refreshes
 
 
 def _fa_common_module():
@@ -339,6 +347,17 @@ def _native_replan(slot: _WrapperSlot, inputs: HopperPlanInputs, plan_args: dict
         backend._float_workspace_buffer, backend._int_workspace_buffer,
         backend._pin_memory_int_workspace_buffer, inputs.qo_indptr, inputs.kv_indptr,
         inputs.kv_len_arr, plan_args["num_heads"], plan_args["head_dim_ckv"], inputs.causal)
+    _upload_csr(slot, backend, inputs, graph)
+    backend._plan_info = plan_info
+    backend._staged_int_workspace_bytes = staged
+    slot.wrapper._plan_info = plan_info
+    return True
+
+
+def _upload_csr(slot: _WrapperSlot, backend: Any, inputs: HopperPlanInputs, graph: bool) -> None:
+    """Move a plan's CSR arrays to the buffers the kernels read (the fixed graph buffers)."""
+    buffers = (backend._qo_indptr_buf, backend._kv_indptr_buf, backend._kv_indices_buf,
+               backend._kv_len_arr_buf)
     if (graph and inputs.packed is not None and slot.packed_device is not None
             and inputs.packed_layout == slot.packed_layout
             and buffers[0].data_ptr() == slot.packed_device.data_ptr()):
@@ -359,22 +378,57 @@ def _native_replan(slot: _WrapperSlot, inputs: HopperPlanInputs, plan_args: dict
             moved = source.to(device, non_blocking=True)
             setattr(backend, name, moved)
             setattr(slot.wrapper, name, moved)
-    backend._plan_info = plan_info
-    backend._staged_int_workspace_bytes = staged
-    slot.wrapper._plan_info = plan_info
+
+
+def _refresh(slot: _WrapperSlot, inputs: HopperPlanInputs, plan_args: dict) -> bool:
+    """Steady decode on a graph wrapper: keep the held plan and rewrite only the work arrays
+    that depend on the lengths (PlanSkeleton), when every request keeps its chunk count."""
+    refresher = slot.refresher
+    if refresher is None or refresher.skeleton is None or slot.plan_args != plan_args \
+            or inputs.causal:
+        return False
+    backend = getattr(slot.wrapper, "_planned_backend", None)
+    if backend is None or getattr(backend, "_causal", True):
+        return False
+    if not refresher.try_refresh(inputs.qo_indptr.numpy(), inputs.kv_indptr.numpy(),
+                                 inputs.kv_len_arr.numpy()):
+        return False
+    _upload_csr(slot, backend, inputs, graph=True)
     return True
 
 
+def _adopt_plan(slot: _WrapperSlot, inputs: HopperPlanInputs, plan_args: dict) -> None:
+    """After a real plan on a graph wrapper: read its skeleton back for later refreshes."""
+    backend = getattr(slot.wrapper, "_planned_backend", None)
+    pinned = getattr(backend, "_pin_memory_int_workspace_buffer", None)
+    device_ws = getattr(backend, "_int_workspace_buffer", None)
+    plan_info = getattr(backend, "_plan_info", None)
+    if pinned is None or device_ws is None or plan_info is None:
+        return
+    if slot.refresher is None or slot.refresher.device_ws.data_ptr() != device_ws.data_ptr():
+        slot.refresher = PlanRefresher(device_ws,
+                                       max_works=2 * inputs.num_requests + 1024)
+    slot.refresher.adopt(PlanSkeleton.from_plan(
+        plan_info, pinned, inputs.qo_indptr.numpy(), inputs.kv_len_arr.numpy(),
+        plan_args["num_heads"], inputs.causal))
+
+
 def _plan(slot: _WrapperSlot, inputs: HopperPlanInputs, key: tuple, **plan_args) -> None:
-    if not _native_replan(slot, inputs, plan_args):
-        fi = _import_flashinfer()
-        slot.wrapper.plan(
-            metadata=fi.mla.MLAPlanMetadata.csr(inputs.qo_indptr, inputs.kv_indptr,
-                                                inputs.kv_indices, inputs.kv_len_arr),
-            causal=inputs.causal, **plan_args)
-        slot.full_plans += 1
+    graph = slot.packed_device is not None
+    if graph and _refresh(slot, inputs, plan_args):
+        pass
     else:
-        slot.native_replans += 1
+        if not _native_replan(slot, inputs, plan_args):
+            fi = _import_flashinfer()
+            slot.wrapper.plan(
+                metadata=fi.mla.MLAPlanMetadata.csr(inputs.qo_indptr, inputs.kv_indptr,
+                                                    inputs.kv_indices, inputs.kv_len_arr),
+                causal=inputs.causal, **plan_args)
+            slot.full_plans += 1
+        else:
+            slot.native_replans += 1
+        if graph:
+            _adopt_plan(slot, inputs, plan_args)
     if slot.staging is not None:
         slot.staging.mark_consumed_after_this_point()
     slot.plan_args = plan_args

@@ -1,0 +1,131 @@
+"""A model of FlashInfer 0.7.2's MLA (fa3) planner for CPU tests, and a checker of its plans.
+
+`model_plan` follows the algorithm of `MLAPlan` (flashinfer/attention/scheduler.cuh) for
+non-causal plans: KV cut into chunks of at most the planner's limit, chunks dealt to the least
+loaded cluster, the work arrays written at 16-byte aligned offsets of an int scratch buffer
+sized for 16384 work items each. Its cluster costs are a stand-in (tests never depend on which
+cluster a chunk lands on). `plan_works` reads a plan back the way the kernels do, and
+`assert_valid_plan` checks that the plan covers every request's KV exactly.
+"""
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+import torch
+
+MAX_WORKS = 16384
+FIELDS = ("q_indptr", "kv_indptr", "partial_indptr", "merge_packed_offset_start",
+          "merge_packed_offset_end", "merge_partial_packed_offset_start",
+          "merge_partial_packed_offset_end", "merge_partial_stride", "q_len", "kv_len",
+          "q_start", "kv_start", "kv_end", "work_indptr")
+MERGE_FIELDS = FIELDS[3:8]
+
+
+def limit_of(total: int, num_clusters: int) -> int:
+    x = max(-(-total // num_clusters), 1)
+    for bound, value in ((8, 32), (16, 64), (32, 128), (64, 192)):
+        if x <= bound:
+            return value
+    return -(-x // 256) * 256
+
+
+def model_plan(qo, kv, kv_indptr, num_heads: int, num_sm: int = 8):
+    """(plan_info list, uint8 scratch tensor) of a non-causal plan for these requests."""
+    qo, kv, kv_indptr = (list(map(int, a)) for a in (qo, kv, kv_indptr))
+    batch = len(kv)
+    q_lens = [qo[i + 1] - qo[i] for i in range(batch)]
+    avg = sum(q * num_heads for q in q_lens) // batch
+    cluster_size = 2 if avg > 64 else 1
+    clusters = num_sm // cluster_size
+    tile = 64 * cluster_size
+    tiles = [-(-(q * num_heads) // tile) for q in q_lens]
+    limit = limit_of(sum(k * t for k, t in zip(kv, tiles)), clusters)
+    heap = [(0, c) for c in range(clusters)]
+    per_cluster = [[] for _ in range(clusters)]
+    merges, partial_nnz = [], 0
+    for i in range(batch):
+        packed = q_lens[i] * num_heads
+        for t in reversed(range(tiles[i])):
+            remaining, start = kv[i], 0
+            split = remaining > limit
+            rows = min(tile, packed - t * tile)
+            if split:
+                chunks = max(remaining * cluster_size // limit, 1)
+                step = -(-rows // chunks)
+                for off in range(0, rows, step):
+                    merges.append((qo[i] * num_heads + t * tile + off,
+                                   qo[i] * num_heads + t * tile + min(off + step, rows),
+                                   partial_nnz + off,
+                                   partial_nnz + -(-remaining // limit) * rows, rows))
+            zero = remaining == 0
+            while remaining > 0 or zero:
+                cost, c = heapq.heappop(heap)
+                actual = min(remaining, limit)
+                heapq.heappush(heap, (cost + actual + 16, c))
+                part = -1
+                if split:
+                    part = partial_nnz
+                    partial_nnz += rows
+                per_cluster[c].append(dict(q_indptr=qo[i], kv_indptr=kv_indptr[i],
+                                           partial_indptr=part, q_len=q_lens[i], kv_len=kv[i],
+                                           q_start=t * tile, kv_start=start,
+                                           kv_end=start + actual))
+                remaining -= actual
+                start += actual
+                if zero:
+                    break
+    works = [w for cluster in per_cluster for w in cluster]
+    work_indptr = np.cumsum([0] + [len(c) for c in per_cluster])
+    offsets, at = {}, 0
+    for f in FIELDS:
+        offsets[f] = at
+        size = 4 * (num_sm if f in MERGE_FIELDS else MAX_WORKS)
+        at += -(-size // 16) * 16
+    scratch = torch.full((at,), 0xAB, dtype=torch.uint8)  # garbage outside what is written
+    ws = scratch.view(torch.int32).numpy()
+    for f in FIELDS:
+        if f == "work_indptr":
+            values = work_indptr
+        elif f in MERGE_FIELDS:
+            k = MERGE_FIELDS.index(f)
+            values = np.zeros(num_sm, dtype=np.int64)
+            values[: len(merges)] = [m[k] for m in merges]
+        else:
+            values = [w[f] for w in works]
+        ws[offsets[f] // 4: offsets[f] // 4 + len(values)] = values
+    info = [cluster_size, clusters, *(offsets[f] for f in FIELDS), at, at + 4096]
+    return info, scratch, limit
+
+
+def plan_works(ws_i32: np.ndarray, info) -> list[dict]:
+    """Every work item of a plan as the kernels read it from the int workspace."""
+    offsets = dict(zip(FIELDS, info[2:16]))
+    num_clusters = info[1]
+    wi = ws_i32[offsets["work_indptr"] // 4: offsets["work_indptr"] // 4 + num_clusters + 1]
+    n = int(wi[-1])
+    return [{f: int(ws_i32[offsets[f] // 4 + w]) for f in FIELDS
+             if f not in MERGE_FIELDS and f != "work_indptr"} for w in range(n)]
+
+
+def assert_valid_plan(works, qo, kv, kv_indptr, chunk_limit: int, chunk_counts=None) -> None:
+    """Each request with query rows is covered by its works: chunks tile [0, kv) in order,
+    none longer than chunk_limit, with the request's kv_len and first page. `chunk_counts`
+    (request -> count) pins the number of chunks too."""
+    q_lens = [int(qo[i + 1]) - int(qo[i]) for i in range(len(kv))]
+    for i, q in enumerate(q_lens):
+        if q == 0:
+            continue
+        mine = sorted((w for w in works if w["q_indptr"] == int(qo[i])),
+                      key=lambda w: w["kv_start"])
+        assert mine, f"request {i} has no work item"
+        pos = 0
+        for w in mine:
+            assert w["kv_start"] == pos, (i, mine)
+            assert w["kv_end"] - w["kv_start"] <= chunk_limit, (i, w, chunk_limit)
+            assert w["kv_len"] == int(kv[i]) and w["kv_indptr"] == int(kv_indptr[i]), (i, w)
+            assert w["q_len"] == q
+            pos = w["kv_end"]
+        assert pos == int(kv[i]), (i, pos, int(kv[i]))
+        if chunk_counts is not None:
+            assert len(mine) == chunk_counts[i], (i, len(mine), chunk_counts[i])

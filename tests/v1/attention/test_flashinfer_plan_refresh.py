@@ -1,0 +1,192 @@
+"""Refreshing a FlashInfer MLA plan for new lengths keeps it a valid plan, and only then.
+
+The plans come from a model of FlashInfer's planner (tests/utils/flashinfer_mla_plan_model.py);
+the checker reads the refreshed int workspace the way the kernels do and demands that every
+request's chunks tile its new KV exactly with its old chunk count. The brute-force oracle of
+`fits` re-cuts every request with a plain loop. The real planner and kernels are checked on the
+GPU (tests/v1/attention/test_flashinfer_mla_gpu.py).
+"""
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from tests.utils.flashinfer_mla_plan_model import assert_valid_plan, model_plan, plan_works
+from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import (PlanRefresher, PlanSkeleton,
+                                                                     kv_len_limit)
+
+
+def _pages(kv, page=16):
+    return np.concatenate([[0], np.cumsum(-(-np.asarray(kv) // page))]).astype(np.int32)
+
+
+def _batch(rng, num_real, num_pad, q, max_kv):
+    kv = [rng.randint(0, max_kv) for _ in range(num_real)] + [0] * num_pad
+    qo = np.concatenate([[0], np.cumsum([q] * num_real + [0] * num_pad)]).astype(np.int32)
+    return qo, np.asarray(kv, dtype=np.int32)
+
+
+def _chunks_by_loop(kv, limit):
+    """Brute force: cut [0, kv) the way the planner does, one chunk at a time."""
+    if kv <= limit:
+        return 1
+    n, left = 0, kv
+    while left > 0:
+        left -= min(left, limit)
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_refreshed_plans_stay_valid_and_fits_agrees_with_brute_force(seed):
+    rng = random.Random(seed)
+    heads = rng.choice([4, 16, 128])
+    q = rng.choice([1, 1, 2, 4]) if heads <= 16 else 1
+    num_sm = rng.choice([8, 16, 132])
+    qo, kv = _batch(rng, rng.randint(1, 12), rng.randint(0, 3), q, rng.choice([40, 700, 5000]))
+    info, scratch, limit = model_plan(qo, kv, _pages(kv), heads, num_sm)
+    cluster_size = info[0]
+    assert kv_len_limit(qo, kv, heads, cluster_size, info[1]) == limit
+    sk = PlanSkeleton.from_plan(info, scratch, qo, kv, heads, causal=False)
+    if q * heads > 64 * cluster_size:
+        assert sk is None  # several query tiles per request: never refreshed
+        return
+    assert sk is not None
+    old_counts = {i: _chunks_by_loop(int(k), limit) for i, k in enumerate(kv) if qo[i + 1] > qo[i]}
+    for trial in range(6):
+        new = kv.copy()
+        n = int((qo[1:] > qo[:-1]).sum())
+        for i in range(n):
+            new[i] += rng.choice([0, 1, 1, 2, 7, limit // 2, limit])
+        same = all(_chunks_by_loop(int(new[i]), limit) == old_counts[i] for i in range(n))
+        assert sk.fits(qo, new) == same, (kv, new, limit)
+        if not same:
+            continue
+        ws = scratch.clone().view(torch.int32).numpy()  # the "device" int workspace
+        out = np.zeros((3, sk.num_works), dtype=np.int32)
+        ptr = _pages(new)
+        sk.fill(out, ptr, new)
+        for row, f in enumerate(("kv_indptr", "kv_len", "kv_end")):
+            ws[sk.offsets[f]: sk.offsets[f] + sk.num_works] = out[row]
+        assert_valid_plan(plan_works(ws, info), qo, new, ptr, limit, old_counts)
+
+
+def test_fits_refuses_other_query_rows_and_nonzero_padding():
+    qo, kv = np.array([0, 1, 2, 2], dtype=np.int32), np.array([300, 40, 0], dtype=np.int32)
+    info, scratch, _ = model_plan(qo, kv, _pages(kv), 16, 8)
+    sk = PlanSkeleton.from_plan(info, scratch, qo, kv, 16, causal=False)
+    assert sk is not None and sk.fits(qo, kv + np.array([1, 1, 0], dtype=np.int32))
+    assert not sk.fits(np.array([0, 1, 2, 3], dtype=np.int32), kv)  # a padding row became real
+    assert not sk.fits(qo, np.array([301, 41, 5], dtype=np.int32))
+    assert not sk.fits(qo, np.array([0, 41, 0], dtype=np.int32))  # fewer chunks: re-plan
+
+
+def test_unrecognised_plans_give_no_skeleton():
+    qo, kv = np.array([0, 1, 2], dtype=np.int32), np.array([900, 60], dtype=np.int32)
+    info, scratch, _ = model_plan(qo, kv, _pages(kv), 16, 8)
+    assert PlanSkeleton.from_plan(info, scratch, qo, kv, 16, causal=True) is None
+    assert PlanSkeleton.from_plan(info[:-1], scratch, qo, kv, 16, causal=False) is None
+    # a plan that does not cover a request (a work lost) is not adopted
+    broken = scratch.clone()
+    ws = broken.view(torch.int32).numpy()
+    end_at = info[2 + 12] // 4  # kv_end
+    ws[end_at] -= 1
+    assert PlanSkeleton.from_plan(info, broken, qo, kv, 16, causal=False) is None
+    # lengths that are not the ones planned
+    assert PlanSkeleton.from_plan(info, scratch, qo, kv + 1, 16, causal=False) is None
+
+
+def test_refresher_writes_the_work_arrays_through_its_ring():
+    qo, kv = np.array([0, 1, 2, 3, 3], dtype=np.int32), np.array([700, 33, 0, 0], dtype=np.int32)
+    info, scratch, limit = model_plan(qo, kv, _pages(kv), 16, 8)
+    device_ws = scratch.clone()  # CPU stand-in for the device int workspace
+    refresher = PlanRefresher(device_ws, max_works=64)
+    refresher.adopt(PlanSkeleton.from_plan(info, scratch, qo, kv, 16, causal=False))
+    counts = {0: _chunks_by_loop(700, limit), 1: 1, 2: 1}
+    for step in range(1, 6):
+        new = kv + np.array([step, step, step, 0], dtype=np.int32)
+        assert refresher.try_refresh(qo, _pages(new), new)
+        assert_valid_plan(plan_works(device_ws.view(torch.int32).numpy(), info), qo, new,
+                          _pages(new), limit, counts)
+    assert refresher.refreshes == 5
+    assert not refresher.try_refresh(qo, _pages(kv), kv + np.array([limit, 0, 0, 0]))
+    refresher.adopt(None)
+    assert not refresher.try_refresh(qo, _pages(kv), kv)
+
+
+def test_graph_plans_refresh_between_real_plans(monkeypatch):
+    """Through `_plan`: steady decode on a graph wrapper takes refreshes, and a real (native)
+    plan whenever a request changes its chunk count or the rows change; after every step the
+    wrapper's int workspace is a valid plan for that step's lengths."""
+    import sys
+    from types import ModuleType
+
+    from vllm.v1.attention.backends.mla import flashinfer_mla as fm
+    fa_common = ModuleType("_fa_common")
+    fa_common._validate_fa_plan_workload = lambda *a: None
+    for name in ["flashinfer", "flashinfer.mla", "flashinfer.mla._batch_mla",
+                 "flashinfer.mla._batch_mla._backends"]:
+        monkeypatch.setitem(sys.modules, name, ModuleType(name))
+    monkeypatch.setitem(sys.modules, "flashinfer.mla._batch_mla._backends._fa_common", fa_common)
+    R, page, heads, num_sm = 4, 16, 16, 8
+    device_ws = torch.zeros(1 << 20, dtype=torch.uint8)
+    pinned = torch.zeros(1 << 20, dtype=torch.uint8)
+    limits = []
+
+    def native(fws, iws, pws, qo, kv_indptr, kv_len, h, ckv, causal):
+        info, scratch, limit = model_plan(qo.numpy(), kv_len.numpy(), kv_indptr.numpy(), h,
+                                          num_sm)
+        pws[: scratch.numel()] = scratch
+        iws[: scratch.numel()] = scratch  # FlashInfer's staged copy to the device
+        limits.append(limit)
+        return info, scratch.numel()
+
+    plan_args = dict(num_heads=heads, head_dim_ckv=512, kv_data_type=torch.bfloat16)
+    flat = torch.zeros(fm.packed_csr_size(R, 64), dtype=torch.int32)
+    bufs = fm.packed_csr_views(flat, R)
+    backend = SimpleNamespace(
+        _cached_module=SimpleNamespace(plan_with_staged_workspace_bytes=native),
+        _backend="fa3", _causal=False, _use_cuda_graph=True, device=torch.device("cpu"),
+        _qo_indptr_buf=bufs[0], _kv_indptr_buf=bufs[1], _kv_len_arr_buf=bufs[2],
+        _kv_indices_buf=bufs[3], _float_workspace_buffer=None, _int_workspace_buffer=device_ws,
+        _pin_memory_int_workspace_buffer=pinned, _plan_info=None)
+
+    class Wrapper:
+        _planned_backend = backend
+
+        def __setattr__(self, name, value):
+            object.__setattr__(self, name, value)
+            if name == "_plan_info":
+                backend._plan_info = value
+
+    slot = fm._WrapperSlot(Wrapper(), plan_args=plan_args, packed_device=flat,
+                           packed_layout=(R, 64), staging=fm.PlanStaging(R, 64, depth=2))
+    seq = [150, 31, 64, 0]
+    real = 3
+    native_before = 0
+    for step in range(80):
+        if step == 50:
+            real = 4  # a request joins: new rows, a real plan
+            seq[3] = 5
+        qo = np.concatenate([[0], np.cumsum([1] * real + [0] * (R - real))]).astype(np.int32)
+        kv = np.asarray(seq, dtype=np.int32)
+        qo_t, ptr_t, kvl_t, idx_t = (torch.from_numpy(a) for a in (
+            qo, _pages(kv, page), kv, np.arange(int(_pages(kv, page)[-1]), dtype=np.int32)))
+        inputs = fm.HopperPlanInputs(qo_indptr=qo_t, kv_indptr=ptr_t, kv_indices=idx_t,
+                                     kv_len_arr=kvl_t, causal=False)
+        fm._plan(slot, inputs, ("step", step), **plan_args)
+        ws = device_ws.view(torch.int32).numpy()
+        assert_valid_plan(plan_works(ws, backend._plan_info), qo, kv, _pages(kv, page),
+                          limits[-1])
+        assert torch.equal(bufs[3][: idx_t.numel()], idx_t)  # the CSR still moves every step
+        if step == 50:
+            assert slot.native_replans > native_before  # new rows: planned for real
+        native_before = slot.native_replans
+        for i in range(real):
+            seq[i] += 1
+    assert slot.refreshes >= 60, (slot.refreshes, slot.native_replans, slot.full_plans)
+    assert slot.native_replans >= 2  # the first plan, and the joining request

@@ -1,0 +1,239 @@
+"""Refresh a FlashInfer MLA (Hopper, fa3) plan for new KV lengths without re-planning.
+
+Why: in steady decode every request's KV grows by one token per step, and FlashInfer's planner
+(`MLAPlan`, scheduler.cuh) is re-run from scratch each step: the C++ scheduler, FlashInfer's
+Python workload check (lists of every request) and a pinned staging copy of the 11 work arrays
+it sizes for 16384 work items (~0.7 MiB) every call. On an H200 node that is ~0.6 ms of host time
+per step at B=32 (scripts/probe_decode_step.py), about half of the step's GPU time, in a step the
+host already bounds.
+
+What a plan is (FlashInfer 0.7.2, read from scheduler.cuh): the KV range of every planned request
+is cut into chunks of at most `kv_len_limit` tokens, one *work item* per chunk, and the work items
+are dealt to clusters; a request cut into more than one chunk also gets merge entries that combine
+its chunks' partial outputs. Per work item the int workspace holds q_indptr, kv_indptr,
+partial_indptr, q_len, kv_len (the request's whole length), q_start, kv_start and kv_end.
+
+When the query rows are unchanged and every request keeps its number of chunks, the old plan is
+still a valid plan for the new lengths once three per-work arrays are rewritten: kv_len, kv_indptr
+(the request's first page in the new CSR) and kv_end of each request's last chunk. Everything
+else (the cluster assignment, partial and merge offsets, the block counts) depends only on the
+chunk structure. The kernels do not know `kv_len_limit`, so the last chunk growing within it is
+fine; the cluster balance drifts by at most one chunk's worth and is rebuilt by the next real plan.
+
+`PlanSkeleton.from_plan` reads a plan back from FlashInfer's pinned scratch (where the C++ planner
+wrote it, synchronously) and checks it against the layout above; anything it does not recognise
+(causal plans, another FlashInfer layout) gives None and the caller keeps re-planning.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# MLAPlanInfo::ToVector order (scheduler.cuh); byte offsets into the int workspace.
+PLAN_INFO_FIELDS = (
+    "num_blks_x", "num_blks_y", "q_indptr", "kv_indptr", "partial_indptr",
+    "merge_packed_offset_start", "merge_packed_offset_end", "merge_partial_packed_offset_start",
+    "merge_partial_packed_offset_end", "merge_partial_stride", "q_len", "kv_len", "q_start",
+    "kv_start", "kv_end", "work_indptr", "partial_o", "partial_lse")
+_CTA_TILE_Q = 64  # rows of one CTA's query tile in the fa3 MLA kernel
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+def _limit_of_average(x: int) -> int:
+    """MLAPlan's kv_len_limit from the average KV per cluster (its lambda `f`)."""
+    if x <= 8:
+        return 32
+    if x <= 16:
+        return 64
+    if x <= 32:
+        return 128
+    if x <= 64:
+        return 192
+    return _ceil_div(x, 256) * 256
+
+
+def kv_len_limit(qo_indptr: np.ndarray, kv_lens: np.ndarray, num_heads: int,
+                 cluster_size: int, num_clusters: int) -> int:
+    """The chunk length MLAPlan cuts non-causal requests at (same integer arithmetic)."""
+    q_lens = (qo_indptr[1:] - qo_indptr[:-1]).astype(np.int64)
+    tile = cluster_size * _CTA_TILE_Q
+    tiles = _ceil_div(q_lens * num_heads, tile)
+    total = int((kv_lens.astype(np.int64) * tiles).sum())
+    return _limit_of_average(max(_ceil_div(total, num_clusters), 1))
+
+
+def chunk_counts(kv_lens: np.ndarray, limit: int) -> np.ndarray:
+    """Work items per (single-tile) request: 1 up to the limit, else ceil(kv / limit)."""
+    return np.where(kv_lens > limit, _ceil_div(kv_lens, limit), 1)
+
+
+@dataclass
+class PlanSkeleton:
+    """The length-independent part of one FlashInfer MLA plan, and how to refresh it."""
+
+    qo_indptr: np.ndarray   # [R+1] the planned query rows (a refresh needs them unchanged)
+    num_real: int           # requests with query rows; the rest are empty padding requests
+    lo: np.ndarray          # [num_real] new kv must be > lo ...
+    hi: np.ndarray          # [num_real] ... and <= hi to keep the request's chunk count
+    work_req: np.ndarray    # [W] planned request of each work item (padding works -> num_real)
+    last_work: np.ndarray   # work items that end a request's KV range
+    last_req: np.ndarray    # their requests
+    kv_end: np.ndarray      # [W] the plan's kv_end (non-last chunks keep theirs)
+    offsets: dict           # int32 element offsets of kv_indptr, kv_len, kv_end
+    num_works: int
+
+    @classmethod
+    def from_plan(cls, plan_info, pinned_ws: torch.Tensor, qo_indptr: np.ndarray,
+                  kv_lens: np.ndarray, num_heads: int, causal: bool) -> "PlanSkeleton | None":
+        """Read the plan FlashInfer just wrote into `pinned_ws` (its page-locked int scratch)
+        for requests (qo_indptr, kv_lens). None when the plan is not of the recognised form."""
+        if causal:  # causal chunk ends depend on the query tile: not refreshed
+            return None
+        try:  # a tvm-ffi Array of int64 in FlashInfer 0.7.2
+            info = [int(v) for v in plan_info]
+        except (TypeError, ValueError):
+            return None
+        if len(info) != len(PLAN_INFO_FIELDS):
+            return None
+        at = dict(zip(PLAN_INFO_FIELDS, info))
+        cluster_size, num_clusters = at["num_blks_x"], at["num_blks_y"]
+        if any(at[f] % 4 for f in PLAN_INFO_FIELDS[2:16]) or num_clusters <= 0:
+            return None
+        ws = pinned_ws.view(torch.int32).numpy()
+
+        def array(field: str, n: int) -> np.ndarray:
+            start = at[field] // 4
+            return ws[start:start + n].astype(np.int64)
+
+        qo = qo_indptr.astype(np.int64)
+        kv = kv_lens.astype(np.int64)
+        num_req = len(kv)
+        work_indptr = array("work_indptr", num_clusters + 1)
+        num_works = int(work_indptr[-1])
+        if work_indptr[0] != 0 or num_works <= 0 or np.any(np.diff(work_indptr) < 0):
+            return None
+        q_start_w, kv_start_w = array("q_start", num_works), array("kv_start", num_works)
+        kv_end_w, q_w = array("kv_end", num_works), array("q_indptr", num_works)
+        kv_len_w = array("kv_len", num_works)
+        q_lens = qo[1:] - qo[:-1]
+        real = q_lens > 0
+        num_real = int(real.sum())
+        # plan_hopper_decode puts real requests first, padding requests (no rows, no KV) after
+        if not real[:num_real].all() or kv[num_real:].any() or num_real == 0:
+            return None
+        if np.any(q_lens * num_heads > cluster_size * _CTA_TILE_Q) or np.any(q_start_w != 0):
+            return None  # a request spanning several query tiles: chunk ends differ per tile
+        req = np.searchsorted(qo[:num_real], q_w)
+        matched = (req < num_real) & (qo[np.minimum(req, num_real - 1)] == q_w)
+        padding = ~matched
+        if padding.any():
+            if num_real == num_req or np.any(kv_len_w[padding] != 0) \
+                    or np.any(kv_end_w[padding] != 0) or np.any(q_w[padding] != qo[num_real]):
+                return None
+        req = np.where(matched, req, num_real)
+        kv_ext = np.append(kv, 0)
+        if np.any(kv_len_w != kv_ext[req]):
+            return None
+        limit = kv_len_limit(qo, kv, num_heads, cluster_size, num_clusters)
+        # every real request's chunks must tile [0, kv) in pieces of at most `limit`
+        counts = np.bincount(req, minlength=num_real + 1)[:num_real]
+        if np.any(counts != chunk_counts(kv[:num_real], limit)):
+            return None
+        order = np.lexsort((kv_start_w, req))
+        r_sorted, s_sorted, e_sorted = req[order], kv_start_w[order], kv_end_w[order]
+        if np.any(e_sorted - s_sorted > limit) or np.any(e_sorted < s_sorted):
+            return None
+        first = np.ones(num_works, dtype=bool)
+        first[1:] = r_sorted[1:] != r_sorted[:-1]
+        prev_end = np.roll(e_sorted, 1)
+        if np.any(s_sorted[first] != 0) or np.any(s_sorted[~first] != prev_end[~first]):
+            return None
+        last = np.ones(num_works, dtype=bool)
+        last[:-1] = r_sorted[1:] != r_sorted[:-1]
+        last &= r_sorted < num_real
+        if np.any(e_sorted[last] != kv[r_sorted[last]]):
+            return None
+        c = counts.astype(np.int64)
+        lo = np.where(c > 1, (c - 1) * limit, -1)
+        hi = c * limit
+        return cls(qo_indptr=qo.copy(), num_real=num_real, lo=lo, hi=hi,
+                   work_req=req, last_work=order[last], last_req=r_sorted[last],
+                   kv_end=kv_end_w.copy(),
+                   offsets={f: at[f] // 4 for f in ("kv_indptr", "kv_len", "kv_end")},
+                   num_works=num_works)
+
+    def fits(self, qo_indptr: np.ndarray, kv_lens: np.ndarray) -> bool:
+        """Whether (qo_indptr, kv_lens) keep this plan's rows and every chunk count."""
+        if qo_indptr.shape != self.qo_indptr.shape or not np.array_equal(qo_indptr,
+                                                                         self.qo_indptr):
+            return False
+        n = self.num_real
+        kv = kv_lens[:n]
+        return bool(np.all(kv > self.lo) and np.all(kv <= self.hi)
+                    and not kv_lens[n:].any())
+
+    def fill(self, out: np.ndarray, kv_indptr: np.ndarray, kv_lens: np.ndarray) -> None:
+        """Write the refreshed (kv_indptr, kv_len, kv_end) work arrays into out[3, >= W]."""
+        w = self.num_works
+        req = self.work_req  # padding works point at request num_real, itself a padding request
+        out[0, :w] = kv_indptr[req]
+        out[1, :w] = kv_lens[req]
+        out[2, :w] = self.kv_end
+        out[2, self.last_work] = kv_lens[self.last_req]
+
+
+class PlanRefresher:
+    """Per graph wrapper: the skeleton of its last real plan and the pinned buffers that carry
+    refreshed work arrays to its int workspace (a ring of `depth`, each guarded by an event, for
+    the same reason as PlanStaging: a non-blocking copy must have read a buffer before it is
+    rewritten)."""
+
+    def __init__(self, int_workspace: torch.Tensor, max_works: int, depth: int = 2):
+        self.device_ws = int_workspace.view(torch.int32)
+        self.max_works = max_works
+        pin = self._cuda = torch.cuda.is_available() and int_workspace.is_cuda
+        self._host = [torch.zeros(3, max_works, dtype=torch.int32, pin_memory=pin)
+                      for _ in range(depth)]
+        self._np = [t.numpy() for t in self._host]
+        self._events: list = [None] * depth
+        self._next = 0
+        self.skeleton: PlanSkeleton | None = None
+        self._views: tuple | None = None
+        self.refreshes = 0
+
+    def adopt(self, skeleton: PlanSkeleton | None) -> None:
+        """Keep the skeleton of the plan just made (None: the next step re-plans)."""
+        if skeleton is not None and skeleton.num_works > self.max_works:
+            skeleton = None
+        self.skeleton = skeleton
+        if skeleton is not None:
+            w, ws = skeleton.num_works, self.device_ws
+            self._views = tuple(ws[skeleton.offsets[f]: skeleton.offsets[f] + w]
+                                for f in ("kv_indptr", "kv_len", "kv_end"))
+
+    def try_refresh(self, qo_indptr: np.ndarray, kv_indptr: np.ndarray,
+                    kv_lens: np.ndarray) -> bool:
+        """Refresh the held plan for new lengths (True), or leave it (False: plan afresh)."""
+        sk = self.skeleton
+        if sk is None or not sk.fits(qo_indptr, kv_lens):
+            return False
+        i = self._next
+        self._next = (i + 1) % len(self._host)
+        event = self._events[i]
+        if event is not None and not event.query():
+            event.synchronize()
+        sk.fill(self._np[i], kv_indptr, kv_lens)
+        host, w = self._host[i], sk.num_works
+        for row, view in enumerate(self._views):
+            view.copy_(host[row, :w], non_blocking=True)
+        if self._cuda:
+            if event is None:
+                event = self._events[i] = torch.cuda.Event()
+            event.record()
+        self.refreshes += 1
+        return True
