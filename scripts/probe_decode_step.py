@@ -211,6 +211,10 @@ def main() -> None:
     result["flashinfer_plans"] = {"native_replans": sum(s.native_replans for s in slots if s),
                                   "full_plans": sum(s.full_plans for s in slots if s),
                                   "refreshes": sum(s.refreshes for s in slots if s)}
+    for s in slots:
+        if s is not None and s.refresher is not None:
+            result["flashinfer_plans"].setdefault("refresh misses", []).append(
+                dict(s.refresher.misses))
     print("  flashinfer plans:", result["flashinfer_plans"])
     if args.cuda_api:
         result["cuda_api_per_step"] = _cuda_api_probe(engine, args.cuda_api)

@@ -384,8 +384,7 @@ def _refresh(slot: _WrapperSlot, inputs: HopperPlanInputs, plan_args: dict) -> b
     """Steady decode on a graph wrapper: keep the held plan and rewrite only the work arrays
     that depend on the lengths (PlanSkeleton), when every request keeps its chunk count."""
     refresher = slot.refresher
-    if refresher is None or refresher.skeleton is None or slot.plan_args != plan_args \
-            or inputs.causal:
+    if refresher is None or slot.plan_args != plan_args or inputs.causal:
         return False
     backend = getattr(slot.wrapper, "_planned_backend", None)
     if backend is None or getattr(backend, "_causal", True):

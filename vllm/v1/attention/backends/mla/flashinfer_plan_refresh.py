@@ -205,6 +205,8 @@ class PlanRefresher:
         self.skeleton: PlanSkeleton | None = None
         self._views: tuple | None = None
         self.refreshes = 0
+        # why a step was planned for real instead (benchmarks print these)
+        self.misses = {"no skeleton": 0, "other rows or chunk counts": 0}
 
     def adopt(self, skeleton: PlanSkeleton | None) -> None:
         """Keep the skeleton of the plan just made (None: the next step re-plans)."""
@@ -220,7 +222,11 @@ class PlanRefresher:
                     kv_lens: np.ndarray) -> bool:
         """Refresh the held plan for new lengths (True), or leave it (False: plan afresh)."""
         sk = self.skeleton
-        if sk is None or not sk.fits(qo_indptr, kv_lens):
+        if sk is None:
+            self.misses["no skeleton"] += 1
+            return False
+        if not sk.fits(qo_indptr, kv_lens):
+            self.misses["other rows or chunk counts"] += 1
             return False
         i = self._next
         self._next = (i + 1) % len(self._host)
