@@ -191,9 +191,10 @@ class PlanRefresher:
     """Per graph wrapper: the skeleton of its last real plan and the pinned buffers that carry
     refreshed work arrays to its int workspace (a ring of `depth`, each guarded by an event, for
     the same reason as PlanStaging: a non-blocking copy must have read a buffer before it is
-    rewritten)."""
+    rewritten). The buffers are small ([3, max_works] int32), so the ring is deep enough for a
+    wrapper planned several times in one step never to wait on the GPU."""
 
-    def __init__(self, int_workspace: torch.Tensor, max_works: int, depth: int = 2):
+    def __init__(self, int_workspace: torch.Tensor, max_works: int, depth: int = 8):
         self.device_ws = int_workspace.view(torch.int32)
         self.max_works = max_works
         pin = self._cuda = torch.cuda.is_available() and int_workspace.is_cuda
