@@ -49,6 +49,14 @@ class StepPlan:
         """True for a uniform plan that lets nobody draft (the scheduler drops every draft)."""
         return not self.decisions and self.default is not None and not self.default.draft
 
+    @property
+    def lets_nobody_draft(self) -> bool:
+        """True when no request drafts this step: a uniform plan that says so, or per-request
+        decisions ("auto") that are all off. Such a step schedules plain decodes only."""
+        if self.decisions:
+            return not any(d.draft for d in self.decisions.values())
+        return self.nobody_drafts
+
 
 _NO_POLICY_PLAN = StepPlan({}, propose=True)
 _BATCH_OFF = Decision(False, REASON_BATCH)
