@@ -107,9 +107,17 @@ class SpeculationPolicy:
             off = num_running >= self.disable_by_batch_size
             return StepPlan({}, propose=not off, default=_BATCH_OFF if off else _BATCH_ON)
         decisions = self.cost_model.decide(decoding)
-        # No decoding request yet (only prefills): draft, as the user configured, and measure.
-        propose = any(d.draft for d in decisions.values()) if decisions else True
-        return StepPlan(decisions, propose=propose)
+        if not decisions:
+            # No decoding request yet (only prefills): draft, as the user configured, and measure.
+            return StepPlan({}, propose=True)
+        values = iter(decisions.values())
+        first = next(values)
+        if all(d is first for d in values):
+            # One decision for the whole batch (the common case: everyone off, everyone
+            # drafting, an exploration step): a uniform plan, so the scheduler applies and
+            # counts it in O(1) (the cost model shares one frozen Decision per kind).
+            return StepPlan({}, propose=first.draft, default=first)
+        return StepPlan(decisions, propose=any(d.draft for d in decisions.values()))
 
     def count(self, plan: StepPlan, scheduled_decodes: Iterable[str],
               num_scheduled_decodes: int | None = None) -> None:
