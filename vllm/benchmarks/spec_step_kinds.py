@@ -11,9 +11,6 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
-KINDS = ("plain", "plain after verify", "propose-only", "verify")
-
-
 def set_probe_interval(cost_model, interval: int) -> None:
     """--probe-interval: the "auto" policy re-probes every `interval` steps (never backing off),
     so that a short run times many probe steps."""
