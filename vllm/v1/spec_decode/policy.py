@@ -55,12 +55,16 @@ class StepPlan:
         decisions ("auto") that are all off. Such a step schedules plain decodes only."""
         if self.decisions:
             return not any(d.draft for d in self.decisions.values())
-        return self.nobody_drafts
+        default = self.default
+        return default is not None and not default.draft
 
 
 _NO_POLICY_PLAN = StepPlan({}, propose=True)
 _BATCH_OFF = Decision(False, REASON_BATCH)
 _BATCH_ON = Decision(True)
+# disable_by_batch_size N has two plans, made once (plans are never modified).
+_BATCH_OFF_PLAN = StepPlan({}, propose=False, default=_BATCH_OFF)
+_BATCH_ON_PLAN = StepPlan({}, propose=True, default=_BATCH_ON)
 
 
 class SpeculationPolicy:
@@ -104,8 +108,8 @@ class SpeculationPolicy:
         if self.mode == MODE_ALWAYS:
             return _NO_POLICY_PLAN
         if self.mode == MODE_BATCH:
-            off = num_running >= self.disable_by_batch_size
-            return StepPlan({}, propose=not off, default=_BATCH_OFF if off else _BATCH_ON)
+            return (_BATCH_OFF_PLAN if num_running >= self.disable_by_batch_size
+                    else _BATCH_ON_PLAN)
         decisions = self.cost_model.decide(decoding)
         if not decisions:
             # No decoding request yet (only prefills): draft, as the user configured, and measure.

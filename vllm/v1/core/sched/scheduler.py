@@ -257,8 +257,10 @@ class Scheduler:
         if policy is not None:
             if not scheduled:
                 return None  # nothing runs: the general path (it asks the policy itself)
-            # Exactly the general path's call: the decoding requests in running order.
-            plan = policy.plan((Candidate(r.request_id, r.num_tokens) for r in scheduled),
+            # The general path's call: the decoding requests in running order (candidates
+            # only for "auto", the one mode that reads them).
+            plan = policy.plan((Candidate(r.request_id, r.num_tokens) for r in scheduled)
+                               if policy.cost_model is not None else (),
                                num_running=len(self.running))
             if not plan.lets_nobody_draft:
                 return plan  # someone drafts: the general path schedules the drafts
