@@ -235,6 +235,10 @@ class Scheduler:
         scheduled: list[Request] = []
         grow: list[tuple[Request, int]] = []
         new_blocks_total = 0
+        # "auto" decides per request from its context (its token count: a speculative engine
+        # schedules synchronously, so `planned` is exactly num_tokens).
+        candidates: list[Candidate] | None = (
+            [] if policy is not None and policy.cost_model is not None else None)
         for request in self.running:
             num_out = len(request.output_token_ids)
             pending = request.num_output_placeholders
@@ -251,6 +255,8 @@ class Scheduler:
                 new_blocks_total += need
                 grow.append((request, num_tokens))
             scheduled.append(request)
+            if candidates is not None:
+                candidates.append(Candidate(request.request_id, planned))
         if len(scheduled) > self.max_num_batched_tokens:
             return None  # cannot happen (max_num_running_reqs); the general path asserts it
         plan = None
@@ -259,8 +265,7 @@ class Scheduler:
                 return None  # nothing runs: the general path (it asks the policy itself)
             # The general path's call: the decoding requests in running order (candidates
             # only for "auto", the one mode that reads them).
-            plan = policy.plan((Candidate(r.request_id, r.num_tokens) for r in scheduled)
-                               if policy.cost_model is not None else (),
+            plan = policy.plan(candidates if candidates is not None else (),
                                num_running=len(self.running))
             if not plan.lets_nobody_draft:
                 return plan  # someone drafts: the general path schedules the drafts
@@ -295,9 +300,9 @@ class Scheduler:
                 policy.count(plan, req_ids)
             else:
                 policy.count(plan, (), n)
-            if policy.cost_model is not None:
+            if candidates is not None:
                 policy.plan_timing_counts(output, plan, n, 0,
-                                          sum(r.num_tokens for r in scheduled) // n,
+                                          sum(c.context_len for c in candidates) // n,
                                           pure_decode=True)
         return output
 
