@@ -12,6 +12,11 @@ cost model told every draft is rejected).
 
 Usage: python scripts/probe_spec_step.py --device cpu --batch 1 8 32 [--modes plain nodraft draft]
        [--steps 60] [--repeats 2] [--json out.json]
+Probe steps of the "auto" policy vs its plain steps (a second table: wall time and FlashInfer
+full plans / native re-plans per kind of step; many probes with --probe-interval):
+       python scripts/probe_spec_step.py --device cuda --dtype bfloat16 \
+           --attention-backend FLASHINFER_MLA --batch 1 8 --modes nopay draft --steps 200 \
+           --probe-interval 8
 GPU:   python scripts/probe_spec_step.py --device cuda --dtype bfloat16 \
            --attention-backend FLASHINFER_MLA --batch 1 8 32 --modes plain nodraft nopay draft \
            --steps 200 --repeats 2 --count-ops 10 --json probe_spec_gpu.json
@@ -28,6 +33,8 @@ import json
 import statistics
 import time
 from collections import defaultdict
+
+from vllm.benchmarks.spec_step_kinds import StepKinds, set_probe_interval
 
 MODES = {"plain": None, "nodraft": 1, "draft": "always", "nopay": "auto"}
 
@@ -114,6 +121,17 @@ def _instrument(engine) -> None:
         _wrap(BlockSpeculator, "precompute_context", "speculator precompute_context (in fwd)")
 
 
+def _kinds_table(results: list[dict]) -> str:
+    lines = ["| mode B | step kind | steps | median ms | mean ms | max ms | full FlashInfer plans "
+             "/ step | native re-plans / step |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        for kind, k in sorted(r.get("step_kinds", {}).items()):
+            lines.append(f"| {r['mode']} B={r['batch']} | {kind} | {k['steps']} | "
+                         f"{k['median_ms']:.3f} | {k['mean_ms']:.3f} | {k['max_ms']:.3f} | "
+                         f"{k['full_plans_per_step']:.2f} | {k['native_replans_per_step']:.2f} |")
+    return "\n".join(lines)
+
+
 _GC_START: list[float] = []
 
 
@@ -156,17 +174,23 @@ def probe(mode: str, batch: int, args) -> dict:
                                params)
         for _ in range(args.warmup):
             engine.step()
+        if mode == "nopay" and args.probe_interval:
+            set_probe_interval(engine.scheduler.spec_policy.cost_model, args.probe_interval)
+        kinds = StepKinds(engine)
         _instrument(engine)
         gc.callbacks.append(_gc_callback)
         _STEPS.clear()
         _CURRENT.clear()
         step_ms = []
         for _ in range(args.steps):
+            kinds.before()
             t0 = time.perf_counter()
             engine.step()
             step_ms.append((time.perf_counter() - t0) * 1e3)
+            kinds.after(step_ms[-1], dict(_CURRENT))
             _STEPS.append(dict(_CURRENT))
             _CURRENT.clear()
+        kinds.restore()
         ops = {}
         if args.count_ops:
             _OPS.clear()
@@ -196,7 +220,8 @@ def probe(mode: str, batch: int, args) -> dict:
         stats = engine.scheduler.get_stats().get("spec_decode") or {}
         return {"mode": mode, "batch": batch, "step_ms": statistics.median(step_ms),
                 "phases_ms": phases, "ops_per_step": ops, "policy": stats.get("policy"),
-                "mean_acceptance_length": stats.get("mean_acceptance_length")}
+                "mean_acceptance_length": stats.get("mean_acceptance_length"),
+                "step_kinds": kinds.summary()}
     finally:
         _unwrap()
         if _gc_callback in gc.callbacks:
@@ -244,6 +269,10 @@ def main() -> None:
                         help="runs per (mode, batch); each phase keeps its lowest median")
     parser.add_argument("--count-ops", type=int, default=0, metavar="STEPS",
                         help="after the timed steps, count ATen ops per phase over STEPS steps")
+    parser.add_argument("--probe-interval", type=int, default=0, metavar="STEPS",
+                        help="nopay: the policy re-probes every STEPS timed steps (0: its own "
+                             "schedule, 32 doubling to 1024); the step-kind table then times "
+                             "many probe steps against the plain ones")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -259,9 +288,12 @@ def main() -> None:
             r["phases_ms"] = {label: min(x["phases_ms"].get(label, 0.0) for x in runs)
                               for label in runs[0]["phases_ms"]}
             r["ops_per_step"] = runs[-1]["ops_per_step"]
+            r["step_kinds"] = runs[-1]["step_kinds"]
             results.append(r)
             print(f"{mode:8s} B={batch:<3d} step {r['step_ms']:.3f} ms", flush=True)
     print(_table(results))
+    print()
+    print(_kinds_table(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -10,7 +10,6 @@ that the fast path was taken in a good share of the steps (otherwise it would pr
 """
 from __future__ import annotations
 
-import copy
 import random
 
 import pytest
@@ -20,52 +19,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
 
 from tests.utils.fake_model import EOS
+from tests.utils.sched_fast_path import schedule_both, update_both
 from tests.utils.sched_helpers import make_config, make_request
-
-
-def _state(s: Scheduler) -> tuple:
-    reqs = tuple(sorted(
-        (r.request_id, int(r.status), r.num_computed_tokens, r.num_output_placeholders,
-         tuple(r.output_token_ids), r.num_preemptions,
-         tuple(s.kv_cache_manager.req_to_blocks.get(r.request_id, ())))
-        for r in s.requests.values()))
-    return (reqs, tuple(r.request_id for r in s.running), tuple(r.request_id for r in s.waiting),
-            s.kv_cache_manager.num_free_blocks, sorted(s.finished_req_ids), s.num_preemptions)
-
-
-def _schedule_both(s: Scheduler, counter: list[int]) -> tuple[Scheduler, object]:
-    general = copy.deepcopy(s)
-    general.steady_decode_fast_path = False
-    expected = general.schedule()
-    fast = copy.deepcopy(s)
-    took_fast = fast._schedule_steady_decode() is not None
-    fast = copy.deepcopy(s)
-    got = fast.schedule()
-    counter[0] += took_fast
-    counter[1] += 1
-    assert got == expected
-    assert _state(fast) == _state(general)
-    return fast, got
-
-
-def _update_both(s: Scheduler, so, out, counter: list[int]) -> Scheduler:
-    """update_from_output with the plain (no-draft) update fast path off and on: equal outputs
-    and equal scheduler state; returns the fast-path copy."""
-    general = copy.deepcopy(s)
-    general.plain_update_fast_path = False
-    expected = general.update_from_output(so, out)
-    fast = copy.deepcopy(s)
-    calls = []
-    plain = fast._update_from_plain_output
-    fast._update_from_plain_output = lambda *a: calls.append(1) or plain(*a)
-    got = fast.update_from_output(so, out)
-    del fast._update_from_plain_output
-    counter[2] += len(calls)
-    assert got == expected
-    assert _state(fast) == _state(general)
-    assert all(r.spec_token_ids == g.spec_token_ids for r, g in
-               zip(fast.requests.values(), general.requests.values()))
-    return fast
 
 
 def _sampling_rows(s: Scheduler, so, async_scheduling: bool) -> dict[str, bool]:
@@ -94,7 +49,7 @@ def test_fast_path_equals_general_path(async_scheduling, seed):
                          max_num_batched_tokens=rng.choice([32, 64, 512]))
     config.async_scheduling = async_scheduling
     s = Scheduler(config, num_blocks=rng.choice([26, 40, 400]))
-    counter = [0, 0, 0]
+    counter = {}
     next_id, pending = 0, None
     for _ in range(300):
         if rng.random() < 0.04 or not s.has_unfinished_requests():
@@ -108,7 +63,7 @@ def test_fast_path_equals_general_path(async_scheduling, seed):
                 next_id += 1
         if s.running and rng.random() < 0.05:
             s.finish_requests(rng.choice(s.running).request_id, RequestStatus.FINISHED_ABORTED)
-        s, so = _schedule_both(s, counter)
+        s, so = schedule_both(s, counter)
         rows = _sampling_rows(s, so, async_scheduling)
         out = _runner_output(so, rows, rng)
         if async_scheduling:
@@ -116,8 +71,9 @@ def test_fast_path_equals_general_path(async_scheduling, seed):
                 s.update_from_output(*pending)
             pending = (so, out)
         else:
-            s = _update_both(s, so, out, counter)
-    assert counter[0] >= counter[1] // 5, f"fast path taken in only {counter[0]} of {counter[1]}"
-    assert counter[0] < counter[1], "the general path never ran: the workload is too easy"
+            s = update_both(s, so, out, counter)
+    fast, steps = counter["fast"], counter["steps"]
+    assert fast >= steps // 5, f"fast path taken in only {fast} of {steps}"
+    assert fast < steps, "the general path never ran: the workload is too easy"
     if not async_scheduling:
-        assert counter[2] == counter[1], "every synchronous update here has no drafts"
+        assert counter["lean"] == steps, "every synchronous update here has no drafts"

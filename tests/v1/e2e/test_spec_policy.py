@@ -199,3 +199,53 @@ def test_steps_nobody_drafts_do_what_a_plain_step_does():
     assert proposes[0] == 1  # the prefill step only (nobody ran yet)
     # One context-KV write per target forward: the prefill step plus every decode step.
     assert calls["context"] == 1 + 23 and steps[REASON_BATCH] == len(PROMPTS) * 23
+
+
+def _run_counting_fast_paths(policy, inject, fast_paths: bool):
+    """Greedy tokens, policy stats and the number of steps each fast path carried (scheduler
+    steady decode, lean update, the runner's no-draft bookkeeping) of one DSpark run."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+    with make_llm("dspark", policy) as llm:
+        engine = llm.llm_engine
+        sched = engine.scheduler
+        if inject is not None:
+            inject(sched.spec_policy.cost_model)
+        sched.steady_decode_fast_path = sched.plain_update_fast_path = fast_paths
+        counts = {"steady": 0, "lean": 0, "steps": 0}
+        steady, lean, schedule = (sched._schedule_steady_decode, sched._update_from_plain_output,
+                                  sched.schedule)
+
+        def counted_steady():
+            result = steady()
+            counts["steady"] += isinstance(result, SchedulerOutput)
+            return result
+
+        def counted_lean(*args):
+            counts["lean"] += 1
+            return lean(*args)
+
+        def counted_schedule():
+            counts["steps"] += 1
+            return schedule()
+        sched._schedule_steady_decode = counted_steady
+        sched._update_from_plain_output = counted_lean
+        sched.schedule = counted_schedule
+        out = tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+        spec = engine.get_metrics()["spec_decode"]
+    return out, spec, counts
+
+
+@pytest.mark.parametrize("policy,inject", [(1, None), ("auto", cannot_pay)])
+def test_nobody_drafts_steps_take_the_fast_paths(plain_greedy, policy, inject):
+    """A DSpark engine whose policy lets nobody draft schedules and updates its steps through
+    the plain engine's fast paths; its greedy tokens equal plain decoding, and its policy
+    stats (counts, cost-model timings on a synthetic clock) equal those of the same engine with
+    the fast paths off."""
+    out, spec, counts = _run_counting_fast_paths(policy, inject, True)
+    ref_out, ref_spec, ref_counts = _run_counting_fast_paths(policy, inject, False)
+    assert out == plain_greedy and ref_out == plain_greedy
+    assert spec == ref_spec
+    assert ref_counts["steady"] == ref_counts["lean"] == 0
+    # Every step after the prefills is a steady decode in which (nearly always) nobody drafts.
+    assert counts["steady"] >= 0.6 * counts["steps"], counts
+    assert counts["lean"] >= counts["steady"], counts

@@ -42,3 +42,24 @@ def test_greedy_tokens_identical_in_every_mode_float32():
     base = run_case(SpecPolicyCase("none", **common))["tokens"]
     for variant in ("always", "never", "auto", "auto-nopay"):
         assert run_case(SpecPolicyCase(variant, **common))["tokens"] == base, variant
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_probe_steps_cost_what_steady_spec_steps_cost(batch):
+    """The policy's probe steps ("auto", drafting cannot pay, a re-probe every 8 steps) against
+    the steps of an engine drafting every step: a probe's verify step and its propose-only step
+    (Q=1 target + draft pass) must cost about what a steady verify step costs, and no step of a
+    warm engine may make a full FlashInfer plan (a wrapper shared by the Q=1 and the verify
+    graphs made two per probe: docs/patches/flashinfer-mla-wrapper-per-decode-kind.patch)."""
+    from vllm.benchmarks.spec_step_kinds import measure_step_kinds
+    probes = measure_step_kinds("auto", batch, steps=160, warmup=32, probe_interval=8)
+    steady = measure_step_kinds(None, batch, steps=60, warmup=16)
+    summary = {k: {f: round(v, 3) for f, v in d.items() if f != "phases_mean_ms"}
+               for k, d in probes.items()}
+    assert probes["verify"]["steps"] >= 10, summary
+    for kind, row in probes.items():
+        assert row["full_plans_per_step"] == 0, (kind, summary)
+    assert steady["verify"]["full_plans_per_step"] == 0, steady
+    verify_ms = steady["verify"]["median_ms"]
+    assert probes["verify"]["median_ms"] <= 1.25 * verify_ms, (verify_ms, summary)
+    assert probes["propose-only"]["median_ms"] <= 1.25 * verify_ms, (verify_ms, summary)

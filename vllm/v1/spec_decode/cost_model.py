@@ -187,6 +187,11 @@ class SpeculationCostModel:
         the nearest bucket that has them (a ratio carries over between neighbouring buckets far
         better than absolute times, and it spares every new bucket its own exploration)."""
         want = self.bucket(batch_size, context_len)
+        min_samples = self.config.min_samples
+        spec, plain = self._times.get((SPEC, *want)), self._times.get((PLAIN, *want))
+        if (spec is not None and plain is not None and spec.count >= min_samples
+                and plain.count >= min_samples):
+            return spec.value / plain.value  # the bucket's own ratio: no scan (every step)
         known = {}
         for (kind, b, c), ema in self._times.items():
             if ema.count >= self.config.min_samples:

@@ -49,10 +49,22 @@ class StepPlan:
         """True for a uniform plan that lets nobody draft (the scheduler drops every draft)."""
         return not self.decisions and self.default is not None and not self.default.draft
 
+    @property
+    def lets_nobody_draft(self) -> bool:
+        """True when no request drafts this step: a uniform plan that says so, or per-request
+        decisions ("auto") that are all off. Such a step schedules plain decodes only."""
+        if self.decisions:
+            return not any(d.draft for d in self.decisions.values())
+        default = self.default
+        return default is not None and not default.draft
+
 
 _NO_POLICY_PLAN = StepPlan({}, propose=True)
 _BATCH_OFF = Decision(False, REASON_BATCH)
 _BATCH_ON = Decision(True)
+# disable_by_batch_size N has two plans, made once (plans are never modified).
+_BATCH_OFF_PLAN = StepPlan({}, propose=False, default=_BATCH_OFF)
+_BATCH_ON_PLAN = StepPlan({}, propose=True, default=_BATCH_ON)
 
 
 class SpeculationPolicy:
@@ -96,12 +108,20 @@ class SpeculationPolicy:
         if self.mode == MODE_ALWAYS:
             return _NO_POLICY_PLAN
         if self.mode == MODE_BATCH:
-            off = num_running >= self.disable_by_batch_size
-            return StepPlan({}, propose=not off, default=_BATCH_OFF if off else _BATCH_ON)
+            return (_BATCH_OFF_PLAN if num_running >= self.disable_by_batch_size
+                    else _BATCH_ON_PLAN)
         decisions = self.cost_model.decide(decoding)
-        # No decoding request yet (only prefills): draft, as the user configured, and measure.
-        propose = any(d.draft for d in decisions.values()) if decisions else True
-        return StepPlan(decisions, propose=propose)
+        if not decisions:
+            # No decoding request yet (only prefills): draft, as the user configured, and measure.
+            return StepPlan({}, propose=True)
+        values = iter(decisions.values())
+        first = next(values)
+        if all(d is first for d in values):
+            # One decision for the whole batch (the common case: everyone off, everyone
+            # drafting, an exploration step): a uniform plan, so the scheduler applies and
+            # counts it in O(1) (the cost model shares one frozen Decision per kind).
+            return StepPlan({}, propose=first.draft, default=first)
+        return StepPlan(decisions, propose=any(d.draft for d in decisions.values()))
 
     def count(self, plan: StepPlan, scheduled_decodes: Iterable[str],
               num_scheduled_decodes: int | None = None) -> None:

@@ -32,7 +32,7 @@ from vllm.v1.core.sched.request import Request, RequestStatus
 from vllm.v1.metrics.stats import mean_acceptance_length, per_position_acceptance
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.spec_decode.cost_model import Candidate
-from vllm.v1.spec_decode.policy import SpeculationPolicy
+from vllm.v1.spec_decode.policy import SpeculationPolicy, StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -199,21 +199,32 @@ class Scheduler:
     plain_update_fast_path = True
 
     def schedule(self) -> SchedulerOutput:
+        plan = None
         if self.steady_decode_fast_path:
-            output = self._schedule_steady_decode()
-            if output is not None:
-                return output
-        return self._schedule_general()
+            result = self._schedule_steady_decode()
+            if isinstance(result, SchedulerOutput):
+                return result
+            plan = result  # a plan the fast path made for this step but could not use
+        return self._schedule_general(plan)
 
-    def _schedule_steady_decode(self) -> SchedulerOutput | None:
-        """The common step of a busy engine, in one lean pass: plain decoding (no drafter), no
-        admission possible (nothing waits, or the batch is full), every running request decodes
-        one token and the pool has the blocks for all of them. Then the general path would schedule exactly the running requests in
-        order, one token each, with no preemption and no admission; this builds the same
-        SchedulerOutput without its per-request helper calls. Returns None (nothing changed)
-        when any condition fails, and the caller runs the general path."""
-        if self.spec_policy is not None or self.num_spec_tokens:
-            return None
+    def _schedule_steady_decode(self) -> SchedulerOutput | StepPlan | None:
+        """The common step of a busy engine, in one lean pass: no admission possible (nothing
+        waits, or the batch is full), every running request decodes one token, nobody verifies
+        drafts and the pool has the blocks for all of them. Then the general path would
+        schedule exactly the running requests in order, one token each, with no preemption and
+        no admission; this builds the same SchedulerOutput without its per-request helper calls.
+
+        Taken by a plain engine and by a speculative engine whose policy lets nobody draft this
+        step (disable_by_batch_size N reached, or "auto" with every request off); the policy's
+        plan, counts and step timing are made exactly as the general path makes them. Returns
+        None (nothing changed) when a condition fails before the policy was asked, the policy's
+        plan when one fails after (the general path then uses that plan: asking twice would
+        advance the cost model's clock twice), and the output otherwise."""
+        policy = self.spec_policy
+        if policy is not None and not policy.active:
+            return None  # no policy: everyone drafts every step
+        if policy is None and self.num_spec_tokens:
+            return None  # (no such engine: a speculative config always has a policy object)
         if self.waiting and len(self.running) < self.max_num_running_reqs:
             return None  # an admission may follow (with a full batch none can)
         kv = self.kv_cache_manager
@@ -224,6 +235,10 @@ class Scheduler:
         scheduled: list[Request] = []
         grow: list[tuple[Request, int]] = []
         new_blocks_total = 0
+        # "auto" decides per request from its context (its token count: a speculative engine
+        # schedules synchronously, so `planned` is exactly num_tokens).
+        candidates: list[Candidate] | None = (
+            [] if policy is not None and policy.cost_model is not None else None)
         for request in self.running:
             num_out = len(request.output_token_ids)
             pending = request.num_output_placeholders
@@ -240,10 +255,22 @@ class Scheduler:
                 new_blocks_total += need
                 grow.append((request, num_tokens))
             scheduled.append(request)
+            if candidates is not None:
+                candidates.append(Candidate(request.request_id, planned))
         if len(scheduled) > self.max_num_batched_tokens:
             return None  # cannot happen (max_num_running_reqs); the general path asserts it
+        plan = None
+        if policy is not None:
+            if not scheduled:
+                return None  # nothing runs: the general path (it asks the policy itself)
+            # The general path's call: the decoding requests in running order (candidates
+            # only for "auto", the one mode that reads them).
+            plan = policy.plan(candidates if candidates is not None else (),
+                               num_running=len(self.running))
+            if not plan.lets_nobody_draft:
+                return plan  # someone drafts: the general path schedules the drafts
         if new_blocks_total > kv.num_free_blocks:
-            return None  # someone must be preempted: the general path picks the victims
+            return plan  # someone must be preempted: the general path picks the victims
         grown = {}
         for request, num_tokens in grow:
             grown[request.request_id] = kv.allocate_slots(request.request_id, num_tokens)
@@ -258,16 +285,30 @@ class Scheduler:
             scheduled_new_reqs=[], scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=len(req_ids),
             scheduled_spec_decode_tokens={}, finished_req_ids=self.finished_req_ids,
-            preempted_req_ids=set(), propose_drafts=True)
+            preempted_req_ids=set(),
+            propose_drafts=plan.propose if plan is not None else True)
         self.finished_req_ids = set()
         if check_placeholders:
             # _advance_scheduled: the token counts as computed and the step samples one token.
             for request in scheduled:
                 request.num_computed_tokens += 1
                 request.num_output_placeholders += 1
+        if plan is not None:
+            # The general path's accounting of a step whose decodes were all scheduled.
+            n = len(scheduled)
+            if plan.decisions:
+                policy.count(plan, req_ids)
+            else:
+                policy.count(plan, (), n)
+            if candidates is not None:
+                policy.plan_timing_counts(output, plan, n, 0,
+                                          sum(c.context_len for c in candidates) // n,
+                                          pure_decode=True)
         return output
 
-    def _schedule_general(self) -> SchedulerOutput:
+    def _schedule_general(self, plan: StepPlan | None = None) -> SchedulerOutput:
+        """Every step the fast path does not take. `plan`: the policy's plan for this step,
+        when the fast path already asked for it (None: ask here)."""
         token_budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}
@@ -282,14 +323,15 @@ class Scheduler:
         if self.async_scheduling:
             # A request whose in-flight token is its last finishes when that token arrives.
             order = [r for r in order if not self._finishes_with_placeholders(r)]
-        plan = None
         keep_drafts = True  # False: the policy lets nobody draft this step (checked once)
         plan_uniform = True  # one decision for every request (no per-request look-up)
         if self.spec_policy is not None and self.spec_policy.active:
             # A request the policy keeps from drafting decodes plainly: its drafts are dropped.
             # Candidates are built only by a policy that decides per request ("auto").
-            plan = self.spec_policy.plan((Candidate(r.request_id, r.num_tokens) for r in decodes),
-                                         num_running=len(self.running))
+            if plan is None:
+                plan = self.spec_policy.plan(
+                    (Candidate(r.request_id, r.num_tokens) for r in decodes),
+                    num_running=len(self.running))
             keep_drafts = not plan.nobody_drafts
             plan_uniform = not plan.decisions
         for request in order:
@@ -476,9 +518,9 @@ class Scheduler:
         spec_out = runner_output.spec_token_ids
         if self.async_scheduling:
             return self._update_from_async_output(scheduler_output, runner_output)
-        if (self.plain_update_fast_path and spec_out is None and self.spec_policy is None
-                and self.spec_decoding_stats is None
-                and not scheduler_output.scheduled_spec_decode_tokens):
+        if self.plain_update_fast_path and not scheduler_output.scheduled_spec_decode_tokens:
+            # No drafts were verified: the acceptance bookkeeping below (spec stats, the
+            # policy's acceptance) ignores zero-draft rows, so the lean pass is exact.
             return self._update_from_plain_output(scheduler_output, runner_output)
         for row, req_id in enumerate(runner_output.req_ids):
             request = self.requests.get(req_id)
@@ -525,13 +567,15 @@ class Scheduler:
 
     def _update_from_plain_output(self, scheduler_output: SchedulerOutput,
                                   runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """update_from_output of a synchronous step without drafts (no drafter, no spec
-        stats or policy): what the general loop does with zero drafts, in one lean pass (one
-        token per completing row, nothing rejected)."""
+        """update_from_output of a synchronous step that verified no drafts (a plain engine,
+        or a speculative one whose policy let nobody draft): what the general loop does with
+        zero drafts, in one lean pass (one token per completing row, nothing rejected, and
+        the drafts proposed after the step, if any, kept for the next one)."""
         outputs: list[EngineCoreOutput] = []
         requests = self.requests
         scheduled = scheduler_output.num_scheduled_tokens
         all_sampled = runner_output.sampled_token_ids
+        spec_out = runner_output.spec_token_ids
         running_status = RequestStatus.RUNNING
         check_stop = self._check_stop
         for row, req_id in enumerate(runner_output.req_ids):
@@ -563,7 +607,10 @@ class Scheduler:
                 outputs.append(EngineCoreOutput(req_id, [token], request.get_finished_reason(),
                                                 request.stop_reason))
                 continue
-            if request.spec_token_ids:
+            proposed = spec_out[row] if spec_out is not None else None
+            if proposed:
+                request.spec_token_ids = list(proposed)  # the runner's lists may be shared
+            elif request.spec_token_ids:
                 request.spec_token_ids = []
             outputs.append(EngineCoreOutput(req_id, [token], None, request.stop_reason))
         return outputs

@@ -245,6 +245,7 @@ class GPUModelRunner:
                                        if target_layers.intersection(g.layer_names))
         self._kv_write_only_groups = tuple(i for i in range(len(groups))
                                            if i not in self._target_group_ids)
+        self._write_only_entries: dict[int, dict[str, KVWriteOnlyMetadata]] = {}
         for builder in self.attn_metadata_builders:
             # Rows of at most 1 + k tokens (decode / verify, draft blocks) take the decode path;
             # longer rows (prefill chunks, with or without context) the prefill path.
@@ -408,8 +409,9 @@ class GPUModelRunner:
         num_draft_list = [0] * num_reqs
         num_computed_new = batch.num_computed_np + batch.num_scheduled_np
         num_sample_rows = len(sample_rows)
-        if self.num_spec_tokens == 0:
-            # Plain decoding (no draft can be scheduled): one token per sampling row.
+        if self.num_spec_tokens == 0 or not num_draft.any():
+            # Plain decoding, or a speculative step in which nobody verified drafts (the policy
+            # let nobody draft): one token per sampling row, nothing rejected.
             for row, token in zip(sample_rows, host[:num_sample_rows, 0].tolist()):
                 out_tokens[row] = [token]
         else:
@@ -912,13 +914,27 @@ class GPUModelRunner:
             cudagraph=cudagraph,
             group_ids=self._target_group_ids,
         )
-        groups = self.kv_cache_config.kv_cache_groups
-        for group_id in self._kv_write_only_groups:
-            write_only = KVWriteOnlyMetadata(
-                slot_mapping=batch.slot_mappings[group_id, : batch.num_tokens_padded])
-            for layer_name in groups[group_id].layer_names:
-                batch.attn_metadata[layer_name] = write_only
+        if self._kv_write_only_groups:
+            # Entries over the persistent slot-mapping buffer: one set per padded token count,
+            # made once (the slot mappings are rewritten in place every step).
+            entries = self._write_only_entries.get(batch.num_tokens_padded)
+            if entries is None:
+                entries = self._write_only_entries[batch.num_tokens_padded] = \
+                    self._make_write_only_entries(batch.num_tokens_padded)
+            batch.attn_metadata.update(entries)
         return batch
+
+    def _make_write_only_entries(self, num_tokens: int) -> dict[str, KVWriteOnlyMetadata]:
+        """{layer: metadata} of the KV-write-only groups (a block drafter's layers in the target
+        step) for num_tokens padded tokens, over views of the persistent slot mappings."""
+        groups = self.kv_cache_config.kv_cache_groups
+        slot_mappings = self.block_tables.slot_mappings
+        entries = {}
+        for group_id in self._kv_write_only_groups:
+            write_only = KVWriteOnlyMetadata(slot_mapping=slot_mappings[group_id, :num_tokens])
+            for layer_name in groups[group_id].layer_names:
+                entries[layer_name] = write_only
+        return entries
 
     # ------------------------------------------------------------ memory profiling
     def profile_run(self, num_tokens: int | None = None, estimate_graphs: bool = False):
