@@ -146,3 +146,52 @@ class FakeBatchPrefillWithRaggedKVCacheWrapper:
             out[qo[i]:qo[i + 1]] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1),
                                                 vs).to(q.dtype)
         return (out, lse) if return_lse else out
+
+
+class NativeReplanWrapper:
+    """A stand-in for fa3's BatchMLAPagedAttentionWrapper that models what decides between a
+    full plan and a native re-plan (flashinfer_mla._native_replan): plan() leaves a planned
+    backend holding the plan's causal flag, the graph buffers and a JIT module whose native
+    planner the re-plan calls. run() returns zeros of the right shape (plan counting only)."""
+
+    def __init__(self, float_workspace_buffer, use_cuda_graph=False, backend="auto", **bufs):
+        self.use_cuda_graph, self.bufs = use_cuda_graph, bufs
+        self.plan_causal_flags: list[bool] = []
+
+    def plan(self, *, metadata, causal, **kwargs):
+        self.plan_causal_flags.append(causal)
+        b = self.bufs
+        self._planned_backend = SimpleNamespace(
+            _cached_module=SimpleNamespace(
+                plan_with_staged_workspace_bytes=lambda *a: (("plan_info",), 0)),
+            _backend="fa3", _causal=causal, _use_cuda_graph=self.use_cuda_graph,
+            device=torch.device("cpu"), _qo_indptr_buf=b.get("qo_indptr"),
+            _kv_indptr_buf=b.get("kv_indptr"), _kv_indices_buf=b.get("kv_indices"),
+            _kv_len_arr_buf=b.get("kv_len_arr"), _float_workspace_buffer=None,
+            _int_workspace_buffer=None, _pin_memory_int_workspace_buffer=None)
+
+    def run(self, *, query, kv_cache, return_lse, return_lse_base_on_e):
+        return (query.new_zeros(query.shape[0], query.shape[1], 512),
+                torch.zeros(query.shape[:2], dtype=torch.float32))
+
+
+def install_native_replan(monkeypatch):
+    """Patch flashinfer_mla to build NativeReplanWrapper wrappers, with FlashInfer's workload
+    check (`_fa_common`) stubbed in sys.modules, and float32 inputs allowed."""
+    import sys
+    from types import ModuleType
+
+    from vllm.v1.attention.backends.mla import flashinfer_mla
+    fa_common = ModuleType("_fa_common")
+    fa_common._validate_fa_plan_workload = lambda *a: None
+    for name in ("flashinfer", "flashinfer.mla", "flashinfer.mla._batch_mla",
+                 "flashinfer.mla._batch_mla._backends"):
+        monkeypatch.setitem(sys.modules, name, ModuleType(name))
+    monkeypatch.setitem(sys.modules, "flashinfer.mla._batch_mla._backends._fa_common", fa_common)
+    monkeypatch.setattr(flashinfer_mla, "_FA3_DTYPES",
+                        flashinfer_mla._FA3_DTYPES + (torch.float32,))
+    fake = SimpleNamespace(mla=SimpleNamespace(
+        BatchMLAPagedAttentionWrapper=NativeReplanWrapper,
+        MLAPlanMetadata=SimpleNamespace(csr=lambda *a: SimpleNamespace(kind="csr"))))
+    monkeypatch.setattr(flashinfer_mla, "_import_flashinfer", lambda: fake)
+    return fake

@@ -550,9 +550,15 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
                 raise ValueError(f"FLASHINFER_MLA on Blackwell needs block_size in "
                                  f"{BLACKWELL_BLOCK_SIZES}, got {self.page_size}.")
         self._workspace: torch.Tensor | None = None
-        self._slots: dict[bool, _WrapperSlot] = {}  # causal flag -> eager wrapper
-        # (planned request count, causal flag) -> graph wrapper
-        self._graph_slots: dict[tuple[int, bool], _WrapperSlot] = {}
+        # Wrappers are keyed by the decode kind (Q=1 causal, causal multi-token, non-causal
+        # block): a speculative engine whose policy switches between plain (Q=1) and verify
+        # (Q=1+k) steps plans Q=1 with causal=False and verification with causal=True. A
+        # wrapper shared by both would alternate its plan's causal flag, which FlashInfer's
+        # native re-plan cannot follow: every switch was a full plan() (~1 ms of host time,
+        # pinned allocations), twice per policy probe.
+        self._slots: dict[MLADecodeKind, _WrapperSlot] = {}  # decode kind -> eager wrapper
+        # (planned request count, decode kind) -> graph wrapper
+        self._graph_slots: dict[tuple[int, MLADecodeKind], _WrapperSlot] = {}
         self._step = 0
 
     def _get_workspace(self) -> torch.Tensor:
@@ -562,12 +568,13 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
                                           device=self.device)
         return self._workspace
 
-    def _get_wrapper_slot(self, causal: bool = True) -> _WrapperSlot:
-        # One wrapper per causal flag: a group built both causally (the target step, e.g. a
+    def _get_wrapper_slot(self, kind: MLADecodeKind = MLADecodeKind.CAUSAL_SINGLE
+                          ) -> _WrapperSlot:
+        # One wrapper per decode kind: a group built both causally (the target step, e.g. a
         # block drafter's group whose context KV the target step writes) and non-causally (the
-        # draft step) would otherwise alternate plans, and a plan made for the other flag can
-        # never be re-planned natively.
-        slot = self._slots.get(causal)
+        # draft step), or with Q=1 and Q=1+k rows, would otherwise alternate plans, and a plan
+        # made for the other causal flag can never be re-planned natively.
+        slot = self._slots.get(kind)
         if slot is None:
             fi = _import_flashinfer()
             # backend pinned: "auto" may wander to backends that reject sm90
@@ -575,15 +582,17 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
             # Eager steps: up to max_num_seqs blocks (larger plans, e.g. flattened causal rows,
             # fall back to fresh host tensors).
             max_seqs = int(getattr(self.vllm_config, "max_num_seqs", 0) or 64)
-            slot = self._slots[causal] = _WrapperSlot(wrapper, staging=PlanStaging(
+            slot = self._slots[kind] = _WrapperSlot(wrapper, staging=PlanStaging(
                 max_seqs, max_seqs * self._max_pages_per_request()))
         return slot
 
-    def _get_graph_wrapper_slot(self, num_requests: int, causal: bool = True) -> _WrapperSlot:
+    def _get_graph_wrapper_slot(self, num_requests: int,
+                                kind: MLADecodeKind = MLADecodeKind.CAUSAL_SINGLE
+                                ) -> _WrapperSlot:
         """A use_cuda_graph wrapper with fixed metadata buffers per planned request count and
-        causal flag (each captured graph replays against its own wrapper; plan() refills the
-        buffers in place). A plan of the other flag's graph never touches this one's buffers."""
-        slot = self._graph_slots.get((num_requests, causal))
+        decode kind (each captured graph replays against its own wrapper; plan() refills the
+        buffers in place). A plan of another kind's graph never touches this one's buffers."""
+        slot = self._graph_slots.get((num_requests, kind))
         if slot is None:
             fi = _import_flashinfer()
             max_pages = num_requests * self._max_pages_per_request()
@@ -603,7 +612,7 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
             # this plan, so `acquire`'s event query finds it done and never blocks (the eager
             # wrapper keeps depth 8: EAGLE/MTP plan it k times within one step). The sets are
             # sized for full-length requests; a deeper ring would multiply that pinned memory.
-            slot = self._graph_slots[(num_requests, causal)] = _WrapperSlot(
+            slot = self._graph_slots[(num_requests, kind)] = _WrapperSlot(
                 wrapper, staging=PlanStaging(num_requests, max_pages, depth=2),
                 packed_device=packed, packed_layout=(num_requests, max_pages))
         return slot
@@ -627,8 +636,7 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
             if decode.cudagraph:
                 num_requests = max_plan_requests(metadata.num_decodes, decode.max_query_len,
                                                  self.dcp_world_size)
-                state.wrapper_slot = self._get_graph_wrapper_slot(num_requests,
-                                                                  bool(decode.causal))
+                state.wrapper_slot = self._get_graph_wrapper_slot(num_requests, decode.kind)
                 state.hopper_inputs = plan_hopper_decode(
                     decode, self.page_size, self.causal_mode, num_requests=num_requests,
                     staging=state.wrapper_slot.staging)
@@ -641,7 +649,7 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
                     state.plan_calls.append(key)
                     state.planned_key = key
             else:
-                state.wrapper_slot = self._get_wrapper_slot(bool(decode.causal))
+                state.wrapper_slot = self._get_wrapper_slot(decode.kind)
                 state.hopper_inputs = plan_hopper_decode(decode, self.page_size, self.causal_mode,
                                                          staging=state.wrapper_slot.staging)
             if state.hopper_inputs is not None and state.hopper_inputs.has_empty_rows:
