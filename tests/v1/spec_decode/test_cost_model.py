@@ -342,3 +342,20 @@ def test_plan_timing_counts_matches_plan_timing():
         assert (by_dict._timed is None) == (by_counts._timed is None)
         if by_dict._timed is not None:
             assert by_dict._timed == by_counts._timed
+
+
+def test_a_first_timing_far_above_the_second_is_dropped():
+    """The first step of a kind in a bucket may pay one-time costs (a first plan, a graph's
+    first launch): when the second timing is under half of it, the average restarts there;
+    otherwise both are averaged as usual."""
+    alpha = CostModelConfig().time_alpha
+    model = SpeculationCostModel(K, CostModelConfig(min_samples=2))
+    model.observe_step("plain", 1, 64, 0.010)
+    model.observe_step("plain", 1, 64, 0.0013)
+    model.observe_step("plain", 1, 64, 0.0013)
+    assert model.step_time("plain", 1, 64) == pytest.approx(0.0013)
+    model.observe_step("spec", 1, 64, 0.0030)
+    model.observe_step("spec", 1, 64, 0.0020)  # within 2x: an ordinary EMA step
+    assert model.step_time("spec", 1, 64) == pytest.approx((1 - alpha) * 0.0030 + alpha * 0.0020)
+    model.observe_step("spec", 1, 64, 0.0001)  # a later fast sample never restarts the average
+    assert model.step_time("spec", 1, 64) > 0.0020

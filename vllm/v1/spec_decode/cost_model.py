@@ -73,13 +73,23 @@ class CostModelConfig:
                              f"probe_interval={self.probe_interval}; raise it")
 
 
+FIRST_SAMPLE_OUTLIER = 2.0  # a first timing this many times the second is not averaged in
+
+
 @dataclass
 class _Ema:
     value: float = 0.0
     count: int = 0
 
     def add(self, sample: float, alpha: float) -> None:
-        self.value = sample if self.count == 0 else (1 - alpha) * self.value + alpha * sample
+        if self.count == 0 or (self.count == 1 and self.value > FIRST_SAMPLE_OUTLIER * sample):
+            # A bucket's first step of a kind can carry one-time costs (a wrapper's first plan
+            # at a new padded size, a graph's first launch). When the second sample is far
+            # below it, the first is dropped rather than averaged in: with alpha 0.2 it would
+            # otherwise dominate the few samples exploration takes.
+            self.value = sample
+        else:
+            self.value = (1 - alpha) * self.value + alpha * sample
         self.count += 1
 
 
