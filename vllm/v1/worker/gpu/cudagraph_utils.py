@@ -76,11 +76,6 @@ class CudaGraphManager:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
                     outputs = forward(batch)
-                # One replay now: a graph's first launch uploads it to the device (milliseconds
-                # for a few hundred nodes), which would otherwise land on the first serving step
-                # of each size, and on the speculation cost model's first timing of that step
-                # kind. The replay recomputes the warm-up's dummy batch: same slots, same values.
-                graph.replay()
                 self.graphs[size] = CapturedStep(graph, outputs)
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
