@@ -24,7 +24,7 @@ import argparse
 import json
 import os
 
-from vllm.benchmarks.spec_policy import VARIANTS, SpecPolicyCase, run_case
+from vllm.benchmarks.spec_policy import VARIANTS, SpecPolicyCase, paired_ratio, run_rounds
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -42,7 +42,11 @@ def main() -> None:
     parser.add_argument("--forced-acceptance", type=float, default=1.0,
                         help="acceptance length the auto-nopay cost model assumes")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    parser.add_argument("--repeats", type=int, default=2, help="runs per variant (best kept)")
+    parser.add_argument("--repeats", type=int, default=4,
+                        help="rounds; each runs every variant once, in alternating order, and "
+                             "ratios to 'none' pair runs of the same round (geometric mean)")
+    parser.add_argument("--warmup-rounds", type=int, default=1,
+                        help="rounds run first and dropped (one-time costs of the first engines)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--attention-backend", default="FLASHINFER_MLA")
@@ -54,31 +58,35 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     rows = []
     for batch in args.batch_sizes:
-        for variant in args.variants:
-            # Best of --repeats runs: the first engine of a process also pays one-time warm-up.
-            case = SpecPolicyCase(
-                variant, batch, context=args.context, output_len=args.output_len,
-                warmup_steps=args.warmup_steps, method=args.method,
-                num_spec_tokens=args.num_spec_tokens, model=args.model,
-                draft_model=args.draft_model, forced_acceptance=args.forced_acceptance,
-                device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
-                enforce_eager=args.enforce_eager,
-                # Speculative engines schedule synchronously (no async scheduling with drafters
-                # yet): the baseline does too, so the ratios isolate the drafting policy.
-                async_scheduling=False if variant == "none" else None)
-            runs = [run_case(case) for _ in range(args.repeats)]
-            row = max(runs, key=lambda r: r["tok_s"])
-            row["tok_s_runs"] = [r["tok_s"] for r in runs]
+        cases = {variant: SpecPolicyCase(
+            variant, batch, context=args.context, output_len=args.output_len,
+            warmup_steps=args.warmup_steps, method=args.method,
+            num_spec_tokens=args.num_spec_tokens, model=args.model,
+            draft_model=args.draft_model, forced_acceptance=args.forced_acceptance,
+            device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
+            enforce_eager=args.enforce_eager,
+            # Speculative engines schedule synchronously (no async scheduling with drafters
+            # yet): the baseline does too, so the ratios isolate the drafting policy.
+            async_scheduling=False if variant == "none" else None)
+            for variant in ["none"] + [v for v in args.variants if v != "none"]}
+        runs = run_rounds(cases, args.repeats, warmup_rounds=args.warmup_rounds)
+        for variant, variant_runs in runs.items():
+            ranked = sorted(variant_runs, key=lambda r: r["tok_s"])
+            row = dict(ranked[(len(ranked) - 1) // 2])  # the median run (lower middle)
+            row["tok_s_runs"] = [r["tok_s"] for r in variant_runs]
+            row["x_none"], row["x_none_rounds"] = paired_ratio(variant_runs, runs["none"])
+            row["all_runs_tokens_equal"] = all(r["tokens"] == runs["none"][0]["tokens"]
+                                               for r in variant_runs)
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "tokens"}), flush=True)
     base = {r["batch"]: r for r in rows if r["variant"] == "none"}
+    # tok/s: the median run; x none: geometric mean of the per-round paired ratios
     print(f"{'variant':11} {'B':>3} {'ctx':>6} {'tok/s':>9} {'x none':>7} {'AL':>5} "
           f"{'drafted':>8} {'skipped':>24} {'greedy':>7}")
     ok = True
     for r in rows:
         b = base[r["batch"]]
-        r["x_none"] = r["tok_s"] / b["tok_s"]
-        r["greedy_equal"] = r["tokens"] == b["tokens"]
+        r["greedy_equal"] = r["tokens"] == b["tokens"] and r["all_runs_tokens_equal"]
         # First differing output position per request (None: identical), to tell a late bf16
         # near-tie flip from a logic error that diverges at once.
         r["first_divergence"] = [next((j for j, (p, q) in enumerate(zip(x, y)) if p != q),
@@ -100,9 +108,11 @@ def main() -> None:
             # engine: auto-nopay / never is the policy's own cost, never / none the engine's.
             if r["batch"] in never:
                 print(f"B={r['batch']}: auto-nopay / never = "
-                      f"{r['tok_s'] / never[r['batch']]['tok_s']:.3f}, never / none = "
+                      f"{r['x_none'] / never[r['batch']]['x_none']:.3f}, never / none = "
                       f"{never[r['batch']]['x_none']:.3f}")
+            rounds = ", ".join(f"{x:.3f}" for x in r["x_none_rounds"])
             print(f"B={r['batch']}: auto-nopay at {r['x_none']:.3f}x of no speculation "
+                  f"(rounds: {rounds}) "
                   f"({verdict}); cost model step times: "
                   f"{json.dumps(((r['policy'] or {}).get('cost_model') or {}).get('step_times'))}")
     with open(os.path.join(args.out, "spec_policy.json"), "w") as f:

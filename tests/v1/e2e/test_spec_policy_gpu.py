@@ -3,7 +3,7 @@ speculation, and where it pays (the tiny DSpark drafter's real acceptance) it ke
 greedy tokens equal no speculation in every mode. CUDA graphs on, bf16, FlashInfer MLA."""
 import pytest
 
-from vllm.benchmarks.spec_policy import SpecPolicyCase, run_case
+from vllm.benchmarks.spec_policy import SpecPolicyCase, paired_ratio, run_case, run_rounds
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -16,11 +16,15 @@ def best_of(case: SpecPolicyCase, repeats: int = 2) -> dict:
 def test_speculation_that_cannot_pay_costs_at_most_5_percent(batch):
     # Against plain decoding scheduled the same way (synchronously): a speculative engine does
     # not use async scheduling yet, which costs it on its own (docs/performance.md gives both).
-    base = best_of(SpecPolicyCase("none", batch, async_scheduling=False))
-    nopay = best_of(SpecPolicyCase("auto-nopay", batch))
-    assert nopay["tokens"] == base["tokens"]
-    assert nopay["policy"]["num_skipped"].get("cost", 0) > nopay["policy"]["num_drafted"]
-    assert nopay["tok_s"] >= 0.95 * base["tok_s"], (nopay["tok_s"], base["tok_s"])
+    # Rounds in alternating order, ratios paired within a round (run-to-run noise on the node
+    # is ~10 %, more than the 5 % asked; docs/performance.md, fifth session).
+    runs = run_rounds({"none": SpecPolicyCase("none", batch, async_scheduling=False),
+                       "auto-nopay": SpecPolicyCase("auto-nopay", batch)}, 4, warmup_rounds=1)
+    ratio, ratios = paired_ratio(runs["auto-nopay"], runs["none"])
+    for base, nopay in zip(runs["none"], runs["auto-nopay"]):
+        assert nopay["tokens"] == base["tokens"]
+        assert nopay["policy"]["num_skipped"].get("cost", 0) > nopay["policy"]["num_drafted"]
+    assert ratio >= 0.95, ratios
 
 
 def test_auto_keeps_drafting_where_it_pays():
