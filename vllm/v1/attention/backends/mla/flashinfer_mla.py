@@ -414,9 +414,9 @@ def _adopt_plan(slot: _WrapperSlot, inputs: HopperPlanInputs, plan_args: dict) -
 
 def _plan(slot: _WrapperSlot, inputs: HopperPlanInputs, key: tuple, **plan_args) -> None:
     graph = slot.packed_device is not None
-    if graph and _refresh(slot, inputs, plan_args):
-        pass
-    else:
+    # Graph wrappers in steady decode: refresh the held plan (flashinfer_plan_refresh.py);
+    # otherwise re-plan natively, or make a full FlashInfer plan.
+    if not (graph and _refresh(slot, inputs, plan_args)):
         if not _native_replan(slot, inputs, plan_args):
             fi = _import_flashinfer()
             slot.wrapper.plan(
