@@ -8,9 +8,11 @@ draft counted as rejected: drafting cannot pay, so the engine must stop drafting
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
+
+from vllm.benchmarks.rounds import alternating_rounds
+from vllm.benchmarks.rounds import paired_ratio as paired_tok_ratio
 
 VARIANTS = ("none", "always", "never", "auto", "auto-nopay")
 _POLICY = {"always": None, "never": 1, "auto": "auto", "auto-nopay": "auto"}
@@ -119,33 +121,14 @@ def run_case(case: SpecPolicyCase) -> dict:
 
 
 
+
 def run_rounds(cases: dict[str, SpecPolicyCase], rounds: int, run=None,
                warmup_rounds: int = 0) -> dict[str, list[dict]]:
-    """Every case once per round, the order reversed in every other round: a machine that
-    drifts over the minutes of a benchmark (clocks, caches, other tenants) then moves every
-    variant alike, and `paired_ratio` over an even number of rounds cancels a steady drift.
-    `run` is run_case (tests pass fakes). `warmup_rounds` run first and are dropped: the first
-    engines of a process pay one-time costs (imports, kernel builds, allocator growth)."""
-    if rounds < 1:
-        raise ValueError(f"rounds={rounds} is invalid: it must be >= 1")
-    if warmup_rounds < 0:
-        raise ValueError(f"warmup_rounds={warmup_rounds} is invalid: it must be >= 0")
-    run = run or run_case
-    names = list(cases)
-    runs: dict[str, list[dict]] = {name: [] for name in names}
-    for i in range(warmup_rounds + rounds):
-        for name in (names if i % 2 == 0 else names[::-1]):
-            result = run(cases[name])
-            if i >= warmup_rounds:
-                runs[name].append(result)
-    return runs
+    """Every case once per round in alternating order, warm-up rounds dropped (rounds.py).
+    `run` is run_case (tests pass fakes)."""
+    return alternating_rounds(cases, rounds, run or run_case, warmup_rounds)
 
 
 def paired_ratio(runs: list[dict], base_runs: list[dict]) -> tuple[float, list[float]]:
-    """Geometric mean over rounds of tok/s(run) / tok/s(base run of the same round), and the
-    per-round ratios."""
-    if len(runs) != len(base_runs) or not runs:
-        raise ValueError(f"paired_ratio needs as many runs as base runs (got {len(runs)} and "
-                         f"{len(base_runs)}); run both in the same rounds")
-    ratios = [r["tok_s"] / b["tok_s"] for r, b in zip(runs, base_runs)]
-    return math.exp(sum(math.log(x) for x in ratios) / len(ratios)), ratios
+    """tok/s of `runs` over `base_runs`, paired within rounds (geometric mean, per round)."""
+    return paired_tok_ratio([r["tok_s"] for r in runs], [b["tok_s"] for b in base_runs])

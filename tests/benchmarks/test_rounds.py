@@ -1,0 +1,34 @@
+"""Alternating rounds and paired ratios (vllm/benchmarks/rounds.py) on a machine that drifts."""
+import pytest
+
+from vllm.benchmarks.rounds import alternating_rounds, paired_ratio
+
+
+def test_alternating_rounds_and_paired_ratios_cancel_a_steady_drift():
+    calls = []
+
+    # Each run is 10 % slower than the one before. The best run of each case compares different
+    # moments (0.864 here); rounds in alternating order over an even count see the true 0.96.
+    def run(speed):
+        calls.append(speed)
+        return speed * 0.9 ** len(calls)
+
+    results = alternating_rounds({"base": 1.0, "new": 0.96}, 4, run)
+    assert calls == [1.0, 0.96, 0.96, 1.0] * 2
+    ratio, ratios = paired_ratio(results["new"], results["base"])
+    assert len(ratios) == 4 and ratio == pytest.approx(0.96)
+    assert max(results["new"]) / max(results["base"]) == pytest.approx(0.96 * 0.9)
+
+
+def test_warmup_rounds_are_dropped_and_bad_counts_refused():
+    calls = []
+    results = alternating_rounds({"a": 1, "b": 2}, 2, lambda c: calls.append(c) or len(calls),
+                                 warmup_rounds=1)
+    assert calls == [1, 2, 2, 1, 1, 2]
+    assert results == {"a": [4, 5], "b": [3, 6]}
+    with pytest.raises(ValueError, match="rounds=0 is invalid"):
+        alternating_rounds({"a": 1}, 0, lambda c: c)
+    with pytest.raises(ValueError, match="warmup_rounds=-1 is invalid"):
+        alternating_rounds({"a": 1}, 1, lambda c: c, warmup_rounds=-1)
+    with pytest.raises(ValueError, match="as many runs as base runs"):
+        paired_ratio([1.0], [1.0, 2.0])

@@ -1,0 +1,39 @@
+"""Side-by-side benchmark runs that a drifting machine cannot bias.
+
+A GPU node's timings move by ~10 % between processes and over minutes (clocks, caches, other
+tenants, the first engine of a process paying one-time costs). Comparing the best run of A with
+the best run of B then compares different moments. Instead every case runs once per round, the
+order reversed in every other round, warm-up rounds are dropped, and a ratio is the geometric
+mean of the per-round ratios: over an even number of rounds a steady drift cancels.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+
+def alternating_rounds(cases: dict[str, Any], rounds: int, run: Callable[[Any], Any],
+                       warmup_rounds: int = 0) -> dict[str, list]:
+    """{name: [run(case) of each kept round]}; the order of `cases` flips every other round."""
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds} is invalid: it must be >= 1")
+    if warmup_rounds < 0:
+        raise ValueError(f"warmup_rounds={warmup_rounds} is invalid: it must be >= 0")
+    names = list(cases)
+    results: dict[str, list] = {name: [] for name in names}
+    for i in range(warmup_rounds + rounds):
+        for name in (names if i % 2 == 0 else names[::-1]):
+            result = run(cases[name])
+            if i >= warmup_rounds:
+                results[name].append(result)
+    return results
+
+
+def paired_ratio(values: list[float], base: list[float]) -> tuple[float, list[float]]:
+    """Geometric mean over rounds of values[i] / base[i], and the per-round ratios."""
+    if len(values) != len(base) or not values:
+        raise ValueError(f"paired_ratio needs as many runs as base runs (got {len(values)} and "
+                         f"{len(base)}); run both in the same rounds")
+    ratios = [v / b for v, b in zip(values, base)]
+    return math.exp(sum(math.log(x) for x in ratios) / len(ratios)), ratios
