@@ -10,7 +10,9 @@ Hopper (sm90): `flashinfer.mla.BatchMLAPagedAttentionWrapper(backend="fa3")`.
     slow baseline and the oracle for "runs"). At DCP=1 "auto" uses causal=True.
   * the plan is made once per step (first layer that runs) and reused by every
     layer of the group; LSE comes back natural-log either via lse_mode="basee"
-    or as base 2 converted once here (`natural_lse` flag).
+    or as base 2 converted once here (`natural_lse` flag). On CUDA-graph
+    wrappers a step whose lengths only grew within each request's chunks
+    refreshes the held plan instead (flashinfer_plan_refresh.py).
 Blackwell (sm100): `flashinfer.decode.trtllm_batch_decode_with_kv_cache_mla`
   with the kernel's native DCP arguments (cute-dsl, interleave 1, natural-log LSE).
 
