@@ -54,7 +54,7 @@ def test_probe_steps_cost_what_steady_spec_steps_cost(batch):
     the steps of an engine drafting every step: a probe's verify step and its propose-only step
     (Q=1 target + draft pass) must cost about what a steady verify step costs, and no step of a
     warm engine may make a full FlashInfer plan (a wrapper shared by the Q=1 and the verify
-    graphs made two per probe: docs/patches/flashinfer-mla-wrapper-per-decode-kind.patch)."""
+    graphs made two per probe; wrappers are keyed by decode kind since)."""
     from vllm.benchmarks.spec_step_kinds import measure_step_kinds
     probes = measure_step_kinds("auto", batch, steps=160, warmup=32, probe_interval=8)
     steady = measure_step_kinds(None, batch, steps=60, warmup=16)
