@@ -71,6 +71,9 @@ class Worker:
                                      init_method=self.distributed_init_method)
         initialize_model_parallel(parallel.tensor_parallel_size,
                                   getattr(parallel, "decode_context_parallel_size", 1))
+        from vllm.distributed.parallel_state import get_world_group
+        # What shutdown may tear down: the distributed state this worker set up, in this process.
+        self._dist_owner = (os.getpid(), get_world_group())
         torch.manual_seed(int(getattr(self.vllm_config.model_config, "seed", 0)))
 
     def load_model(self) -> None:
@@ -238,12 +241,17 @@ class Worker:
 
     def shutdown(self) -> None:
         from vllm.distributed.parallel_state import (destroy_distributed_environment,
-                                                     destroy_model_parallel)
+                                                     destroy_model_parallel, get_world_group)
         self.model_runner = None
-        try:
-            destroy_model_parallel()
-        finally:
-            destroy_distributed_environment()
+        # Only the state this worker made, and only in its own process: a worker shut down late
+        # (an engine collected by the garbage collector, or inherited by a forked child and
+        # finalised there) must not destroy the process groups of whoever runs now.
+        owner = getattr(self, "_dist_owner", None)
+        if owner is not None and owner[0] == os.getpid() and get_world_group() is owner[1]:
+            try:
+                destroy_model_parallel()
+            finally:
+                destroy_distributed_environment()
         if self.device.type == "cuda":
             # Hand the KV cache and weights back, for a later engine in this process.
             gc.collect()
