@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import copy
 
+from tests.utils.sched_helpers import make_request
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.request import RequestStatus
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
 
@@ -70,3 +72,21 @@ def update_both(s: Scheduler, so, out: ModelRunnerOutput, counter: dict) -> Sche
     assert got == expected
     assert scheduler_state(fast) == scheduler_state(general)
     return fast
+
+
+def random_churn(s: Scheduler, rng, next_id: int, max_prompt: int, max_tokens: int) -> int:
+    """One step's random traffic for the fast-vs-general comparisons: now and then (or when the
+    scheduler ran dry) 1-6 new requests, some with stop ids or ignore_eos, and now and then an
+    abort of a running request. Returns the next free request number."""
+    if rng.random() < 0.04 or not s.has_unfinished_requests():
+        for _ in range(rng.randint(1, 6)):
+            stop = [rng.randrange(4, 90)] if rng.random() < 0.3 else None
+            s.add_request(make_request(f"q{next_id}", [rng.randrange(4, 90) for _ in
+                                                       range(rng.randint(1, max_prompt))],
+                                       max_tokens=rng.randint(1, max_tokens),
+                                       ignore_eos=rng.random() < 0.3,
+                                       stop_token_ids=stop))
+            next_id += 1
+    if s.running and rng.random() < 0.05:
+        s.finish_requests(rng.choice(s.running).request_id, RequestStatus.FINISHED_ABORTED)
+    return next_id

@@ -14,13 +14,12 @@ import random
 
 import pytest
 
-from vllm.v1.core.sched.request import RequestStatus
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
 
 from tests.utils.fake_model import EOS
-from tests.utils.sched_fast_path import schedule_both, update_both
-from tests.utils.sched_helpers import make_config, make_request
+from tests.utils.sched_fast_path import random_churn, schedule_both, update_both
+from tests.utils.sched_helpers import make_config
 
 
 def _sampling_rows(s: Scheduler, so, async_scheduling: bool) -> dict[str, bool]:
@@ -52,17 +51,7 @@ def test_fast_path_equals_general_path(async_scheduling, seed):
     counter = {}
     next_id, pending = 0, None
     for _ in range(300):
-        if rng.random() < 0.04 or not s.has_unfinished_requests():
-            for _ in range(rng.randint(1, 6)):
-                stop = [rng.randrange(4, 90)] if rng.random() < 0.3 else None
-                s.add_request(make_request(f"q{next_id}", [rng.randrange(4, 90) for _ in
-                                                           range(rng.randint(1, 24))],
-                                           max_tokens=rng.randint(1, 40),
-                                           ignore_eos=rng.random() < 0.3,
-                                           stop_token_ids=stop))
-                next_id += 1
-        if s.running and rng.random() < 0.05:
-            s.finish_requests(rng.choice(s.running).request_id, RequestStatus.FINISHED_ABORTED)
+        next_id = random_churn(s, rng, next_id, max_prompt=24, max_tokens=40)
         s, so = schedule_both(s, counter)
         rows = _sampling_rows(s, so, async_scheduling)
         out = _runner_output(so, rows, rng)

@@ -15,14 +15,13 @@ import random
 
 import pytest
 
-from vllm.v1.core.sched.request import RequestStatus
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.spec_decode.cost_model import SPEC
 
 from tests.utils.fake_model import EOS
-from tests.utils.sched_fast_path import schedule_both, update_both
-from tests.utils.sched_helpers import make_config, make_request
+from tests.utils.sched_fast_path import random_churn, schedule_both, update_both
+from tests.utils.sched_helpers import make_config
 
 K = 3
 
@@ -76,17 +75,7 @@ def test_spec_fast_paths_equal_general_paths(policy, forced_acceptance, block_dr
     accept: dict[str, float] = {}
     next_id = 0
     for _ in range(240):
-        if rng.random() < 0.04 or not s.has_unfinished_requests():
-            for _ in range(rng.randint(1, 6)):
-                stop = [rng.randrange(4, 90)] if rng.random() < 0.3 else None
-                s.add_request(make_request(f"q{next_id}", [rng.randrange(4, 90) for _ in
-                                                           range(rng.randint(1, 20))],
-                                           max_tokens=rng.randint(1, 36),
-                                           ignore_eos=rng.random() < 0.3,
-                                           stop_token_ids=stop))
-                next_id += 1
-        if s.running and rng.random() < 0.05:
-            s.finish_requests(rng.choice(s.running).request_id, RequestStatus.FINISHED_ABORTED)
+        next_id = random_churn(s, rng, next_id, max_prompt=20, max_tokens=36)
         s, so = schedule_both(s, counter)
         out = _runner_output(s, so, rng, block_drafter, accept)
         s = update_both(s, so, out, counter)
