@@ -147,36 +147,50 @@ def test_triton_merge_matches_torch_on_gpu(n, base_e):
         assert not torch.isnan(got_o).any()
 
 
+def _graph_builder(qlen: int, non_causal: bool, max_model_len: int):
+    """One FlashInfer builder whose decode steps are built in graph mode (fixed padded size)."""
+    from types import SimpleNamespace
+
+    from tests.utils.mla_dcp_helpers import mla_spec, parallel_config
+    config = SimpleNamespace(parallel_config=parallel_config(1, 1).parallel_config,
+                             model_config=SimpleNamespace(max_model_len=max_model_len),
+                             max_num_seqs=8)
+    builder = FlashInferMLAMetadataBuilder(mla_spec(BLOCK, non_causal, torch.bfloat16),
+                                           ["layer.0"], config, DEVICE, dcp_rank=0,
+                                           kernel_family="hopper")
+    builder.reorder_batch_threshold = qlen
+    return builder
+
+
+def _graph_step(builder, seq_lens, qlens, causal: bool, seed: int):
+    """Build one graph-mode step on `builder` and run it through FLASHINFER_MLA and TORCH_MLA
+    on the same metadata: (metadata, FlashInfer state, TORCH_MLA state)."""
+    from dataclasses import replace
+    case = make_case(seq_lens, qlens, num_heads=HEADS, causal=causal, seed=seed,
+                     dtype=torch.bfloat16)
+    _, cache, cm, _ = build_rank(case, FlashInferMLAMetadataBuilder, 1, 0, 1, BLOCK,
+                                 fill=0.0, device=DEVICE,
+                                 builder_kwargs=dict(kernel_family="hopper"))
+    md = builder.build(0, replace(cm, cudagraph=True))
+    q = torch.zeros(md.decode.num_decode_tokens, HEADS, case.q.shape[-1],
+                    dtype=case.q.dtype, device=DEVICE)
+    q[: case.q.shape[0]] = case.q.to(DEVICE)
+    fi = FlashInferMLAImpl(num_heads=HEADS, scale=case.scale).forward_decode(q, cache, md.decode)
+    ref = TorchMLAImpl(num_heads=HEADS, scale=case.scale).forward_decode(q, cache, md.decode)
+    return md, fi, ref
+
+
 @pytest.mark.parametrize("qlen", [1, 4])
 def test_graph_wrapper_native_replans_with_the_packed_copy_match_torch_mla(qlen):
     """One builder over several graph-mode steps of the same padded size: the first plan is a
     full FlashInfer plan, the later ones are native re-plans (or plan refreshes) that move the
     CSR into the graph wrapper's packed buffers in ONE copy; every step must still equal TORCH_MLA on the same
     metadata (eager run() on the graph wrapper reads exactly those buffers)."""
-    from dataclasses import replace
-    from types import SimpleNamespace
-
-    from tests.utils.mla_dcp_helpers import mla_spec, parallel_config
-    config = SimpleNamespace(parallel_config=parallel_config(1, 1).parallel_config,
-                             model_config=SimpleNamespace(max_model_len=4096), max_num_seqs=8)
-    builder = FlashInferMLAMetadataBuilder(mla_spec(BLOCK, False, torch.bfloat16), ["layer.0"],
-                                           config, DEVICE, dcp_rank=0, kernel_family="hopper")
-    builder.reorder_batch_threshold = qlen
+    builder = _graph_builder(qlen, non_causal=False, max_model_len=4096)
     for step, seq_lens in enumerate(([700, 2049, 64, 9], [701, 2050, 65, 0],
                                      [1500, 3, 64, 1000], [1501, 4, 65, 1001])):
         qlens = [qlen if g else 0 for g in seq_lens]  # a zero row: graph padding
-        case = make_case([max(g, 0) for g in seq_lens], qlens, num_heads=HEADS, causal=True,
-                         seed=20 + step, dtype=torch.bfloat16)
-        _, cache, cm, _ = build_rank(case, FlashInferMLAMetadataBuilder, 1, 0, 1, BLOCK,
-                                     fill=0.0, device=DEVICE,
-                                     builder_kwargs=dict(kernel_family="hopper"))
-        md = builder.build(0, replace(cm, cudagraph=True))
-        q = torch.zeros(md.decode.num_decode_tokens, HEADS, case.q.shape[-1],
-                        dtype=case.q.dtype, device=DEVICE)
-        q[: case.q.shape[0]] = case.q.to(DEVICE)
-        fi = FlashInferMLAImpl(num_heads=HEADS, scale=case.scale).forward_decode(q, cache,
-                                                                                 md.decode)
-        ref = TorchMLAImpl(num_heads=HEADS, scale=case.scale).forward_decode(q, cache, md.decode)
+        md, fi, ref = _graph_step(builder, [max(g, 0) for g in seq_lens], qlens, True, 20 + step)
         assert_states_close(fi, ref)
         slot = md.decode.backend_state.wrapper_slot
         assert slot.packed_device is not None
@@ -192,16 +206,7 @@ def test_graph_wrapper_plan_refreshes_match_torch_mla(qlen, causal):
     the builder refreshes the plan's length-dependent work arrays instead of re-planning
     (flashinfer_plan_refresh.py). Every step must equal TORCH_MLA; a jump that changes a
     request's chunk count, and a step with other rows, must be planned for real."""
-    from dataclasses import replace
-    from types import SimpleNamespace
-
-    from tests.utils.mla_dcp_helpers import mla_spec, parallel_config
-    config = SimpleNamespace(parallel_config=parallel_config(1, 1).parallel_config,
-                             model_config=SimpleNamespace(max_model_len=8192), max_num_seqs=8)
-    builder = FlashInferMLAMetadataBuilder(mla_spec(BLOCK, not causal, torch.bfloat16),
-                                           ["layer.0"], config, DEVICE, dcp_rank=0,
-                                           kernel_family="hopper")
-    builder.reorder_batch_threshold = qlen
+    builder = _graph_builder(qlen, non_causal=not causal, max_model_len=8192)
     seq = [700, 2049, 64, 9]
     planned_before = 0
     for step in range(24):
@@ -211,18 +216,7 @@ def test_graph_wrapper_plan_refreshes_match_torch_mla(qlen, causal):
         if step == 18:
             live[3] = 0  # a padding row this step: other query rows, a real plan
         qlens = [qlen if g else 0 for g in live]
-        case = make_case(live, qlens, num_heads=HEADS, causal=causal, seed=40 + step,
-                         dtype=torch.bfloat16)
-        _, cache, cm, _ = build_rank(case, FlashInferMLAMetadataBuilder, 1, 0, 1, BLOCK,
-                                     non_causal_group=not causal, fill=0.0, device=DEVICE,
-                                     builder_kwargs=dict(kernel_family="hopper"))
-        md = builder.build(0, replace(cm, cudagraph=True))
-        q = torch.zeros(md.decode.num_decode_tokens, HEADS, case.q.shape[-1],
-                        dtype=case.q.dtype, device=DEVICE)
-        q[: case.q.shape[0]] = case.q.to(DEVICE)
-        fi = FlashInferMLAImpl(num_heads=HEADS, scale=case.scale).forward_decode(q, cache,
-                                                                                 md.decode)
-        ref = TorchMLAImpl(num_heads=HEADS, scale=case.scale).forward_decode(q, cache, md.decode)
+        md, fi, ref = _graph_step(builder, live, qlens, causal, 40 + step)
         assert_states_close(fi, ref)
         slot = md.decode.backend_state.wrapper_slot
         planned = slot.native_replans + slot.full_plans
