@@ -31,6 +31,8 @@ import torch
 
 from vllm.benchmarks.timing import copy_bandwidth
 
+BUDGET_HEADROOM_STEPS = 8  # steps of max_tokens beyond the measured ones (see run_case)
+
 def _union_ms(intervals: list[tuple[float, float]]) -> float:
     total, cur_s, cur_e = 0.0, None, None
     for s, e in sorted(intervals):
@@ -56,7 +58,10 @@ def run_case(args, method: str, batch: int, context: int, eager: bool,
         spec = {"method": method, "num_speculative_tokens": args.num_spec_tokens}
         if args.draft_model:
             spec["model"] = args.draft_model
-    steps = args.warmup_steps + args.steps + args.profile_steps
+    # Token budget with headroom: every measured engine.step() must launch real work. Without it
+    # the last profiled step of an async engine found its requests at max_tokens, launched
+    # nothing, and kernel_ms (kernels / profile_steps) came out halved (seen 2026-12-01).
+    steps = args.warmup_steps + args.steps + args.profile_steps + BUDGET_HEADROOM_STEPS
     engine_args = EngineArgs(
         model=args.model, dtype="bfloat16", max_model_len=context + steps * (args.num_spec_tokens + 1) + 64,
         attention_backend=args.attention_backend, speculative_config=spec,
@@ -111,6 +116,10 @@ def run_case(args, method: str, batch: int, context: int, eager: bool,
                 engine.step()
             torch.cuda.synchronize()
             wall_ms = (time.perf_counter() - w0) * 1e3
+        if engine.get_num_unfinished_requests() != batch:
+            raise RuntimeError(
+                f"{engine.get_num_unfinished_requests()} of {batch} requests still running after "
+                "the profiled steps: a measured step ran short of work (raise BUDGET_HEADROOM_STEPS)")
         events = prof.events()
         kernels = [(e.time_range.start, e.time_range.end) for e in events
                    if e.device_type == torch.autograd.DeviceType.CUDA]

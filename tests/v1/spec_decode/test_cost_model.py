@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from vllm.config import SpeculativeConfig
-from vllm.v1.spec_decode.cost_model import (PLAIN, REASON_BATCH, REASON_COST, REASON_EXPLORE,
+from vllm.v1.spec_decode.cost_model import (PLAIN, REASON_BATCH, REASON_COST, REASON_EXPLORE, RECENT_SAMPLES,
                                             SPEC, Candidate, CostModelConfig, Decision,
                                             SpeculationCostModel, pow2_bucket)
 from vllm.v1.spec_decode.policy import SpeculationPolicy, StepPlan
@@ -252,7 +252,7 @@ def test_mixed_and_prefill_steps_are_not_timed():
     policy.plan_timing(out, plan, {"a": K, "b": K}, [10, 10], pure_decode=True)
     policy.observe_step_time(out, 1.0)
     assert policy.cost_model.snapshot()["step_times"] == {
-        "b2_c256": {SPEC: {"seconds": 1.0, "samples": 1}}}
+        "b2_c256": {SPEC: {"seconds": 1.0, "samples": 1, "recent": [1.0]}}}
 
 
 def test_injected_timer_and_acceptance():
@@ -359,3 +359,13 @@ def test_a_first_timing_far_above_the_second_is_dropped():
     assert model.step_time("spec", 1, 64) == pytest.approx((1 - alpha) * 0.0030 + alpha * 0.0020)
     model.observe_step("spec", 1, 64, 0.0001)  # a later fast sample never restarts the average
     assert model.step_time("spec", 1, 64) > 0.0020
+
+
+def test_snapshot_keeps_the_last_raw_timings_of_a_bucket():
+    model = SpeculationCostModel(K)
+    samples = [0.5 + 0.1 * i for i in range(RECENT_SAMPLES + 3)]
+    for t in samples:
+        model.observe_step(PLAIN, 4, 300, t)
+    entry = model.snapshot()["step_times"]["b4_c512"][PLAIN]
+    assert entry["recent"] == samples[-RECENT_SAMPLES:]
+    assert entry["samples"] == len(samples)

@@ -23,6 +23,7 @@ Three rules keep the decisions stable and the model fed:
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -76,12 +77,17 @@ class CostModelConfig:
 FIRST_SAMPLE_OUTLIER = 2.0  # a first timing this many times the second is not averaged in
 
 
+RECENT_SAMPLES = 8  # raw timings a bucket keeps for the stats (diagnosis, not decisions)
+
+
 @dataclass
 class _Ema:
     value: float = 0.0
     count: int = 0
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_SAMPLES))
 
     def add(self, sample: float, alpha: float) -> None:
+        self.recent.append(sample)
         if self.count == 0 or (self.count == 1 and self.value > FIRST_SAMPLE_OUTLIER * sample):
             # A bucket's first step of a kind can carry one-time costs (a wrapper's first plan
             # at a new padded size, a graph's first launch). When the second sample is far
@@ -317,7 +323,7 @@ class SpeculationCostModel:
         """Bucketed averages for the engine's stats (seconds)."""
         times = {}
         for (kind, batch, context), ema in sorted(self._times.items()):
-            times.setdefault(f"b{batch}_c{context}", {})[kind] = {"seconds": ema.value,
-                                                                   "samples": ema.count}
+            times.setdefault(f"b{batch}_c{context}", {})[kind] = {
+                "seconds": ema.value, "samples": ema.count, "recent": list(ema.recent)}
         return {"step_times": times, "probe_interval": self._probe_interval,
                 "num_requests_not_drafting": sum(not s.drafting for s in self._requests.values())}
