@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from vllm.config import SpeculativeConfig
-from vllm.v1.spec_decode.cost_model import (PLAIN, REASON_BATCH, REASON_COST, REASON_EXPLORE, RECENT_SAMPLES,
+from vllm.v1.spec_decode.cost_model import (PLAIN, REASON_BATCH, REASON_COST, REASON_EXPLORE,
                                             SPEC, Candidate, CostModelConfig, Decision,
                                             SpeculationCostModel, pow2_bucket)
 from vllm.v1.spec_decode.policy import SpeculationPolicy, StepPlan
@@ -31,6 +31,7 @@ class Loop:
         self.step = 0
         self.log: list[dict[str, bool]] = []   # per step: request -> verified drafts
         self.proposed: list[bool] = []
+        self.num_plain = 0  # plain steps timed so far
 
     def run(self, steps: int) -> Loop:
         for _ in range(steps):
@@ -47,12 +48,14 @@ class Loop:
         policy.plan_timing(output, plan, {r: K if verified[r] else 0 for r in reqs},
                            [self.context] * len(reqs), pure_decode=True)
         spec_rows = sum(verified.values())
+        t_plain = self.t_plain(self.num_plain) if callable(self.t_plain) else self.t_plain
         if plan.propose and spec_rows == len(reqs):
             seconds = self.t_spec
         elif not plan.propose and spec_rows == 0:
-            seconds = self.t_plain
+            seconds = t_plain  # t_plain may be a callable of the plain-step count
+            self.num_plain += 1
         else:
-            seconds = (self.t_spec + self.t_plain) / 2
+            seconds = (self.t_spec + t_plain) / 2
         policy.observe_step_time(output, seconds)
         for r in reqs:
             if verified[r]:
@@ -66,6 +69,14 @@ class Loop:
 
     def drafted_steps(self, req: str, since: int = 0) -> int:
         return sum(entry[req] for entry in self.log[since:])
+
+    def plain_probes(self, since: int, until: int) -> list[int]:
+        """Steps in [since, until) where nobody proposed (while everyone drafts: the plain
+        re-probes; each costs that step and the next, which proposes with nothing to verify)."""
+        return [i for i in range(since, until) if not self.proposed[i]]
+
+    def undrafted(self, since: int, until: int) -> list[int]:
+        return [i for i in range(since, until) if not all(self.log[i].values())]
 
 
 def auto_policy(**cfg) -> SpeculationPolicy:
@@ -98,10 +109,27 @@ def test_keeps_drafting_where_it_pays():
     # 3 tokens per step for 1.5x the cost: speedup 2.
     loop = Loop(auto_policy(), {"a": 3.0, "b": 3.0}, t_spec=1.5).run(300)
     assert loop.policy.stats()["num_skipped"].get(REASON_COST, 0) == 0
-    # Only the exploration's plain steps (and the one step after them that proposes but has
-    # nothing to verify) go without drafts.
-    assert loop.drafted_steps("a") >= 300 - 4
-    assert all(all(entry.values()) for entry in loop.log[10:])
+    # Only the exploration's plain steps, the plain re-probes, and the step after each (it
+    # proposes but has nothing to verify) go without drafts.
+    probes = loop.plain_probes(10, 300)
+    assert loop.undrafted(10, 300) == sorted(probes + [p + 1 for p in probes])
+    # The ratio never moves, so the re-probe interval doubles: 32, 64, 128 steps.
+    assert [b - a for a, b in zip(probes, probes[1:])] == [64, 128]
+    assert loop.drafted_steps("a") >= 300 - 4 - 2 * len(probes)
+
+
+def test_plain_reprobes_correct_a_plain_time_that_exploration_measured_too_high():
+    # The two exploration plain steps pay a one-time cost (10x); drafting cannot pay
+    # (acceptance 1, a spec step costs 1.5 plain steps). With t_plain = 10 the model would
+    # draft forever; the plain re-probes while everyone drafts bring the median down to 1.
+    loop = Loop(auto_policy(), {"a": 1.0, "b": 1.0}, t_spec=1.5,
+                t_plain=lambda n: 10.0 if n < 2 else 1.0).run(600)
+    assert all(loop.log[i]["a"] for i in range(10, 30))  # drafting on the bad estimate
+    stopped = next(i for i in range(10, 600) if not any(loop.proposed[i:i + 20]))
+    # Re-probes at steps ~32, ~96 (interval doubled: the median stayed 10), ~128 (reset: the
+    # ratio moved): three more plain samples make the median of [10, 10, 1, 1, 1] 1.
+    assert stopped <= 160
+    assert loop.drafted_steps("a", stopped) <= 5 * 3  # then only the spec re-probes draft
 
 
 def test_per_request_decisions_in_one_batch():
@@ -163,8 +191,12 @@ def test_reprobe_revives_a_request_whose_drafts_started_to_match():
     assert 0 < loop.drafted_steps("a", 10) - loop.drafted_steps("a", 150) <= 10
     # ...and the first probe after the change revives it for good (the interval was at most
     # 256 by then, so within 256 + 2 steps).
-    revived = next(i for i in range(150, 600) if all(loop.log[j]["a"] for j in range(i, 600)))
+    revived = next(i for i in range(150, 600) if all(loop.log[j]["a"] for j in range(i, i + 30)))
     assert revived <= 150 + 256 + 3
+    # From then on it drafts but for the plain re-probes (and the step after each).
+    probes = loop.plain_probes(revived, 600)
+    assert loop.undrafted(revived, 600) == sorted(probes + [p + 1 for p in probes if p + 1 < 600])
+    assert len(probes) <= 4
 
 
 def test_probe_interval_backs_off_while_nobody_revives():
@@ -183,8 +215,11 @@ def test_probes_while_everyone_drafts_do_not_back_off():
                   "b": lambda step: 4.0 if step < 300 else 1.0}
     loop = Loop(auto_policy(probe_interval=16, max_probe_interval=1024), acceptance,
                 t_spec=1.5).run(400)
-    assert all(all(entry.values()) for entry in loop.log[10:300])
-    stopped = next(i for i in range(300, 400) if not loop.proposed[i])
+    probes = loop.plain_probes(10, 300)
+    assert loop.undrafted(10, 300) == sorted(probes + [p + 1 for p in probes])
+    assert len(probes) <= 5  # 16 .. 256 steps apart (doubling; the ratio never moves)
+    stopped = next(i for i in range(300, 400) if not loop.proposed[i]
+                   and not loop.proposed[i + 1])
     first_probe = next(i for i in range(stopped, 400) if loop.proposed[i])
     assert first_probe - stopped <= 16 + 2
 
@@ -287,8 +322,10 @@ def test_config_rejects_with_the_fix(value):
 def test_cost_model_config_errors_name_the_value():
     with pytest.raises(ValueError, match="probe_len=8 must be smaller than probe_interval=8"):
         CostModelConfig(probe_interval=8, probe_len=8)
-    with pytest.raises(ValueError, match=r"time_alpha=0\.0 is invalid"):
-        CostModelConfig(time_alpha=0.0)
+    with pytest.raises(ValueError, match=r"time_window=0 is invalid"):
+        CostModelConfig(time_window=0)
+    with pytest.raises(ValueError, match=r"acceptance_alpha=1\.5 is invalid"):
+        CostModelConfig(acceptance_alpha=1.5)
     with pytest.raises(ValueError, match="step kind 'draft' is invalid"):
         SpeculationCostModel(K).observe_step("draft", 1, 1, 1.0)
 
@@ -346,26 +383,38 @@ def test_plan_timing_counts_matches_plan_timing():
 
 def test_a_first_timing_far_above_the_second_is_dropped():
     """The first step of a kind in a bucket may pay one-time costs (a first plan, a graph's
-    first launch): when the second timing is under half of it, the average restarts there;
-    otherwise both are averaged as usual."""
-    alpha = CostModelConfig().time_alpha
+    first launch): when the second timing is under half of it, it is dropped; otherwise the
+    bucket's time is the median of what it holds."""
     model = SpeculationCostModel(K, CostModelConfig(min_samples=2))
     model.observe_step("plain", 1, 64, 0.010)
     model.observe_step("plain", 1, 64, 0.0013)
     model.observe_step("plain", 1, 64, 0.0013)
     assert model.step_time("plain", 1, 64) == pytest.approx(0.0013)
     model.observe_step("spec", 1, 64, 0.0030)
-    model.observe_step("spec", 1, 64, 0.0020)  # within 2x: an ordinary EMA step
-    assert model.step_time("spec", 1, 64) == pytest.approx((1 - alpha) * 0.0030 + alpha * 0.0020)
-    model.observe_step("spec", 1, 64, 0.0001)  # a later fast sample never restarts the average
-    assert model.step_time("spec", 1, 64) > 0.0020
+    model.observe_step("spec", 1, 64, 0.0020)  # within 2x: both kept, the median is the mean
+    assert model.step_time("spec", 1, 64) == pytest.approx(0.0025)
+    model.observe_step("spec", 1, 64, 0.0001)  # a later fast sample never restarts the bucket
+    assert model.step_time("spec", 1, 64) == pytest.approx(0.0020)
+
+
+def test_step_time_is_the_median_of_the_last_window():
+    window = 5
+    model = SpeculationCostModel(K, CostModelConfig(time_window=window, min_samples=1))
+    samples = [0.004, 0.009, 0.001, 0.007, 0.002, 0.030, 0.003, 0.005, 0.006]
+    for i, t in enumerate(samples):
+        model.observe_step(PLAIN, 2, 100, t)
+        last = sorted(samples[max(0, i + 1 - window):i + 1])
+        n = len(last)
+        expect = last[n // 2] if n % 2 else (last[n // 2 - 1] + last[n // 2]) / 2
+        assert model.step_time(PLAIN, 2, 100) == pytest.approx(expect), i
 
 
 def test_snapshot_keeps_the_last_raw_timings_of_a_bucket():
     model = SpeculationCostModel(K)
-    samples = [0.5 + 0.1 * i for i in range(RECENT_SAMPLES + 3)]
+    window = model.config.time_window
+    samples = [0.5 + 0.1 * i for i in range(window + 3)]
     for t in samples:
         model.observe_step(PLAIN, 4, 300, t)
     entry = model.snapshot()["step_times"]["b4_c512"][PLAIN]
-    assert entry["recent"] == samples[-RECENT_SAMPLES:]
+    assert entry["recent"] == samples[-window:]
     assert entry["samples"] == len(samples)

@@ -7,8 +7,11 @@ in a step that costs t_plain. Drafting pays while
     speedup = a * t_plain / t_spec > 1.
 
 Upstream measured (issue #54691) that the break-even `a` rises with context and batch size, so
-the times are kept per (batch-size bucket, context bucket) as exponential moving averages of
-steps measured on the host (the engine's wall clock around a step; no device syncs).
+the times are kept per (batch-size bucket, context bucket) as the median of the bucket's last
+`time_window` steps measured on the host (the engine's wall clock around a step; no device
+syncs). A median, not a moving average: one step that paid a one-time cost (a first plan at a
+new size, a graph's first launch) would otherwise dominate the few plain samples exploration
+takes, and with it every later decision.
 
 Three rules keep the decisions stable and the model fed:
 * hysteresis: a drafting request stops below 1 - h, an idle one restarts above 1 + h;
@@ -19,7 +22,11 @@ Three rules keep the decisions stable and the model fed:
   interval (up to `max_probe_interval`): where drafting cannot pay, probing costs ~nothing;
 * exploration: until some bucket has both timings, a bucket with too few spec-step timings
   drafts and one with too few plain-step timings then runs `min_samples` plain steps; later, a
-  bucket without both borrows the cost ratio of its nearest measured neighbour.
+  bucket without both borrows the cost ratio of its nearest measured neighbour;
+* plain re-probe: while everyone drafts, no plain step is timed, so a t_plain that exploration
+  measured too high (a step that paid a one-time cost) would keep drafting on forever. Every
+  `probe_interval` steps of all-drafting the batch runs one plain step; the interval doubles
+  (up to `max_probe_interval`) while the cost ratio stays within the hysteresis band.
 """
 from __future__ import annotations
 
@@ -44,7 +51,7 @@ def pow2_bucket(n: int) -> int:
 
 @dataclass
 class CostModelConfig:
-    time_alpha: float = 0.2        # weight of a new step-time sample in its bucket's EMA
+    time_window: int = 8           # a bucket's step time: median of its last this-many timings
     acceptance_alpha: float = 0.2  # weight of a new acceptance sample in a request's EMA
     hysteresis: float = 0.05       # h: stop below 1 - h, restart above 1 + h
     min_samples: int = 2           # timings a bucket needs before they are trusted
@@ -55,14 +62,13 @@ class CostModelConfig:
     min_context_bucket: int = 256  # contexts below this share one bucket
 
     def __post_init__(self):
-        for name in ("time_alpha", "acceptance_alpha"):
-            value = getattr(self, name)
-            if not 0.0 < value <= 1.0:
-                raise ValueError(f"{name}={value!r} is invalid: it must be in (0, 1].")
+        if not 0.0 < self.acceptance_alpha <= 1.0:
+            raise ValueError(f"acceptance_alpha={self.acceptance_alpha!r} is invalid: it must be "
+                             "in (0, 1].")
         if not 0.0 <= self.hysteresis < 1.0:
             raise ValueError(f"hysteresis={self.hysteresis!r} is invalid: it must be in [0, 1).")
-        for name in ("min_samples", "min_acceptance_samples", "probe_interval", "max_probe_interval", "probe_len",
-                     "min_context_bucket"):
+        for name in ("time_window", "min_samples", "min_acceptance_samples", "probe_interval",
+                     "max_probe_interval", "probe_len", "min_context_bucket"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} is invalid: it must be an int >= 1.")
@@ -74,29 +80,48 @@ class CostModelConfig:
                              f"probe_interval={self.probe_interval}; raise it")
 
 
-FIRST_SAMPLE_OUTLIER = 2.0  # a first timing this many times the second is not averaged in
-
-
-RECENT_SAMPLES = 8  # raw timings a bucket keeps for the stats (diagnosis, not decisions)
+FIRST_SAMPLE_OUTLIER = 2.0  # a first timing this many times the second is dropped
 
 
 @dataclass
 class _Ema:
+    """A request's running acceptance length."""
     value: float = 0.0
     count: int = 0
-    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_SAMPLES))
 
     def add(self, sample: float, alpha: float) -> None:
-        self.recent.append(sample)
-        if self.count == 0 or (self.count == 1 and self.value > FIRST_SAMPLE_OUTLIER * sample):
-            # A bucket's first step of a kind can carry one-time costs (a wrapper's first plan
-            # at a new padded size, a graph's first launch). When the second sample is far
-            # below it, the first is dropped rather than averaged in: with alpha 0.2 it would
-            # otherwise dominate the few samples exploration takes.
-            self.value = sample
-        else:
-            self.value = (1 - alpha) * self.value + alpha * sample
+        self.value = sample if self.count == 0 else (1 - alpha) * self.value + alpha * sample
         self.count += 1
+
+
+@dataclass
+class _StepTimes:
+    """One bucket's step timings of one kind: the median of the last `window` of them."""
+    window: int
+    recent: deque = field(init=False)
+    count: int = 0
+    _median: float | None = field(default=None, compare=False, repr=False)  # cache
+
+    def __post_init__(self):
+        self.recent = deque(maxlen=self.window)
+
+    def add(self, sample: float) -> None:
+        if self.count == 1 and self.recent[0] > FIRST_SAMPLE_OUTLIER * sample:
+            # The first timing of a kind can carry one-time costs; with only two samples the
+            # median is their mean, so a first far above the second is dropped outright.
+            self.recent.clear()
+        self.recent.append(sample)
+        self.count += 1
+        self._median = None
+
+    @property
+    def value(self) -> float:
+        if self._median is None:
+            ordered = sorted(self.recent)
+            n = len(ordered)
+            self._median = (ordered[n // 2] if n % 2 else
+                            0.5 * (ordered[n // 2 - 1] + ordered[n // 2]))
+        return self._median
 
 
 @dataclass
@@ -140,7 +165,7 @@ class SpeculationCostModel:
         # synthetic step times (kind, batch size, context) instead of the measured ones.
         self.acceptance_override = acceptance_override
         self.step_time_fn = step_time_fn
-        self._times: dict[tuple[str, int, int], _Ema] = {}
+        self._times: dict[tuple[str, int, int], _StepTimes] = {}
         self._requests: dict[str, _RequestState] = {}
         self._step = 0
         self._probe_interval = self.config.probe_interval
@@ -150,6 +175,10 @@ class SpeculationCostModel:
         self._revived = False
         self._probed_any = False
         self._explore_left: dict[tuple[int, int], int] = {}
+        self._plain_interval = self.config.probe_interval
+        self._next_plain_probe = self._plain_interval
+        self._plain_probe_ratio: float | None = None  # the ratio before the last plain probe
+        self._plain_probe_step = 0
 
     # ---- buckets and measurements ------------------------------------------------------------
     def bucket(self, batch_size: int, context_len: int) -> tuple[int, int]:
@@ -166,14 +195,17 @@ class SpeculationCostModel:
         if not seconds > 0.0:
             return  # a clock that did not move says nothing
         key = (kind, *self.bucket(batch_size, context_len))
-        self._times.setdefault(key, _Ema()).add(float(seconds), self.config.time_alpha)
+        times = self._times.get(key)
+        if times is None:
+            times = self._times[key] = _StepTimes(self.config.time_window)
+        times.add(float(seconds))
 
     def step_time(self, kind: str, batch_size: int, context_len: int) -> float | None:
         """The bucket's average step time, None until it has min_samples timings."""
-        ema = self._times.get((kind, *self.bucket(batch_size, context_len)))
-        if ema is None or ema.count < self.config.min_samples:
+        times = self._times.get((kind, *self.bucket(batch_size, context_len)))
+        if times is None or times.count < self.config.min_samples:
             return None
-        return ema.value
+        return times.value
 
     def observe_acceptance(self, req_id: str, acceptance_length: float) -> None:
         """Tokens a request gained in one step that verified its drafts (1 + accepted)."""
@@ -209,9 +241,9 @@ class SpeculationCostModel:
                 and plain.count >= min_samples):
             return spec.value / plain.value  # the bucket's own ratio: no scan (every step)
         known = {}
-        for (kind, b, c), ema in self._times.items():
-            if ema.count >= self.config.min_samples:
-                known.setdefault((b, c), {})[kind] = ema.value
+        for (kind, b, c), times in self._times.items():
+            if times.count >= self.config.min_samples:
+                known.setdefault((b, c), {})[kind] = times.value
         pairs = {key: v[SPEC] / v[PLAIN] for key, v in known.items() if len(v) == 2}
         if not pairs:
             return None
@@ -258,6 +290,14 @@ class SpeculationCostModel:
             self._explore_left[bucket] = cfg.min_samples
             return dict.fromkeys((c.req_id for c in candidates), _DRAFT)
 
+        if self._plain_probe_ratio is not None:
+            # The step after a plain probe: back off while the ratio held, else probe as often
+            # as at the start.
+            moved = abs(ratio / self._plain_probe_ratio - 1.0) > cfg.hysteresis
+            self._plain_interval = (cfg.probe_interval if moved else
+                                    min(2 * self._plain_interval, cfg.max_probe_interval))
+            self._next_plain_probe = self._plain_probe_step + self._plain_interval
+            self._plain_probe_ratio = None
         probing = self._probe_window(step)
         decisions = {}
         requests = self._requests
@@ -265,6 +305,7 @@ class SpeculationCostModel:
         min_acceptance = cfg.min_acceptance_samples
         stop_below, restart_above = 1.0 - cfg.hysteresis, 1.0 + cfg.hysteresis
         probe_start = step == self._probe_start
+        unjudged = False  # some request drafts to measure its acceptance, not on its merit
         for c in candidates:
             # Inlined acceptance() (this loop runs for every decoding request every step).
             req_id = c.req_id
@@ -275,6 +316,7 @@ class SpeculationCostModel:
                 a = float(override)
             elif state.acceptance.count < min_acceptance:
                 decisions[req_id] = _DRAFT  # no acceptance yet: measure it
+                unjudged = True
                 continue
             else:
                 a = state.acceptance.value
@@ -294,6 +336,12 @@ class SpeculationCostModel:
                 decisions[req_id] = _DRAFT
             else:
                 decisions[req_id] = _SKIP_COST
+        if (not probing and not unjudged and step >= self._next_plain_probe
+                and all(d is _DRAFT for d in decisions.values())):
+            # Everyone drafts: time one plain step (re-probe t_plain, see the module doc).
+            self._plain_probe_ratio, self._plain_probe_step = ratio, step
+            self._next_plain_probe = step + self._plain_interval  # provisional, see above
+            return dict.fromkeys(decisions, _SKIP_EXPLORE)
         # A probed request is judged once it has min_acceptance_samples fresh samples: the
         # probe's last step gives the first, each further drafting step one more.
         if self._review_pending and step >= (self._probe_start + cfg.probe_len
@@ -322,8 +370,9 @@ class SpeculationCostModel:
     def snapshot(self) -> dict:
         """Bucketed averages for the engine's stats (seconds)."""
         times = {}
-        for (kind, batch, context), ema in sorted(self._times.items()):
+        for (kind, batch, context), bucket in sorted(self._times.items()):
             times.setdefault(f"b{batch}_c{context}", {})[kind] = {
-                "seconds": ema.value, "samples": ema.count, "recent": list(ema.recent)}
+                "seconds": bucket.value, "samples": bucket.count, "recent": list(bucket.recent)}
         return {"step_times": times, "probe_interval": self._probe_interval,
+                "plain_probe_interval": self._plain_interval,
                 "num_requests_not_drafting": sum(not s.drafting for s in self._requests.values())}

@@ -76,6 +76,11 @@ class CudaGraphManager:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
                     outputs = forward(batch)
+                # One replay now: a graph's first launch uploads it to the device, which would
+                # otherwise land on the first serving step of each size and on the speculation
+                # cost model's first timing of that step kind. It recomputes the warm-up's dummy
+                # batch (same slots, same values), so nothing the capture left changes.
+                graph.replay()
                 self.graphs[size] = CapturedStep(graph, outputs)
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
