@@ -228,39 +228,73 @@ class BlockTables:
         if idx_mapping_np is None:
             self._held_slots = None  # the host twin was not gathered: nothing is known current
         else:
-            slots = np.asarray(idx_mapping_np, dtype=np.int64)
-            key = slots.tobytes()
-            host = self._input_host.numpy()
-            if key == self._held_slots:
-                # The same rows as the last gather: refresh only rows whose blocks changed.
-                changed = self._changes != self._changes_at_gather
-                if changed:
-                    dirty = self._slot_dirty[slots]
-                    rows = np.flatnonzero(dirty)
-                    changed = len(rows) > 0
-                    if changed and num_reqs * host.shape[2] <= _FULL_REGATHER_ENTRIES:
-                        host[:, :num_reqs] = self.host_block_tables[:, slots]  # small: one op
-                    elif changed:
-                        host[:, rows] = self.host_block_tables[:, slots[rows]]
-                    self._slot_dirty[slots] = False
-            else:
-                host[:, :num_reqs] = self.host_block_tables[:, slots]
-                self._held_slots = key
-                # Every row holding these slots is current now (rows past num_reqs are
-                # forgotten with the key, so no stale copy of a slot survives unchecked).
-                self._slot_dirty[slots] = False
-            self._changes_at_gather = self._changes
+            changed = self.gather_host(idx_mapping_np) is not None
         if changed:
             idx_mapping = idx_mapping.to(dtype=torch.int64)
             for table, input_table in zip(self.block_tables, self.input_block_tables):
                 # index_select writes straight into the persistent rows (no realloc).
                 torch.index_select(table, 0, idx_mapping, out=input_table[:num_reqs])
+        return self.gathered_rows(num_reqs)
+
+    def gather_host(self, idx_mapping_np, refresh_out: np.ndarray | None = None
+                    ) -> np.ndarray | None:
+        """Gather the host twin `input_block_tables_cpu` for the batch rows whose slots are
+        `idx_mapping_np`, skipping what did not change, and say which rows the device copy must
+        re-gather: None when no row changed, else a bool mask over the rows (written into
+        `refresh_out[:num_reqs]` when given). A row changes when its slot differs from the one
+        the row held at the last gather or that slot's blocks changed since (append_block_ids /
+        remove_request). The caller must then re-gather exactly the flagged device rows (the
+        fused step preparation does; gather_block_tables re-gathers all)."""
+        slots = np.asarray(idx_mapping_np, dtype=np.int64)
+        num_reqs = slots.shape[0]
+        key = slots.tobytes()
+        host = self._input_host.numpy()
+        refresh = None
+        if key == self._held_slots:
+            # The same rows as the last gather: refresh only rows whose blocks changed (no
+            # change anywhere since the last gather: nothing to look at).
+            if self._changes != self._changes_at_gather:
+                dirty = self._slot_dirty[slots]
+                rows = np.flatnonzero(dirty)
+                if len(rows) > 0:
+                    if num_reqs * host.shape[2] <= _FULL_REGATHER_ENTRIES:
+                        host[:, :num_reqs] = self.host_block_tables[:, slots]  # small: one op
+                    else:
+                        host[:, rows] = self.host_block_tables[:, slots[rows]]
+                    refresh = dirty
+                    self._slot_dirty[slots] = False
+        else:
+            host[:, :num_reqs] = self.host_block_tables[:, slots]
+            self._held_slots = key
+            # Every row holding these slots is current now (rows past num_reqs are forgotten
+            # with the key, so no stale copy of a slot survives unchecked).
+            self._slot_dirty[slots] = False
+            refresh = True
+        self._changes_at_gather = self._changes
+        if refresh_out is not None:
+            # False / the dirty mask / True broadcast into the caller's persistent flags.
+            refresh_out[:num_reqs] = False if refresh is None else refresh
+            return None if refresh is None else refresh_out[:num_reqs]
+        if refresh is True:
+            refresh = np.ones(num_reqs, dtype=bool)
+        return refresh
+
+    def gathered_rows(self, num_reqs: int) -> tuple[torch.Tensor, ...]:
+        """[num_reqs, max_blocks] views of the batch-order device tables, one per group (made once
+        per size), after a caller refreshed them (gather_block_tables or the fused preparation)."""
         self._num_gathered_reqs = num_reqs
         views = self._row_views.get(num_reqs)
         if views is None:
             views = self._row_views[num_reqs] = tuple(t[:num_reqs]
                                                       for t in self.input_block_tables)
         return views
+
+    def slot_mapping_view(self, num_tokens: int) -> torch.Tensor:
+        """[num_groups, num_tokens] view of the persistent slot mappings (made once per size)."""
+        out = self._slot_views.get(num_tokens)
+        if out is None:
+            out = self._slot_views[num_tokens] = self.slot_mappings[:, :num_tokens]
+        return out
 
     def compute_slot_mappings(self, query_start_loc: torch.Tensor,
                               positions: torch.Tensor) -> torch.Tensor:
