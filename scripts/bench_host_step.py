@@ -13,7 +13,8 @@ MLA metadata builder of TORCH_MLA) and times, with perf_counter (median of --rep
                here; its C++ planner, ~0.2 ms on an H200 node, is not in this number);
   * `total`    build + attn + csr;
   * the ATen ops (and copy_ ops) one step dispatches, views excluded (each one costs a CUDA host
-    ~5-10 us, which the CPU run hides).
+    ~5-10 us, which the CPU run hides), for build alone and for the whole step; "device launches"
+    adds the stubbed single-launch kernels (below) to the ATen ops: what a CUDA host launches.
 
 Every timed step is a real next step: each request's num_computed grows by the query length and
 a block is appended when the sequence crosses a block boundary (outside the timed region), so
@@ -38,9 +39,17 @@ from contextlib import contextmanager
 import torch
 
 
+# Calls of the stubbed single-launch kernels (each is one CUDA launch on a GPU host).
+STUB_LAUNCHES = [0]
+
+
+def _stub(self, *args, **kwargs):
+    STUB_LAUNCHES[0] += 1
+
+
 @contextmanager
 def _stub_device_prep(enabled: bool):
-    """Replace the CPU torch fallbacks of single-launch CUDA kernels by no-ops."""
+    """Replace the CPU torch fallbacks of single-launch CUDA kernels by no-ops (counted)."""
     if not enabled:
         yield
         return
@@ -51,9 +60,10 @@ def _stub_device_prep(enabled: bool):
              (mla_common.MLACommonMetadataBuilder, "_row_seq_lens_torch")]
     originals = [getattr(owner, name, None) for owner, name in saved]
     for owner, name in saved:
-        setattr(owner, name, lambda self, *a, **k: None)
+        setattr(owner, name, _stub)
     if originals[2] is None:  # a tree from before _row_seq_lens_torch: stub the whole method
         def row_seq_lens_stub(self, cm, num_decodes, num_tokens, causal, local_seq_lens):
+            STUB_LAUNCHES[0] += 1
             out, req, pos = self._row_buffers(num_tokens, cm.seq_lens.device)
             return out[:num_tokens], req[:num_tokens], pos[:num_tokens]
 
@@ -177,7 +187,7 @@ def _advance(env) -> None:
             tables.append_block_ids(state.slot, (ids,), overwrite=False)
 
 
-def _step(env, timings) -> None:
+def _step(env, timings, counter=None) -> None:
     from vllm.v1.attention.backends.mla.flashinfer_mla import plan_hopper_decode
     from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
     rows, q = env["rows"], env["q"]
@@ -188,6 +198,10 @@ def _step(env, timings) -> None:
                                  env["tables"], num_reqs_padded=B, num_tokens_padded=B * q)
     batch.cudagraph = True
     t1 = time.perf_counter()
+    if counter is not None:  # what build alone dispatched
+        counter.build_ops = sum(counter.counts.values())
+        counter.build_copies = counter.counts.get("copy_", 0)
+        counter.build_launches = counter.build_ops + STUB_LAUNCHES[0]
     # The runner's call (model_runner._build_batch), graph step.
     md = build_attn_metadata(
         attn_metadata_builders=[env["mla"]], kv_cache_config=env["cfg"],
@@ -269,11 +283,17 @@ def bench(batch: int, q: int, args) -> dict[str, float]:
             _step(env, timings)
         counter = _OpCounter()
         _advance(env)
+        STUB_LAUNCHES[0] = 0
         with counter.mode:
-            _step(env, {name: [] for name in timings})
+            _step(env, {name: [] for name in timings}, counter)
+        stub_launches = STUB_LAUNCHES[0]
     result = {name: statistics.median(v) * 1e3 for name, v in timings.items()}
     result["ops"] = sum(counter.counts.values())
     result["copies"] = counter.counts.get("copy_", 0)
+    result["launches"] = result["ops"] + stub_launches
+    result["build_ops"] = counter.build_ops
+    result["build_copies"] = counter.build_copies
+    result["build_launches"] = counter.build_launches
     return result
 
 
@@ -297,14 +317,16 @@ def main() -> None:
     print(f"# {mode}; ctx {args.ctx}, block {args.block_size}, median of {args.repeats} steps, "
           f"ms per step")
     print("| Q | B | InputBatchBuilder.build | build_attn_metadata (TORCH_MLA) | CSR plan "
-          "(numpy) | total | FLASHINFER_MLA builder | torch ops (copies) per step |")
-    print("|---|---|---|---|---|---|---|---|")
+          "(numpy) | total | FLASHINFER_MLA builder | torch ops (copies) per step | "
+          "build: torch ops (copies) | build: device launches | step: device launches |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for q in args.q:
         for batch in args.batch_sizes:
             r = bench(batch, q, args)
             print(f"| {q} | {batch} | {r['build']:.3f} | {r['attn']:.3f} | {r['csr']:.3f} | "
-                  f"{r['total']:.3f} | {r['fi']:.3f} | {r['ops']} ({r['copies']}) |",
-                  flush=True)
+                  f"{r['total']:.3f} | {r['fi']:.3f} | {r['ops']} ({r['copies']}) | "
+                  f"{r['build_ops']} ({r['build_copies']}) | {r['build_launches']} | "
+                  f"{r['launches']} |", flush=True)
 
 
 if __name__ == "__main__":
