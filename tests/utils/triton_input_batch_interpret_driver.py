@@ -2,7 +2,8 @@
 tensors under TRITON_INTERPRET=1 and compares every buffer it writes with the torch twin
 (launched by test_input_batch.py): ids, positions, seq_lens, DCP-local lengths, logits indices,
 slot mappings of both groups, the batch-order block tables -- over two steps of one builder, the
-second after a block append and a row swap (the refresh flags select rows)."""
+second after a block append and a row swap (the refresh flags select rows); then the kernel
+alone against the twin on the random cases of the GPU test (tests/utils/prepare_step_cases.py)."""
 import os
 import sys
 
@@ -11,7 +12,9 @@ import torch
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 from tests.utils.input_batch_cases import MAX_REQS, MAX_TOKENS, random_batch  # noqa: E402
+from tests.utils.prepare_step_cases import outputs, random_prep_case  # noqa: E402
 from vllm.v1.worker.gpu import input_batch  # noqa: E402
+from vllm.v1.worker.gpu.prepare_step import prepare_step_torch, prepare_step_triton  # noqa: E402
 
 
 def _snapshot(builder, batch, tables):
@@ -56,6 +59,16 @@ def main() -> None:
             results.append(snaps)
         for i, (ref, got) in enumerate(zip(*results)):
             assert torch.equal(ref, got), (seed, i, ref, got)
+    # the kernel alone against its twin on the GPU test's random cases (groups, replicated
+    # groups, out-of-table positions)
+    for seed in range(24):
+        ref, args = random_prep_case(seed, "cpu")
+        got, _ = random_prep_case(seed, "cpu")
+        prepare_step_torch(ref, **args)
+        args.pop("num_logits")
+        prepare_step_triton(got, **args)
+        for i, (a, b) in enumerate(zip(outputs(ref), outputs(got))):
+            assert torch.equal(a, b), ("case", seed, i, a, b)
     print("TRITON_INTERPRET_OK")
 
 
