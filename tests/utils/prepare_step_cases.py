@@ -1,7 +1,7 @@
 """Random inputs of the fused step preparation (vllm/v1/worker/gpu/prepare_step.py) on any
 device, for comparing the Triton kernel with its torch twin (GPU test, interpreter driver):
 decode and prefill rows, padding rows and tail tokens, DCP geometries, sharded and replicated
-groups, refresh flags, positions past a table (PAD)."""
+groups, refresh flags, deferred table writes (patches), positions past a table (PAD)."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +9,7 @@ import torch
 
 from vllm.v1.worker.gpu.prepare_step import StepPrepBuffers
 
-MAX_ROWS, MAX_TOKENS, SLOTS, COLS = 16, 512, 16, 24
+MAX_ROWS, MAX_TOKENS, SLOTS, COLS, MAX_PATCHES = 16, 512, 16, 24, 64
 
 
 def random_prep_case(seed: int, device) -> tuple[StepPrepBuffers, dict]:
@@ -50,6 +50,15 @@ def random_prep_case(seed: int, device) -> tuple[StepPrepBuffers, dict]:
         return t(out, dtype)
 
     idx = list(g.integers(0, SLOTS, B)) + [0] * (B_pad - B)
+    # deferred table writes: unique sorted cell keys (slot-major), some on batch slots
+    cells = groups * COLS
+    num_patches = int(g.integers(0, 40)) if g.random() < 0.7 else 0
+    keys = np.sort(g.choice(SLOTS * cells, num_patches, replace=False))
+    patch_keys = np.zeros(MAX_PATCHES, np.int64)
+    patch_keys[:num_patches] = keys
+    first = np.asarray(idx + [0] * (MAX_ROWS - B_pad), np.int64) * cells
+    lo = np.where(np.arange(MAX_ROWS) < B_pad, np.searchsorted(keys, first), 0)
+    hi = np.where(np.arange(MAX_ROWS) < B_pad, np.searchsorted(keys, first + cells), 0)
     bufs = StepPrepBuffers(
         input_ids=t(np.full(MAX_TOKENS, -9), torch.int64),
         positions=t(np.full(MAX_TOKENS, -9), torch.int64),
@@ -65,6 +74,9 @@ def random_prep_case(seed: int, device) -> tuple[StepPrepBuffers, dict]:
         cu_num_logits=t(cu, torch.int32),
         num_computed=rows(computed, 0, torch.int32),
         refresh=rows(g.random(B_pad) < 0.6, False, torch.bool),
+        patch_keys=t(patch_keys, torch.int64),
+        patch_values=t(g.integers(1000, 2000, MAX_PATCHES), torch.int32),
+        patch_lo=t(lo, torch.int32), patch_hi=t(hi, torch.int32),
         last_sampled=t(g.integers(0, 250, SLOTS + 1), torch.int64),
         draft_tokens=t(g.integers(0, 250, (SLOTS, k)), torch.int64),
         tables=t(g.integers(0, 1000, (groups, SLOTS, COLS)), torch.int32),
@@ -72,10 +84,11 @@ def random_prep_case(seed: int, device) -> tuple[StepPrepBuffers, dict]:
         group_max_blocks=t(max_blocks, torch.int32), block_sizes_host=tuple(block_sizes),
         group_cp_sizes_host=tuple(group_cp), group_max_blocks_host=tuple(max_blocks))
     args = dict(num_reqs=B, num_rows=B_pad, num_tokens_padded=T_pad, cp_size=cp_size,
-                cp_rank=cp_rank, cp_interleave=interleave, num_logits=int(cu[B]))
+                cp_rank=cp_rank, cp_interleave=interleave, num_logits=int(cu[B]), num_patches=num_patches)
     return bufs, args
 
 
 def outputs(b: StepPrepBuffers) -> list[torch.Tensor]:
+    """Everything the preparation writes (the slot-indexed tables receive the patches)."""
     return [b.input_ids, b.positions, b.seq_lens, b.logits_indices, b.dcp_local_seq_lens,
-            b.slot_mappings, b.input_tables]
+            b.slot_mappings, b.input_tables, b.tables]

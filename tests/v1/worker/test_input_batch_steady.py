@@ -4,7 +4,9 @@ changed are re-gathered on the device). One builder and one BlockTables live thr
 walk of steps -- steady decode steps, block appends, rows swapped, batch size / padding / query
 length changes, prefill rows, requests removed and re-admitted into the same slot, a foreign
 gather_block_tables call (a speculator) in between -- and after every build every buffer is
-compared with a brute-force host computation from the request state alone."""
+compared with a brute-force host computation from the request state alone (the device tables
+receive appended block ids through the step's staged patches, or by direct copies when they do
+not fit)."""
 from __future__ import annotations
 
 import numpy as np
@@ -173,11 +175,14 @@ def _check(world, batch, rows, counts, drafts, samples, host_ids, pad_rows, pad_
     assert batch.uniform_query_len == (counts[0] if uniform else 0)
 
 
-@pytest.fixture(params=["whole", "rows"])
+@pytest.fixture(params=["whole-staged", "rows-staged", "rows-flushed"])
 def regather(request, monkeypatch):
-    # both host re-gather strategies of gather_host (whole batch / changed rows only)
+    # both host re-gather strategies of gather_host (whole batch / changed rows only), and the
+    # appended block ids staged as patches of the fused preparation or (no room) copied directly
     monkeypatch.setattr(block_table_mod, "_FULL_REGATHER_ENTRIES",
-                        1 << 30 if request.param == "whole" else 0)
+                        1 << 30 if request.param.startswith("whole") else 0)
+    if request.param.endswith("flushed"):
+        monkeypatch.setattr(InputBatchBuilder, "MAX_PATCHES_PER_ROW", 0)
 
 
 @pytest.mark.parametrize("seed", range(4))

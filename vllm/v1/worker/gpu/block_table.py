@@ -162,6 +162,10 @@ class BlockTables:
         self._held_slots: bytes | None = None  # bytes of the int64 slots: a cheap comparison
         self._slot_dirty = np.ones(max_num_reqs, dtype=bool)
         self._changes = self._changes_at_gather = 0
+        # Host table ranges (group, slot, start, end) written since the device tables were last
+        # brought up to date (append_block_ids defers its device copy).
+        self._pending: list[tuple[int, int, int, int]] = []
+        self._cells_per_slot = num_groups * table_shape[2]
         # Views handed out per batch size (a torch slice costs the host ~1.5 us per call).
         self._row_views: dict[int, tuple[torch.Tensor, ...]] = {}
         self._slot_views: dict[int, torch.Tensor] = {}
@@ -201,9 +205,45 @@ class BlockTables:
             self._changes += 1
             if len(ids) > 0:
                 self.host_block_tables[group, req_index, start:end] = ids
-                self.block_tables[group][req_index, start:end].copy_(
-                    self._host_tables[group, req_index, start:end], non_blocking=True)
+                # The device copy is deferred: the next step preparation carries the new
+                # entries in its one staged copy (take_patches), or flush_device_tables copies
+                # them (one H2D copy per range) before any other device read of the tables.
+                self._pending.append((group, req_index, start, end))
             self.num_blocks[group, req_index] = end
+
+    def flush_device_tables(self) -> None:
+        """Copy every deferred host write to the slot-indexed device tables (non-blocking, from
+        the pinned twin, one copy per range). The values copied are the host's at copy time."""
+        for group, slot, start, end in self._pending:
+            self.block_tables[group][slot, start:end].copy_(
+                self._host_tables[group, slot, start:end], non_blocking=True)
+        self._pending.clear()
+
+    def take_patches(self, keys_out: np.ndarray, values_out: np.ndarray) -> int:
+        """Hand the deferred host writes to the fused step preparation as cell patches: sorted
+        keys slot * (groups * cols) + group * cols + col and their CURRENT host values, written
+        into the staged arrays; returns how many. When they do not fit, they are flushed with
+        direct copies instead (returns 0). Either way nothing stays pending."""
+        pending = self._pending
+        if not pending:
+            return 0
+        total = sum(end - start for _, _, start, end in pending)
+        if total > keys_out.shape[0]:
+            self.flush_device_tables()
+            return 0
+        cols = self._host_tables.shape[2]
+        n = 0
+        for group, slot, start, end in pending:
+            first = slot * self._cells_per_slot + group * cols
+            keys_out[n:n + end - start] = np.arange(first + start, first + end)
+            values_out[n:n + end - start] = self.host_block_tables[group, slot, start:end]
+            n += end - start
+        pending.clear()
+        if n > 1:
+            order = np.argsort(keys_out[:n], kind="stable")
+            keys_out[:n] = keys_out[:n][order]
+            values_out[:n] = values_out[:n][order]
+        return n
 
     def remove_request(self, req_index: int) -> None:
         self._check_req_index(req_index)
@@ -226,6 +266,7 @@ class BlockTables:
         if num_reqs > self.max_num_reqs:
             raise ValueError(
                 f"idx_mapping has {num_reqs} rows, more than max_num_reqs={self.max_num_reqs}.")
+        self.flush_device_tables()  # this gather reads the slot-indexed device tables
         changed = True
         if idx_mapping_np is None:
             self._held_slots = None  # the host twin was not gathered: nothing is known current

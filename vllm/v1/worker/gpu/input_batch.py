@@ -137,6 +137,10 @@ class InputBatchBuilder:
     slot mappings of every group. A steady decode step (the same uniform shape as the step
     before) rewrites only the slots and context lengths on the host."""
 
+    # Staged block-table cell writes per request slot and step (a steady step appends at most
+    # one block per row and group).
+    MAX_PATCHES_PER_ROW = 4
+
     def __init__(self, max_num_reqs: int, max_num_tokens: int, device: torch.device,
                  num_spec_tokens: int, dcp_size: int = 1, dcp_rank: int = 0,
                  dcp_interleave: int = 1):
@@ -151,7 +155,9 @@ class InputBatchBuilder:
         self.buffers = InputBuffers(max_num_reqs, max_num_tokens, self.device, staged=(
             ("idx_mapping", R, torch.int64), ("cu_num_logits", R + 1, torch.int32),
             ("num_computed", R, torch.int32), ("is_prefill_row", R, torch.bool),
-            ("refresh_rows", R, torch.bool)))
+            ("refresh_rows", R, torch.bool), ("patch_lo", R, torch.int32),
+            ("patch_hi", R, torch.int32), ("patch_keys", self.MAX_PATCHES_PER_ROW * R, torch.int64),
+            ("patch_values", self.MAX_PATCHES_PER_ROW * R, torch.int32)))
         staging = self.buffers.staging
         self.idx_mapping = _StagedView(staging, "idx_mapping")
         self.is_prefill_row = _StagedView(staging, "is_prefill_row")
@@ -160,6 +166,13 @@ class InputBatchBuilder:
         self.num_computed_rows = _StagedView(staging, "num_computed")
         # Rows whose batch-order block tables the preparation re-gathers (BlockTables.gather_host).
         self.refresh_rows = _StagedView(staging, "refresh_rows")
+        # Deferred block-table writes (BlockTables.take_patches) travel in the same copy; more
+        # than fit (a long prompt admitted) are copied directly by the tables instead.
+        self.patch_lo = _StagedView(staging, "patch_lo")
+        self.patch_hi = _StagedView(staging, "patch_hi")
+        self.patch_keys = _StagedView(staging, "patch_keys")
+        self.patch_values = _StagedView(staging, "patch_values")
+        self._patched = False  # patch_lo / patch_hi hold a previous step's ranges
         self.prefill_ids = CpuGpuBuffer(T, dtype=torch.int64, device=self.device)
         self.seq_lens_np = np.zeros(R, dtype=np.int32)
         self.dcp_local_np = np.zeros(R, dtype=np.int32)
@@ -219,7 +232,9 @@ class InputBatchBuilder:
             query_start_loc=buf.query_start_loc, idx_mapping=self.idx_mapping.gpu,
             is_prefill=self.is_prefill_row.gpu, prefill_ids=self.prefill_ids.gpu,
             cu_num_logits=self.cu_num_logits.gpu, num_computed=self.num_computed_rows.gpu,
-            refresh=self.refresh_rows.gpu, last_sampled=requests.last_sampled,
+            refresh=self.refresh_rows.gpu, patch_keys=self.patch_keys.gpu,
+            patch_values=self.patch_values.gpu, patch_lo=self.patch_lo.gpu,
+            patch_hi=self.patch_hi.gpu, last_sampled=requests.last_sampled,
             draft_tokens=requests.draft_tokens, tables=bt._block_tables,
             block_sizes=bt._block_sizes, group_cp_sizes=bt._group_cp_sizes,
             group_max_blocks=bt._group_max_blocks, block_sizes_host=tuple(bt.block_sizes),
@@ -319,6 +334,19 @@ class InputBatchBuilder:
         # Host twin of the batch-order block tables; the rows it re-gathered are flagged for
         # the device (the fused preparation copies exactly those).
         block_tables.gather_host(idx_np, self.refresh_rows.np)
+        # Block ids appended since the last step reach the device in this step's one copy; each
+        # row learns the range of its slot's patches (sorted keys, slot-major).
+        num_patches = block_tables.take_patches(self.patch_keys.np, self.patch_values.np)
+        if num_patches:
+            keys = self.patch_keys.np[:num_patches]
+            first = idx_np * block_tables._cells_per_slot
+            self.patch_lo.np[:B_pad] = np.searchsorted(keys, first)
+            self.patch_hi.np[:B_pad] = np.searchsorted(keys, first + block_tables._cells_per_slot)
+            self._patched = True
+        elif self._patched:
+            self.patch_lo.np[:] = 0
+            self.patch_hi.np[:] = 0
+            self._patched = False
 
         # ---- host -> device: ONE packed non-blocking copy (+ the prefill ids), no sync
         buf.staging.copy_to_gpu()
@@ -329,9 +357,9 @@ class InputBatchBuilder:
         prep = self._prep_buffers(requests, block_tables)
         if self.use_triton:
             prepare_step_triton(prep, B, B_pad, T_pad, self.dcp_size, self.dcp_rank,
-                                self.dcp_interleave)
+                                self.dcp_interleave, num_patches)
         else:
-            self._prepare_torch(prep, B, B_pad, T_pad, num_logits_total)
+            self._prepare_torch(prep, B, B_pad, T_pad, num_logits_total, num_patches)
         tables = block_tables.gathered_rows(B_pad)
         slot_mappings = block_tables.slot_mapping_view(T_pad)
         dcp_local = dcp_local_np = None
@@ -363,11 +391,11 @@ class InputBatchBuilder:
             dcp_local_seq_lens=dcp_local, dcp_local_seq_lens_np=dcp_local_np,
             uniform_query_len=uniform, draft_tokens=requests.draft_tokens)
 
-    def _prepare_torch(self, prep, B, B_pad, T_pad, num_logits_total) -> None:
+    def _prepare_torch(self, prep, B, B_pad, T_pad, num_logits_total, num_patches) -> None:
         """The CPU path: the fused kernel's torch twin (a method so host-cost benchmarks can
         stand in for the one CUDA launch)."""
         prepare_step_torch(prep, B, B_pad, T_pad, self.dcp_size, self.dcp_rank,
-                           self.dcp_interleave, num_logits_total)
+                           self.dcp_interleave, num_logits_total, num_patches)
 
 
 class _StagedView:

@@ -52,6 +52,12 @@ class StepPrepBuffers:
     cu_num_logits: torch.Tensor    # [max_rows + 1] int32
     num_computed: torch.Tensor     # [max_rows] int32 context tokens of each row
     refresh: torch.Tensor          # [max_rows] bool: re-gather this row's block tables
+    # deferred block-table writes (BlockTables.take_patches): sorted cell keys
+    # slot * (groups * cols) + group * cols + col, their values, and each row's key range
+    patch_keys: torch.Tensor       # [max_patches] int64
+    patch_values: torch.Tensor     # [max_patches] int32
+    patch_lo: torch.Tensor         # [max_rows] int32
+    patch_hi: torch.Tensor         # [max_rows] int32
     # slot-indexed state
     last_sampled: torch.Tensor     # [slots + 1] int64
     draft_tokens: torch.Tensor     # [slots, k] int64
@@ -74,6 +80,7 @@ if HAS_TRITON:
         qsl_ptr, idx_ptr, is_prefill_ptr, prefill_ids_ptr, cu_logits_ptr, num_computed_ptr,
         refresh_ptr, last_sampled_ptr, drafts_ptr, drafts_stride, num_draft_cols,
         tab_ptr, tab_gstride, tab_rstride, table_cols,
+        patch_keys_ptr, patch_values_ptr, patch_lo_ptr, patch_hi_ptr, num_patches,
         block_sizes_ptr, group_cp_ptr, group_max_blocks_ptr, num_groups,
         num_reqs, num_rows, num_tokens_padded, max_rows, cp_size, cp_rank, cp_interleave,
         HAS_DCP: tl.constexpr, BLOCK: tl.constexpr,
@@ -95,6 +102,13 @@ if HAS_TRITON:
                 part = tl.minimum(tl.maximum(part, 0), cp_interleave)
                 tl.store(dcp_local_ptr + row,
                          (rounds * cp_interleave + part).to(dcp_local_ptr.dtype.element_ty))
+            # This slot's deferred table writes: keys [p_lo, p_hi) are relative to the slot's
+            # first cell; every read of the slot's table below applies them in registers (the
+            # padding program writes them back; a concurrent read sees the old or the new value
+            # and patches it either way, so no program waits for another).
+            p_lo = tl.load(patch_lo_ptr + row)
+            p_hi = tl.load(patch_hi_ptr + row)
+            slot_first_cell = slot * num_groups * table_cols
             # Block-table rows of this batch row (only when the host saw them change).
             if tl.load(refresh_ptr + row).to(tl.int1):
                 for g in range(num_groups):
@@ -103,7 +117,12 @@ if HAS_TRITON:
                     for c0 in range(0, table_cols, BLOCK):
                         cols = c0 + tl.arange(0, BLOCK)
                         keep = cols < table_cols
-                        tl.store(dst + cols, tl.load(src + cols, mask=keep, other=0), mask=keep)
+                        vals = tl.load(src + cols, mask=keep, other=0)
+                        for p in range(p_lo, p_hi):
+                            cell = tl.load(patch_keys_ptr + p).to(tl.int64) - slot_first_cell
+                            vals = tl.where(cols + g * table_cols == cell,
+                                            tl.load(patch_values_ptr + p), vals)
+                        tl.store(dst + cols, vals, mask=keep)
             for first in range(start, end, BLOCK):
                 offs = first + tl.arange(0, BLOCK)
                 live = offs < end
@@ -130,7 +149,12 @@ if HAS_TRITON:
                     owned = ((offset // cp_interleave) % group_cp) == group_rank
                     readable = live & (block_index < max_blocks)
                     block_id = tl.load(tab_ptr + g * tab_gstride + slot * tab_rstride
-                                       + block_index, mask=readable, other=0).to(tl.int64)
+                                       + block_index, mask=readable, other=0)
+                    for p in range(p_lo, p_hi):
+                        cell = tl.load(patch_keys_ptr + p).to(tl.int64) - slot_first_cell
+                        block_id = tl.where(block_index + g * table_cols == cell,
+                                            tl.load(patch_values_ptr + p), block_id)
+                    block_id = block_id.to(tl.int64)
                     local = (offset // (cp_interleave * group_cp)) * cp_interleave \
                         + offset % cp_interleave
                     slot_id = tl.where(owned & readable, block_id * block_size + local, -1)
@@ -143,6 +167,17 @@ if HAS_TRITON:
                     tl.store(logits_idx_ptr + logit_offs, end - (l1 - logit_offs),
                              mask=logit_offs < l1)
         else:
+            # The deferred table writes go to the slot-indexed tables (for later steps).
+            for pf in range(0, num_patches, BLOCK):
+                p_offs = pf + tl.arange(0, BLOCK)
+                p_live = p_offs < num_patches
+                key = tl.load(patch_keys_ptr + p_offs, mask=p_live, other=0).to(tl.int64)
+                p_slot = key // (num_groups * table_cols)
+                p_rest = key - p_slot * (num_groups * table_cols)
+                p_group = p_rest // table_cols
+                p_col = p_rest - p_group * table_cols
+                tl.store(tab_ptr + p_group * tab_gstride + p_slot * tab_rstride + p_col,
+                         tl.load(patch_values_ptr + p_offs, mask=p_live, other=0), mask=p_live)
             # CUDA-graph padding: tail tokens read token 0 at position 0 and store nothing;
             # rows past the padded batch have length 0.
             tail = tl.load(qsl_ptr + num_rows).to(tl.int64)
@@ -165,7 +200,8 @@ if HAS_TRITON:
 
 
 def prepare_step_triton(b: StepPrepBuffers, num_reqs: int, num_rows: int, num_tokens_padded: int,
-                        cp_size: int, cp_rank: int, cp_interleave: int) -> None:
+                        cp_size: int, cp_rank: int, cp_interleave: int,
+                        num_patches: int = 0) -> None:
     """One launch: grid = one program per padded row + one for the padding."""
     _prepare_step_kernel[(num_rows + 1,)](
         b.input_ids, b.positions, b.seq_lens, b.logits_indices, b.dcp_local_seq_lens,
@@ -173,7 +209,8 @@ def prepare_step_triton(b: StepPrepBuffers, num_reqs: int, num_rows: int, num_to
         b.input_tables.stride(1), b.query_start_loc, b.idx_mapping, b.is_prefill, b.prefill_ids,
         b.cu_num_logits, b.num_computed, b.refresh, b.last_sampled, b.draft_tokens,
         b.draft_tokens.stride(0), b.draft_tokens.shape[1], b.tables, b.tables.stride(0),
-        b.tables.stride(1), b.tables.shape[2], b.block_sizes, b.group_cp_sizes,
+        b.tables.stride(1), b.tables.shape[2], b.patch_keys, b.patch_values, b.patch_lo,
+        b.patch_hi, num_patches, b.block_sizes, b.group_cp_sizes,
         b.group_max_blocks, b.tables.shape[0], num_reqs, num_rows, num_tokens_padded,
         b.seq_lens.shape[0], cp_size, cp_rank, cp_interleave,
         HAS_DCP=cp_size > 1, BLOCK=128)
@@ -181,13 +218,23 @@ def prepare_step_triton(b: StepPrepBuffers, num_reqs: int, num_rows: int, num_to
 
 def prepare_step_torch(b: StepPrepBuffers, num_reqs: int, num_rows: int, num_tokens_padded: int,
                        cp_size: int, cp_rank: int, cp_interleave: int,
-                       num_logits: int) -> None:
+                       num_logits: int, num_patches: int = 0) -> None:
     """The kernel's twin in torch ops (CPU path; the reference for the kernel's tests). Writes
     exactly what the kernel writes. `num_logits` = cu_num_logits[num_reqs] (the kernel reads it
     on the device; the twin needs the size, which the host knows)."""
     B, R, T = num_reqs, num_rows, num_tokens_padded
     dev = b.input_ids.device
     i64 = torch.int64
+    if num_patches:
+        # The deferred table writes first: every later read then sees them (the kernel patches
+        # its reads in registers instead; patch_lo / patch_hi only serve that).
+        G, _, C = b.tables.shape
+        key = b.patch_keys[:num_patches].to(i64)
+        p_slot = torch.div(key, G * C, rounding_mode="floor")
+        p_rest = key - p_slot * (G * C)
+        p_group = torch.div(p_rest, C, rounding_mode="floor")
+        b.tables.index_put_((p_group, p_slot, p_rest - p_group * C),
+                            b.patch_values[:num_patches].to(b.tables.dtype))
     qsl = b.query_start_loc[: R + 1].to(i64)
     tok = torch.arange(T, dtype=i64, device=dev)
     row = torch.searchsorted(qsl[1:], tok, right=True)
