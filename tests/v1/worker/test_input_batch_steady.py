@@ -89,7 +89,10 @@ class _World:
         elif event == 5:
             # a speculator gathers other rows through the same tables
             other = g.integers(0, MAX_REQS, int(g.integers(1, 5)))
-            self.tables.gather_block_tables(torch.from_numpy(other), other)
+            got = self.tables.gather_block_tables(torch.from_numpy(other), other)
+            for grp in range(2):  # it sees every block appended so far (deferred or not)
+                assert torch.equal(got[grp], torch.from_numpy(
+                    self.tables.host_block_tables[grp, other]))
         elif event == 6 and self.k:
             self.q = int(g.integers(1, self.k + 2))  # another uniform query length
         elif event == 7:
