@@ -227,23 +227,31 @@ class BlockTables:
         pending = self._pending
         if not pending:
             return 0
-        total = sum(end - start for _, _, start, end in pending)
-        if total > keys_out.shape[0]:
-            self.flush_device_tables()
-            return 0
-        cols = self._host_tables.shape[2]
-        n = 0
-        for group, slot, start, end in pending:
-            first = slot * self._cells_per_slot + group * cols
-            keys_out[n:n + end - start] = np.arange(first + start, first + end)
-            values_out[n:n + end - start] = self.host_block_tables[group, slot, start:end]
-            n += end - start
+        # One numpy pass over all pending ranges (no Python work per cell): the run of cells
+        # [start, end) of range i becomes keys key0[i] + 0 .. len[i]-1.
+        ranges = np.array(pending, dtype=np.int64)
         pending.clear()
-        if n > 1:
-            order = np.argsort(keys_out[:n], kind="stable")
-            keys_out[:n] = keys_out[:n][order]
-            values_out[:n] = values_out[:n][order]
-        return n
+        group, slot, start, end = ranges.T
+        lengths = end - start
+        total = int(lengths.sum())
+        if total > keys_out.shape[0]:
+            for g, r, a, b in ranges.tolist():  # too many for the staging: direct copies
+                self.block_tables[g][r, a:b].copy_(self._host_tables[g, r, a:b],
+                                                   non_blocking=True)
+            return 0
+        G, R, C = self._host_tables.shape
+        key0 = slot * self._cells_per_slot + group * C + start
+        flat0 = (group * R + slot) * C + start  # the same cell in the host table's memory
+        if total == len(ranges):  # the steady case: one cell per range
+            keys, flat = key0, flat0
+        else:
+            within = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            keys = np.repeat(key0, lengths) + within
+            flat = np.repeat(flat0, lengths) + within
+        order = np.argsort(keys, kind="stable")
+        keys_out[:total] = keys[order]
+        values_out[:total] = self.host_block_tables.reshape(-1)[flat[order]]
+        return total
 
     def remove_request(self, req_index: int) -> None:
         self._check_req_index(req_index)
