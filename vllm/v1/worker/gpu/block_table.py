@@ -144,6 +144,7 @@ class BlockTables:
         # Host twin of the gathered (batch-order) rows, for host planners.
         self._input_host = torch.zeros(table_shape, dtype=torch.int32)
         self.input_block_tables_cpu = tuple(self._input_host[g] for g in range(num_groups))
+        self._input_host_np = self._input_host.numpy()
         self._input_block_tables = torch.zeros(table_shape, dtype=torch.int32, device=self.device)
         self.block_tables = tuple(self._block_tables[g] for g in range(num_groups))
         self.input_block_tables = tuple(self._input_block_tables[g] for g in range(num_groups))
@@ -299,14 +300,14 @@ class BlockTables:
         slots = np.asarray(idx_mapping_np, dtype=np.int64)
         num_reqs = slots.shape[0]
         key = slots.tobytes()
-        host = self._input_host.numpy()
+        host = self._input_host_np
         refresh = None
         if key == self._held_slots:
             # The same rows as the last gather: refresh only rows whose blocks changed (no
             # change anywhere since the last gather: nothing to look at).
             if self._changes != self._changes_at_gather:
                 dirty = self._slot_dirty[slots]
-                rows = np.flatnonzero(dirty)
+                rows = dirty.nonzero()[0]
                 if len(rows) > 0:
                     if num_reqs * host.shape[2] <= _FULL_REGATHER_ENTRIES:
                         host[:, :num_reqs] = self.host_block_tables[:, slots]  # small: one op
