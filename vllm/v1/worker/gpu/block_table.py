@@ -240,7 +240,7 @@ class BlockTables:
                 self.block_tables[g][r, a:b].copy_(self._host_tables[g, r, a:b],
                                                    non_blocking=True)
             return 0
-        G, R, C = self._host_tables.shape
+        _, R, C = self._host_tables.shape
         key0 = slot * self._cells_per_slot + group * C + start
         flat0 = (group * R + slot) * C + start  # the same cell in the host table's memory
         if total == len(ranges):  # the steady case: one cell per range

@@ -19,8 +19,12 @@ import torch
 
 from vllm.v1.worker.gpu.buffer_utils import CpuGpuBuffer
 from vllm.v1.worker.gpu.cp_utils import HAS_TRITON, _check_geometry
-from vllm.v1.worker.gpu.prepare_step import (StepPrepBuffers, prepare_step_torch,
-                                             prepare_step_triton)
+from vllm.v1.worker.gpu.prepare_step import (
+    StepPrepBuffers,
+    prepare_step_torch,
+    prepare_step_triton,
+)
+
 
 class PackedStaging:
     """Several small host->device arrays in ONE pinned host buffer and ONE device buffer of the

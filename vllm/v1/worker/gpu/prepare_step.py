@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm.triton_utils import HAS_TRITON, tl, triton  # noqa: F401
+from vllm.triton_utils import HAS_TRITON, tl, triton
 
 PAD_SLOT_ID = -1
 
