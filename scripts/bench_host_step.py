@@ -13,7 +13,10 @@ MLA metadata builder of TORCH_MLA) and times, with perf_counter (median of --rep
                here; its C++ planner, ~0.2 ms on an H200 node, is not in this number);
   * `total`    build + attn + csr;
   * the ATen ops (and copy_ ops) one step dispatches, views excluded (each one costs a CUDA host
-    ~5-10 us, which the CPU run hides).
+    ~5-10 us, which the CPU run hides), for build alone and for the whole step; "device launches"
+    adds the stubbed single-launch kernels (below) to the ATen ops: what a CUDA host launches;
+  * the ATen ops of the block appends between steps (BlockTables.append_block_ids, called by
+    the runner's _update_states), per step.
 
 Every timed step is a real next step: each request's num_computed grows by the query length and
 a block is appended when the sequence crosses a block boundary (outside the timed region), so
@@ -38,9 +41,21 @@ from contextlib import contextmanager
 import torch
 
 
+# perf_counter (wall) by default; --clock thread uses the thread's CPU clock (a shared box
+# steals wall time from a step, not thread time).
+_clock = time.perf_counter
+
+# Calls of the stubbed single-launch kernels (each is one CUDA launch on a GPU host).
+STUB_LAUNCHES = [0]
+
+
+def _stub(self, *args, **kwargs):
+    STUB_LAUNCHES[0] += 1
+
+
 @contextmanager
 def _stub_device_prep(enabled: bool):
-    """Replace the CPU torch fallbacks of single-launch CUDA kernels by no-ops."""
+    """Replace the CPU torch fallbacks of single-launch CUDA kernels by no-ops (counted)."""
     if not enabled:
         yield
         return
@@ -51,9 +66,10 @@ def _stub_device_prep(enabled: bool):
              (mla_common.MLACommonMetadataBuilder, "_row_seq_lens_torch")]
     originals = [getattr(owner, name, None) for owner, name in saved]
     for owner, name in saved:
-        setattr(owner, name, lambda self, *a, **k: None)
+        setattr(owner, name, _stub)
     if originals[2] is None:  # a tree from before _row_seq_lens_torch: stub the whole method
         def row_seq_lens_stub(self, cm, num_decodes, num_tokens, causal, local_seq_lens):
+            STUB_LAUNCHES[0] += 1
             out, req, pos = self._row_buffers(num_tokens, cm.seq_lens.device)
             return out[:num_tokens], req[:num_tokens], pos[:num_tokens]
 
@@ -177,17 +193,21 @@ def _advance(env) -> None:
             tables.append_block_ids(state.slot, (ids,), overwrite=False)
 
 
-def _step(env, timings) -> None:
+def _step(env, timings, counter=None) -> None:
     from vllm.v1.attention.backends.mla.flashinfer_mla import plan_hopper_decode
     from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
     rows, q = env["rows"], env["q"]
     B = len(rows)
     counts, drafts, samples, host_ids = [q] * B, [q - 1] * B, [True] * B, [None] * B
-    t0 = time.perf_counter()
+    t0 = _clock()
     batch = env["builder"].build(rows, counts, drafts, samples, host_ids, env["states"],
                                  env["tables"], num_reqs_padded=B, num_tokens_padded=B * q)
     batch.cudagraph = True
-    t1 = time.perf_counter()
+    t1 = _clock()
+    if counter is not None:  # what build alone dispatched
+        counter.build_ops = sum(counter.counts.values())
+        counter.build_copies = counter.counts.get("copy_", 0)
+        counter.build_launches = counter.build_ops + STUB_LAUNCHES[0]
     # The runner's call (model_runner._build_batch), graph step.
     md = build_attn_metadata(
         attn_metadata_builders=[env["mla"]], kv_cache_config=env["cfg"],
@@ -199,17 +219,17 @@ def _step(env, timings) -> None:
         seq_lens_cpu_upper_bound=torch.from_numpy(batch.seq_lens_np.copy()),
         seq_lens_cpu=torch.from_numpy(batch.seq_lens_np.copy()), dcp_local_seq_lens_cpu=None,
         block_tables_cpu=env["tables"].input_block_tables_cpu, cudagraph=True)
-    t2 = time.perf_counter()
+    t2 = _clock()
     decode = md["layer0"].decode
     plan_hopper_decode(decode, env["block_size"], "auto", num_requests=B,
                        staging=env["staging"])
-    t3 = time.perf_counter()
+    t3 = _clock()
     # The FlashInfer builder on the same step (graph step: its plan runs at build time once a
     # first plan recorded the layer arguments).
     common = _common_of(env, batch, q)
-    t4 = time.perf_counter()
+    t4 = _clock()
     fi_md = env["fi"].build(0, common)
-    t5 = time.perf_counter()
+    t5 = _clock()
     state = fi_md.decode.backend_state
     if state.wrapper_slot.plan_args is None:  # the first layer's plan (what a forward does)
         from vllm.v1.attention.backends.mla.flashinfer_mla import _plan
@@ -269,11 +289,26 @@ def bench(batch: int, q: int, args) -> dict[str, float]:
             _step(env, timings)
         counter = _OpCounter()
         _advance(env)
+        STUB_LAUNCHES[0] = 0
         with counter.mode:
-            _step(env, {name: [] for name in timings})
+            _step(env, {name: [] for name in timings}, counter)
+        stub_launches = STUB_LAUNCHES[0]
+        # The block appends between steps (the runner's _update_states): device ops they
+        # dispatch, per step, averaged over 64 steps (each steady row crosses a block boundary
+        # every block_size / q steps).
+        appends = _OpCounter()
+        with appends.mode:
+            for _ in range(64):
+                _advance(env)
+        append_ops = sum(appends.counts.values()) / 64
     result = {name: statistics.median(v) * 1e3 for name, v in timings.items()}
     result["ops"] = sum(counter.counts.values())
     result["copies"] = counter.counts.get("copy_", 0)
+    result["launches"] = result["ops"] + stub_launches
+    result["build_ops"] = counter.build_ops
+    result["build_copies"] = counter.build_copies
+    result["build_launches"] = counter.build_launches
+    result["append_ops"] = append_ops
     return result
 
 
@@ -289,22 +324,29 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--host-only", action=argparse.BooleanOptionalAction, default=True,
                         help="stub the CPU fallbacks of single-launch CUDA kernels (default on)")
+    parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                        help="wall: perf_counter; thread: the thread's CPU time (shared boxes)")
     args = parser.parse_args()
+    global _clock
+    _clock = time.thread_time if args.clock == "thread" else time.perf_counter
     if args.repeats < 1 or args.warmup < 0:
         parser.error(f"--repeats={args.repeats} must be >= 1 and --warmup={args.warmup} >= 0")
     torch.set_num_threads(1)
     mode = "host-only (device prep stubbed)" if args.host_only else "full CPU path"
-    print(f"# {mode}; ctx {args.ctx}, block {args.block_size}, median of {args.repeats} steps, "
+    print(f"# {mode}; {args.clock} clock; ctx {args.ctx}, block {args.block_size}, median of {args.repeats} steps, "
           f"ms per step")
     print("| Q | B | InputBatchBuilder.build | build_attn_metadata (TORCH_MLA) | CSR plan "
-          "(numpy) | total | FLASHINFER_MLA builder | torch ops (copies) per step |")
-    print("|---|---|---|---|---|---|---|---|")
+          "(numpy) | total | FLASHINFER_MLA builder | torch ops (copies) per step | "
+          "build: torch ops (copies) | build: device launches | step: device launches | "
+          "block appends: torch ops per step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for q in args.q:
         for batch in args.batch_sizes:
             r = bench(batch, q, args)
             print(f"| {q} | {batch} | {r['build']:.3f} | {r['attn']:.3f} | {r['csr']:.3f} | "
-                  f"{r['total']:.3f} | {r['fi']:.3f} | {r['ops']} ({r['copies']}) |",
-                  flush=True)
+                  f"{r['total']:.3f} | {r['fi']:.3f} | {r['ops']} ({r['copies']}) | "
+                  f"{r['build_ops']} ({r['build_copies']}) | {r['build_launches']} | "
+                  f"{r['launches']} | {r['append_ops']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

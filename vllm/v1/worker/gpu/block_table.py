@@ -28,8 +28,10 @@ if HAS_TRITON:
 
 PAD_SLOT_ID = -1
 # gather_block_tables: below this many host table entries a changed batch is re-gathered whole
-# (one numpy op); above it only the changed rows are copied (long max_model_len tables).
-_FULL_REGATHER_ENTRIES = 1 << 15
+# (one numpy op); above it only the changed rows are copied. Measured on the CPU (one group, 513
+# entries a row, a few rows changed per step): whole 7/10/15 us at 8/32/64 rows, changed rows
+# only 7/8/9 us -- so only tiny tables take the whole copy.
+_FULL_REGATHER_ENTRIES = 1 << 11
 
 
 if HAS_TRITON:
@@ -142,6 +144,7 @@ class BlockTables:
         # Host twin of the gathered (batch-order) rows, for host planners.
         self._input_host = torch.zeros(table_shape, dtype=torch.int32)
         self.input_block_tables_cpu = tuple(self._input_host[g] for g in range(num_groups))
+        self._input_host_np = self._input_host.numpy()
         self._input_block_tables = torch.zeros(table_shape, dtype=torch.int32, device=self.device)
         self.block_tables = tuple(self._block_tables[g] for g in range(num_groups))
         self.input_block_tables = tuple(self._input_block_tables[g] for g in range(num_groups))
@@ -160,6 +163,10 @@ class BlockTables:
         self._held_slots: bytes | None = None  # bytes of the int64 slots: a cheap comparison
         self._slot_dirty = np.ones(max_num_reqs, dtype=bool)
         self._changes = self._changes_at_gather = 0
+        # Host table ranges (group, slot, start, end) written since the device tables were last
+        # brought up to date (append_block_ids defers its device copy).
+        self._pending: list[tuple[int, int, int, int]] = []
+        self._cells_per_slot = num_groups * table_shape[2]
         # Views handed out per batch size (a torch slice costs the host ~1.5 us per call).
         self._row_views: dict[int, tuple[torch.Tensor, ...]] = {}
         self._slot_views: dict[int, torch.Tensor] = {}
@@ -199,9 +206,53 @@ class BlockTables:
             self._changes += 1
             if len(ids) > 0:
                 self.host_block_tables[group, req_index, start:end] = ids
-                self.block_tables[group][req_index, start:end].copy_(
-                    self._host_tables[group, req_index, start:end], non_blocking=True)
+                # The device copy is deferred: the next step preparation carries the new
+                # entries in its one staged copy (take_patches), or flush_device_tables copies
+                # them (one H2D copy per range) before any other device read of the tables.
+                self._pending.append((group, req_index, start, end))
             self.num_blocks[group, req_index] = end
+
+    def flush_device_tables(self) -> None:
+        """Copy every deferred host write to the slot-indexed device tables (non-blocking, from
+        the pinned twin, one copy per range). The values copied are the host's at copy time."""
+        for group, slot, start, end in self._pending:
+            self.block_tables[group][slot, start:end].copy_(
+                self._host_tables[group, slot, start:end], non_blocking=True)
+        self._pending.clear()
+
+    def take_patches(self, keys_out: np.ndarray, values_out: np.ndarray) -> int:
+        """Hand the deferred host writes to the fused step preparation as cell patches: sorted
+        keys slot * (groups * cols) + group * cols + col and their CURRENT host values, written
+        into the staged arrays; returns how many. When they do not fit, they are flushed with
+        direct copies instead (returns 0). Either way nothing stays pending."""
+        pending = self._pending
+        if not pending:
+            return 0
+        # One numpy pass over all pending ranges (no Python work per cell): the run of cells
+        # [start, end) of range i becomes keys key0[i] + 0 .. len[i]-1.
+        ranges = np.array(pending, dtype=np.int64)
+        pending.clear()
+        group, slot, start, end = ranges.T
+        lengths = end - start
+        total = int(lengths.sum())
+        if total > keys_out.shape[0]:
+            for g, r, a, b in ranges.tolist():  # too many for the staging: direct copies
+                self.block_tables[g][r, a:b].copy_(self._host_tables[g, r, a:b],
+                                                   non_blocking=True)
+            return 0
+        _, R, C = self._host_tables.shape
+        key0 = slot * self._cells_per_slot + group * C + start
+        flat0 = (group * R + slot) * C + start  # the same cell in the host table's memory
+        if total == len(ranges):  # the steady case: one cell per range
+            keys, flat = key0, flat0
+        else:
+            within = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            keys = np.repeat(key0, lengths) + within
+            flat = np.repeat(flat0, lengths) + within
+        order = np.argsort(keys, kind="stable")
+        keys_out[:total] = keys[order]
+        values_out[:total] = self.host_block_tables.reshape(-1)[flat[order]]
+        return total
 
     def remove_request(self, req_index: int) -> None:
         self._check_req_index(req_index)
@@ -224,43 +275,78 @@ class BlockTables:
         if num_reqs > self.max_num_reqs:
             raise ValueError(
                 f"idx_mapping has {num_reqs} rows, more than max_num_reqs={self.max_num_reqs}.")
+        self.flush_device_tables()  # this gather reads the slot-indexed device tables
         changed = True
         if idx_mapping_np is None:
             self._held_slots = None  # the host twin was not gathered: nothing is known current
         else:
-            slots = np.asarray(idx_mapping_np, dtype=np.int64)
-            key = slots.tobytes()
-            host = self._input_host.numpy()
-            if key == self._held_slots:
-                # The same rows as the last gather: refresh only rows whose blocks changed.
-                changed = self._changes != self._changes_at_gather
-                if changed:
-                    dirty = self._slot_dirty[slots]
-                    rows = np.flatnonzero(dirty)
-                    changed = len(rows) > 0
-                    if changed and num_reqs * host.shape[2] <= _FULL_REGATHER_ENTRIES:
-                        host[:, :num_reqs] = self.host_block_tables[:, slots]  # small: one op
-                    elif changed:
-                        host[:, rows] = self.host_block_tables[:, slots[rows]]
-                    self._slot_dirty[slots] = False
-            else:
-                host[:, :num_reqs] = self.host_block_tables[:, slots]
-                self._held_slots = key
-                # Every row holding these slots is current now (rows past num_reqs are
-                # forgotten with the key, so no stale copy of a slot survives unchecked).
-                self._slot_dirty[slots] = False
-            self._changes_at_gather = self._changes
+            changed = self.gather_host(idx_mapping_np) is not None
         if changed:
             idx_mapping = idx_mapping.to(dtype=torch.int64)
             for table, input_table in zip(self.block_tables, self.input_block_tables):
                 # index_select writes straight into the persistent rows (no realloc).
                 torch.index_select(table, 0, idx_mapping, out=input_table[:num_reqs])
+        return self.gathered_rows(num_reqs)
+
+    def gather_host(self, idx_mapping_np, refresh_out: np.ndarray | None = None
+                    ) -> np.ndarray | None:
+        """Gather the host twin `input_block_tables_cpu` for the batch rows whose slots are
+        `idx_mapping_np`, skipping what did not change, and say which rows the device copy must
+        re-gather: None when no row changed, else a bool mask over the rows (written into
+        `refresh_out[:num_reqs]` when given). A row changes when its slot differs from the one
+        the row held at the last gather or that slot's blocks changed since (append_block_ids /
+        remove_request). The caller must then re-gather exactly the flagged device rows (the
+        fused step preparation does; gather_block_tables re-gathers all)."""
+        slots = np.asarray(idx_mapping_np, dtype=np.int64)
+        num_reqs = slots.shape[0]
+        key = slots.tobytes()
+        host = self._input_host_np
+        refresh = None
+        if key == self._held_slots:
+            # The same rows as the last gather: refresh only rows whose blocks changed (no
+            # change anywhere since the last gather: nothing to look at).
+            if self._changes != self._changes_at_gather:
+                dirty = self._slot_dirty[slots]
+                rows = dirty.nonzero()[0]
+                if len(rows) > 0:
+                    if num_reqs * host.shape[2] <= _FULL_REGATHER_ENTRIES:
+                        host[:, :num_reqs] = self.host_block_tables[:, slots]  # small: one op
+                    else:
+                        host[:, rows] = self.host_block_tables[:, slots[rows]]
+                    refresh = dirty
+                    self._slot_dirty[slots[rows]] = False
+        else:
+            host[:, :num_reqs] = self.host_block_tables[:, slots]
+            self._held_slots = key
+            # Every row holding these slots is current now (rows past num_reqs are forgotten
+            # with the key, so no stale copy of a slot survives unchecked).
+            self._slot_dirty[slots] = False
+            refresh = True
+        self._changes_at_gather = self._changes
+        if refresh_out is not None:
+            # False / the dirty mask / True broadcast into the caller's persistent flags.
+            refresh_out[:num_reqs] = False if refresh is None else refresh
+            return None if refresh is None else refresh_out[:num_reqs]
+        if refresh is True:
+            refresh = np.ones(num_reqs, dtype=bool)
+        return refresh
+
+    def gathered_rows(self, num_reqs: int) -> tuple[torch.Tensor, ...]:
+        """[num_reqs, max_blocks] views of the batch-order device tables, one per group (made once
+        per size), after a caller refreshed them (gather_block_tables or the fused preparation)."""
         self._num_gathered_reqs = num_reqs
         views = self._row_views.get(num_reqs)
         if views is None:
             views = self._row_views[num_reqs] = tuple(t[:num_reqs]
                                                       for t in self.input_block_tables)
         return views
+
+    def slot_mapping_view(self, num_tokens: int) -> torch.Tensor:
+        """[num_groups, num_tokens] view of the persistent slot mappings (made once per size)."""
+        out = self._slot_views.get(num_tokens)
+        if out is None:
+            out = self._slot_views[num_tokens] = self.slot_mappings[:, :num_tokens]
+        return out
 
     def compute_slot_mappings(self, query_start_loc: torch.Tensor,
                               positions: torch.Tensor) -> torch.Tensor:

@@ -13,76 +13,17 @@ their addresses, and attention metadata hands out views of them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import repeat
-from operator import is_not
 
 import numpy as np
 import torch
 
 from vllm.v1.worker.gpu.buffer_utils import CpuGpuBuffer
-from vllm.v1.worker.gpu.cp_utils import (HAS_TRITON, get_dcp_local_seq_lens,
-                                         prepare_dcp_local_seq_lens)
-
-if HAS_TRITON:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _prepare_inputs_kernel(
-        input_ids_ptr, positions_ptr, seq_lens_ptr, logits_idx_ptr,
-        qsl_ptr, idx_ptr, is_prefill_ptr, prefill_ids_ptr, cu_logits_ptr,
-        num_computed_ptr, last_sampled_ptr, drafts_ptr, drafts_stride, num_draft_cols,
-        num_reqs, num_rows, num_tokens_padded, max_rows,
-        BLOCK: tl.constexpr,
-    ):
-        """One program per batch row (+ one for the padding tail): positions, input ids (anchor
-        and drafts gathered from the slot-indexed state, or staged prefill ids), seq_len and the
-        row's logits indices. Rows in [num_reqs, num_rows) are zero-length padding."""
-        row = tl.program_id(0)
-        if row < num_rows:
-            start = tl.load(qsl_ptr + row).to(tl.int64)
-            end = tl.load(qsl_ptr + row + 1).to(tl.int64)
-            slot = tl.load(idx_ptr + row).to(tl.int64)
-            computed = tl.load(num_computed_ptr + row).to(tl.int64)  # row-indexed (staged)
-            prefill = tl.load(is_prefill_ptr + row).to(tl.int1)
-            anchor = tl.load(last_sampled_ptr + slot)
-            seq_len = tl.where(row < num_reqs, computed + end - start, 0)
-            tl.store(seq_lens_ptr + row, seq_len.to(seq_lens_ptr.dtype.element_ty))
-            for first in range(start, end, BLOCK):
-                offs = first + tl.arange(0, BLOCK)
-                live = offs < end
-                j = offs - start
-                tl.store(positions_ptr + offs, computed + j, mask=live)
-                # Drafts only for decode rows, inside the [slots, k] buffer (a prefill row's
-                # offsets run far past k: never read the draft buffer for them).
-                col = tl.minimum(tl.maximum(j - 1, 0), num_draft_cols - 1)
-                draft = tl.load(drafts_ptr + slot * drafts_stride + col,
-                                mask=live & (j > 0) & (j <= num_draft_cols) & (prefill == 0),
-                                other=0)
-                decode_id = tl.where(j == 0, anchor, draft)
-                staged = tl.load(prefill_ids_ptr + offs, mask=live & prefill, other=0)
-                tl.store(input_ids_ptr + offs, tl.where(prefill, staged, decode_id), mask=live)
-            if row < num_reqs:
-                l0 = tl.load(cu_logits_ptr + row).to(tl.int64)
-                l1 = tl.load(cu_logits_ptr + row + 1).to(tl.int64)
-                for logit_first in range(l0, l1, BLOCK):
-                    logit_offs = logit_first + tl.arange(0, BLOCK)
-                    tl.store(logits_idx_ptr + logit_offs, end - (l1 - logit_offs),
-                             mask=logit_offs < l1)
-        else:
-            # padding tail: tokens past the last row read token 0 at position 0; rows past the
-            # padded batch read length 0
-            tail = tl.load(qsl_ptr + num_rows).to(tl.int64)
-            for tail_first in range(tail, num_tokens_padded, BLOCK):
-                tail_offs = tail_first + tl.arange(0, BLOCK)
-                tail_live = tail_offs < num_tokens_padded
-                tl.store(positions_ptr + tail_offs, tl.zeros((BLOCK,), tl.int64), mask=tail_live)
-                tl.store(input_ids_ptr + tail_offs, tl.zeros((BLOCK,), tl.int64), mask=tail_live)
-            for row_first in range(num_rows, max_rows, BLOCK):
-                row_offs = row_first + tl.arange(0, BLOCK)
-                tl.store(seq_lens_ptr + row_offs,
-                         tl.zeros((BLOCK,), tl.int32).to(seq_lens_ptr.dtype.element_ty),
-                         mask=row_offs < max_rows)
+from vllm.v1.worker.gpu.cp_utils import HAS_TRITON, _check_geometry
+from vllm.v1.worker.gpu.prepare_step import (
+    StepPrepBuffers,
+    prepare_step_torch,
+    prepare_step_triton,
+)
 
 
 class PackedStaging:
@@ -190,11 +131,24 @@ class InputBatch:
 
 
 class InputBatchBuilder:
-    """Owns the persistent step buffers and builds the InputBatch of every step."""
+    """Owns the persistent step buffers and builds the InputBatch of every step.
+
+    Per step: the host lays out the rows into ONE packed pinned buffer (query_start_loc, slots,
+    context lengths, prefill flags, cumulative logits, block-table refresh flags), ONE
+    non-blocking copy moves it (+ the staged prefill ids when a prefill row exists), and ONE
+    launch (`prepare_step.py`: Triton on CUDA, its torch twin elsewhere) writes input ids,
+    positions, seq_lens, DCP-local lengths, logits indices, the changed block-table rows and the
+    slot mappings of every group. A steady decode step (the same uniform shape as the step
+    before) rewrites only the slots and context lengths on the host."""
+
+    # Staged block-table cell writes per request slot and step (a steady step appends at most
+    # one block per row and group).
+    MAX_PATCHES_PER_ROW = 4
 
     def __init__(self, max_num_reqs: int, max_num_tokens: int, device: torch.device,
                  num_spec_tokens: int, dcp_size: int = 1, dcp_rank: int = 0,
                  dcp_interleave: int = 1):
+        _check_geometry(dcp_size, dcp_rank, dcp_interleave)
         self.max_num_reqs = max_num_reqs
         self.max_num_tokens = max_num_tokens
         self.device = torch.device(device)
@@ -204,23 +158,43 @@ class InputBatchBuilder:
         # The per-row arrays of a step travel with query_start_loc in ONE packed copy.
         self.buffers = InputBuffers(max_num_reqs, max_num_tokens, self.device, staged=(
             ("idx_mapping", R, torch.int64), ("cu_num_logits", R + 1, torch.int32),
-            ("num_computed", R, torch.int32), ("is_prefill_row", R, torch.bool)))
+            ("num_computed", R, torch.int32), ("is_prefill_row", R, torch.bool),
+            ("refresh_rows", R, torch.bool), ("patch_lo", R, torch.int32),
+            ("patch_hi", R, torch.int32), ("patch_keys", self.MAX_PATCHES_PER_ROW * R, torch.int64),
+            ("patch_values", self.MAX_PATCHES_PER_ROW * R, torch.int32)))
         staging = self.buffers.staging
         self.idx_mapping = _StagedView(staging, "idx_mapping")
         self.is_prefill_row = _StagedView(staging, "is_prefill_row")
         self.cu_num_logits = _StagedView(staging, "cu_num_logits")
         # Context tokens of every batch ROW (not slot): the device preparation reads it per row.
         self.num_computed_rows = _StagedView(staging, "num_computed")
+        # Rows whose batch-order block tables the preparation re-gathers (BlockTables.gather_host).
+        self.refresh_rows = _StagedView(staging, "refresh_rows")
+        # Deferred block-table writes (BlockTables.take_patches) travel in the same copy; more
+        # than fit (a long prompt admitted) are copied directly by the tables instead.
+        self.patch_lo = _StagedView(staging, "patch_lo")
+        self.patch_hi = _StagedView(staging, "patch_hi")
+        self.patch_keys = _StagedView(staging, "patch_keys")
+        self.patch_values = _StagedView(staging, "patch_values")
+        self._patched = False  # patch_lo / patch_hi hold a previous step's ranges
         self.prefill_ids = CpuGpuBuffer(T, dtype=torch.int64, device=self.device)
         self.seq_lens_np = np.zeros(R, dtype=np.int32)
         self.dcp_local_np = np.zeros(R, dtype=np.int32)
         self.logits_indices = torch.zeros(T, dtype=torch.int64, device=self.device)
-        self._arange = torch.arange(max(T, R) + 1, dtype=torch.int64, device=self.device)
-        # One Triton launch on CUDA; the same logic in torch ops elsewhere.
+        # One Triton launch on CUDA; its torch twin elsewhere.
         self.use_triton = self.device.type == "cuda" and HAS_TRITON
         # Views of the persistent buffers per batch shape (a torch slice costs the host ~1.5 us
         # and a step takes about ten; a steady decode has the same shape every step).
         self._view_cache: dict[tuple[int, int, int, int], tuple] = {}
+        # The fused preparation's buffers, per (RequestStates, BlockTables) pair (made once).
+        self._prep: tuple[object, object, StepPrepBuffers] | None = None
+        # Steady-shape cache: the uniform layout (B, B_pad, T_pad, q, drafts) whose
+        # query_start_loc / cu_num_logits / prefill flags the staging buffer holds now, and the
+        # (read-only) per-row arrays of that layout. Only build writes those staging regions,
+        # so while the key matches they are current (a different layout resets the key).
+        self._uniform_key: tuple | None = None
+        self._uniform_arrays: tuple | None = None
+        self._ones_cache: dict[int, np.ndarray] = {}
 
     def _views(self, B: int, B_pad: int, T_pad: int, num_logits: int) -> tuple:
         key = (B, B_pad, T_pad, num_logits)
@@ -231,43 +205,73 @@ class InputBatchBuilder:
             buf = self.buffers
             views = self._view_cache[key] = (
                 self.idx_mapping.gpu[:B_pad], buf.query_start_loc[: B_pad + 1],
-                self.is_prefill_row.gpu[:B_pad], self.cu_num_logits.gpu[: B + 1],
                 buf.positions[:T_pad], buf.seq_lens[:B_pad], self.logits_indices[:num_logits],
                 buf.query_start_loc_cpu[: B_pad + 1], buf.input_ids[:T_pad],
-                buf.dcp_local_seq_lens[:B_pad])
+                buf.dcp_local_seq_lens[:B_pad], self.buffers.query_start_loc_np[: B_pad + 1],
+                self.idx_mapping.np[:B_pad], self.seq_lens_np[:B_pad],
+                self.dcp_local_np[:B_pad])
         return views
 
-    def _prepare_torch(self, requests, idx, qsl, prefill_rows, cu_dev, B, B_pad, T_pad,
-                       num_logits_total) -> None:
+    def _prep_buffers(self, requests, block_tables) -> StepPrepBuffers:
+        prep = self._prep
+        if prep is not None and prep[0] is requests and prep[1] is block_tables:
+            return prep[2]
         buf = self.buffers
-        nc_rows = self.num_computed_rows.gpu
-        tok = self._arange[:T_pad]
-        row = torch.searchsorted(qsl[1:B_pad + 1], tok.to(torch.int32), right=True)
-        row = row.clamp(max=max(B_pad - 1, 0))
-        in_batch = tok < qsl[B_pad].to(torch.int64)
-        offset = tok - qsl[row].to(torch.int64)
-        slot = idx[row]
-        nc_tok = nc_rows[row].to(torch.int64)
-        torch.where(in_batch, nc_tok + offset, torch.zeros_like(nc_tok), out=buf.positions[:T_pad])
-        k = requests.draft_tokens.shape[1]
-        draft_col = (offset - 1).clamp(0, k - 1)
-        decode_ids = torch.where(offset == 0, requests.last_sampled[slot],
-                                 requests.draft_tokens[slot, draft_col])
-        ids = torch.where(prefill_rows[row], self.prefill_ids.gpu[:T_pad], decode_ids)
-        torch.where(in_batch, ids, torch.zeros_like(ids), out=buf.input_ids[:T_pad])
-        rows_dev = self._arange[:B_pad]
-        nc_row = nc_rows[:B_pad].to(torch.int64)
-        qlen = (qsl[1:B_pad + 1] - qsl[:B_pad]).to(torch.int64)
-        buf.seq_lens[:B_pad].copy_(torch.where(rows_dev < B, nc_row + qlen,
-                                               torch.zeros_like(nc_row)))
-        buf.seq_lens[B_pad:].zero_()
-        # logits indices: logit l belongs to row r = searchsorted(cu, l); it is the token
-        # qsl[r + 1] - (cu[r + 1] - l) (the last num_logits[r] tokens of the row).
-        if num_logits_total:
-            lidx = self._arange[:num_logits_total]
-            lrow = torch.searchsorted(cu_dev[1:], lidx.to(torch.int32), right=True)
-            torch.sub(qsl[lrow + 1].to(torch.int64), cu_dev[lrow + 1].to(torch.int64) - lidx,
-                      out=self.logits_indices[:num_logits_total])
+        bt = block_tables
+        if bt.cp_size != self.dcp_size or bt.cp_rank != self.dcp_rank \
+                or bt.cp_interleave != self.dcp_interleave:
+            raise ValueError(
+                f"block tables have DCP geometry (size {bt.cp_size}, rank {bt.cp_rank}, interleave "
+                f"{bt.cp_interleave}) but the input batch builder has ({self.dcp_size}, "
+                f"{self.dcp_rank}, {self.dcp_interleave}); build both from the same config.")
+        if bt.max_num_reqs < self.max_num_reqs or bt.max_num_batched_tokens < self.max_num_tokens:
+            raise ValueError(
+                f"block tables hold {bt.max_num_reqs} rows x {bt.max_num_batched_tokens} tokens, "
+                f"fewer than the builder's {self.max_num_reqs} x {self.max_num_tokens}; size the "
+                "BlockTables with the runner's max_num_reqs and max_num_tokens.")
+        b = StepPrepBuffers(
+            input_ids=buf.input_ids, positions=buf.positions, seq_lens=buf.seq_lens,
+            logits_indices=self.logits_indices, dcp_local_seq_lens=buf.dcp_local_seq_lens,
+            slot_mappings=bt.slot_mappings, input_tables=bt._input_block_tables,
+            query_start_loc=buf.query_start_loc, idx_mapping=self.idx_mapping.gpu,
+            is_prefill=self.is_prefill_row.gpu, prefill_ids=self.prefill_ids.gpu,
+            cu_num_logits=self.cu_num_logits.gpu, num_computed=self.num_computed_rows.gpu,
+            refresh=self.refresh_rows.gpu, patch_keys=self.patch_keys.gpu,
+            patch_values=self.patch_values.gpu, patch_lo=self.patch_lo.gpu,
+            patch_hi=self.patch_hi.gpu, last_sampled=requests.last_sampled,
+            draft_tokens=requests.draft_tokens, tables=bt._block_tables,
+            block_sizes=bt._block_sizes, group_cp_sizes=bt._group_cp_sizes,
+            group_max_blocks=bt._group_max_blocks, block_sizes_host=tuple(bt.block_sizes),
+            group_cp_sizes_host=bt.group_cp_sizes, group_max_blocks_host=bt.group_max_blocks)
+        self._prep = (requests, block_tables, b)
+        return b
+
+    def _layout_general(self, counts, num_drafts, samples, prefill_token_ids, B, B_pad):
+        """Host layout of any step: query_start_loc, prefill flags and ids, logits counts.
+        Returns (num_sched, num_draft_np, samples_np, has_prefill)."""
+        buf = self.buffers
+        qsl_np = buf.query_start_loc_np
+        num_sched = np.array(counts, dtype=np.int64)
+        qsl_np[0] = 0
+        np.cumsum(num_sched, out=qsl_np[1:B + 1])
+        qsl_np[B + 1:B_pad + 1] = qsl_np[B]
+        is_prefill = self.is_prefill_row.np
+        is_prefill[:B_pad] = False
+        has_prefill = prefill_token_ids.count(None) != B
+        if has_prefill:
+            pre_ids = self.prefill_ids.np
+            for i, ids in enumerate(prefill_token_ids):
+                if ids is not None:
+                    is_prefill[i] = True
+                    pre_ids[qsl_np[i]:qsl_np[i + 1]] = ids
+        samples_np = np.array(samples, dtype=bool)
+        num_draft_np = np.array(num_drafts, dtype=np.int64)
+        # Rows that verify drafts read logits at every position; other sampling rows at the last.
+        num_logits = np.where(samples_np, np.where(num_draft_np > 0, num_sched, 1), 0)
+        cu = self.cu_num_logits.np
+        cu[0] = 0
+        np.cumsum(num_logits, out=cu[1:B + 1])
+        return num_sched, num_draft_np, samples_np, has_prefill
 
     def build(self, rows: list, counts: list[int], num_drafts: list[int], samples: list[bool],
               prefill_token_ids: list[list[int] | None], requests, block_tables,
@@ -283,97 +287,119 @@ class InputBatchBuilder:
             raise ValueError(f"{B} rows padded to {B_pad}: need rows <= padded <= "
                              f"max_num_reqs={self.max_num_reqs}")
         buf = self.buffers
-        qsl_np = buf.query_start_loc_np
-        num_sched = np.array(counts, dtype=np.int64)
-        qsl_np[0] = 0
-        np.cumsum(num_sched, out=qsl_np[1:B + 1])
-        num_tokens = int(qsl_np[B])
-        qsl_np[B + 1:B_pad + 1] = num_tokens
-        T_pad = num_tokens if num_tokens_padded is None else num_tokens_padded
+        # ---- host layout. A uniform step (every row q tokens with d drafts, samples, no
+        # prefill) of the same shape as the last uniform build reuses its staged layout.
+        q = counts[0] if B else 0
+        d = num_drafts[0] if B else 0
+        uniform_rows = (B > 0 and counts.count(q) == B and num_drafts.count(d) == B
+                        and samples.count(True) == B and prefill_token_ids.count(None) == B)
+        if uniform_rows:
+            T = B * q
+            T_pad = T if num_tokens_padded is None else num_tokens_padded
+            key = (B, B_pad, T_pad, q, d)
+            if key == self._uniform_key:
+                num_sched, num_draft_np, samples_np, cu_np = self._uniform_arrays
+            else:
+                num_sched, num_draft_np, samples_np, _ = self._layout_general(
+                    counts, num_drafts, samples, prefill_token_ids, B, B_pad)
+                cu_np = self.cu_num_logits.np[: B + 1].copy()
+                for a in (num_sched, num_draft_np, samples_np, cu_np):
+                    a.flags.writeable = False  # shared by every step of this shape
+                self._uniform_key = key
+                self._uniform_arrays = (num_sched, num_draft_np, samples_np, cu_np)
+            num_logits_total = int(cu_np[B])
+            has_prefill = False
+            num_tokens = T
+        else:
+            self._uniform_key = None  # the staging regions now hold another layout
+            num_sched, num_draft_np, samples_np, has_prefill = self._layout_general(
+                counts, num_drafts, samples, prefill_token_ids, B, B_pad)
+            num_tokens = int(buf.query_start_loc_np[B])
+            cu_np = self.cu_num_logits.np[: B + 1].copy()
+            num_logits_total = int(cu_np[B])
+            T_pad = num_tokens if num_tokens_padded is None else num_tokens_padded
         if not num_tokens <= T_pad <= self.max_num_tokens:
+            self._uniform_key = None
             raise ValueError(f"{num_tokens} tokens scheduled, more than the runner's buffers hold "
                              f"({self.max_num_tokens}) or the padded size {T_pad}; raise "
                              "max_num_batched_tokens")
+        (idx, qsl, positions, seq_lens, logits_indices, qsl_cpu, input_ids, dcp_local_view,
+         qsl_np, idx_np, seq_np, dcp_np) = self._views(B, B_pad, T_pad, num_logits_total)
 
-        idx_np = self.idx_mapping.np
         idx_np[:B] = [r.slot for r in rows]
-        idx_np[B:B_pad] = 0  # padding rows read some valid slot; they have no tokens
+        idx_np[B:] = 0  # padding rows read some valid slot; they have no tokens
         slots = idx_np[:B]
         nc_rows = self.num_computed_rows.np
         np.take(requests.num_computed.np, slots, out=nc_rows[:B])
         nc_rows[B:B_pad] = 0
         num_computed = nc_rows[:B].astype(np.int64)
-        seq_np = self.seq_lens_np
         np.add(num_computed, num_sched, out=seq_np[:B], casting="unsafe")
-        seq_np[B:B_pad] = 0
-        is_prefill = self.is_prefill_row.np
-        is_prefill[:B_pad] = False
-        # The steady decode step has no prefill row: skip the per-row loop entirely.
-        has_prefill = any(map(is_not, prefill_token_ids, repeat(None)))
-        if has_prefill:
-            pre_ids = self.prefill_ids.np
-            for i, ids in enumerate(prefill_token_ids):
-                if ids is not None:
-                    is_prefill[i] = True
-                    pre_ids[qsl_np[i]:qsl_np[i + 1]] = ids
-        samples_np = np.array(samples, dtype=bool)
-        num_draft_np = np.array(num_drafts, dtype=np.int64)
-        # Rows that verify drafts read logits at every position; other sampling rows at the last.
-        num_logits = np.where(samples_np, np.where(num_draft_np > 0, num_sched, 1), 0)
-        cu = self.cu_num_logits.np
-        cu[0] = 0
-        np.cumsum(num_logits, out=cu[1:B + 1])
-        num_logits_total = int(cu[B])
+        seq_np[B:] = 0
+        # Host twin of the batch-order block tables; the rows it re-gathered are flagged for
+        # the device (the fused preparation copies exactly those).
+        block_tables.gather_host(idx_np, self.refresh_rows.np)
+        # Block ids appended since the last step reach the device in this step's one copy; each
+        # row learns the range of its slot's patches (sorted keys, slot-major).
+        num_patches = block_tables.take_patches(self.patch_keys.np, self.patch_values.np)
+        if num_patches:
+            keys = self.patch_keys.np[:num_patches]
+            first = idx_np * block_tables._cells_per_slot
+            self.patch_lo.np[:B_pad] = np.searchsorted(keys, first)
+            self.patch_hi.np[:B_pad] = np.searchsorted(keys, first + block_tables._cells_per_slot)
+            self._patched = True
+        elif self._patched:
+            self.patch_lo.np[:] = 0
+            self.patch_hi.np[:] = 0
+            self._patched = False
 
         # ---- host -> device: ONE packed non-blocking copy (+ the prefill ids), no sync
         buf.staging.copy_to_gpu()
-        (idx, qsl, prefill_rows, cu_dev, positions, seq_lens, logits_indices, qsl_cpu,
-         input_ids, dcp_local_view) = self._views(B, B_pad, T_pad, num_logits_total)
         if has_prefill:
             self.prefill_ids.copy_to_gpu(num_tokens)
 
-        # ---- device-side preparation from the slot-indexed state
+        # ---- device-side preparation: one launch
+        prep = self._prep_buffers(requests, block_tables)
         if self.use_triton:
-            _prepare_inputs_kernel[(B_pad + 1,)](
-                buf.input_ids, buf.positions, buf.seq_lens, self.logits_indices,
-                qsl, idx, prefill_rows, self.prefill_ids.gpu, cu_dev,
-                self.num_computed_rows.gpu, requests.last_sampled, requests.draft_tokens,
-                requests.draft_tokens.stride(0), requests.draft_tokens.shape[1], B, B_pad, T_pad,
-                self.max_num_reqs, BLOCK=128)
+            prepare_step_triton(prep, B, B_pad, T_pad, self.dcp_size, self.dcp_rank,
+                                self.dcp_interleave, num_patches)
         else:
-            self._prepare_torch(requests, idx, qsl, prefill_rows, cu_dev, B, B_pad, T_pad,
-                                num_logits_total)
+            self._prepare_torch(prep, B, B_pad, T_pad, num_logits_total, num_patches)
+        tables = block_tables.gathered_rows(B_pad)
+        slot_mappings = block_tables.slot_mapping_view(T_pad)
         dcp_local = dcp_local_np = None
         if self.dcp_size > 1:
-            prepare_dcp_local_seq_lens(buf.dcp_local_seq_lens, buf.seq_lens, B, self.dcp_size,
-                                       self.dcp_rank, self.dcp_interleave)
             dcp_local = dcp_local_view
-            dcp_local_np = self.dcp_local_np
-            # a zero-copy view: the formula does not keep its input
-            dcp_local_np[:B_pad] = get_dcp_local_seq_lens(
-                torch.from_numpy(seq_np[:B_pad]), self.dcp_size, self.dcp_rank,
-                self.dcp_interleave).numpy()
-        tables = block_tables.gather_block_tables(idx, idx_np[:B_pad])
-        slot_mappings = block_tables.compute_slot_mappings(qsl, positions)
+            dcp_local_np = dcp_np
+            # the host twin of the same formula (numpy, int64 intermediates)
+            span = self.dcp_size * self.dcp_interleave
+            seq64 = seq_np.astype(np.int64)
+            rounds = seq64 // span
+            part = np.clip(seq64 - rounds * span - self.dcp_rank * self.dcp_interleave, 0,
+                           self.dcp_interleave)
+            np.add(rounds * self.dcp_interleave, part, out=dcp_np, casting="unsafe")
 
-        uniform = 0
-        if B > 0 and not has_prefill:
-            q = counts[0]
-            if counts.count(q) == B and all(samples):
-                uniform = int(q)
+        # Q when every row is a sampling decode row of Q tokens (drafts may differ per row only
+        # in a caller's test layout; the runner's verify rows are 1 + k each).
+        uniform = int(q) if uniform_rows or (
+            B > 0 and not has_prefill and counts.count(q) == B and samples.count(True) == B) else 0
         return InputBatch(
             req_ids=[r.req_id for r in rows], num_reqs=B, num_reqs_padded=B_pad,
             num_tokens=num_tokens, num_tokens_padded=T_pad, idx_mapping=idx,
-            idx_mapping_np=idx_np[:B_pad], query_start_loc=qsl,
-            query_start_loc_np=qsl_np[: B_pad + 1],
+            idx_mapping_np=idx_np, query_start_loc=qsl,
+            query_start_loc_np=qsl_np,
             query_start_loc_cpu=qsl_cpu, seq_lens=seq_lens,
-            seq_lens_np=seq_np[:B_pad], num_computed_np=num_computed, num_scheduled_np=num_sched,
+            seq_lens_np=seq_np, num_computed_np=num_computed, num_scheduled_np=num_sched,
             num_draft_np=num_draft_np, samples_np=samples_np, input_ids=input_ids,
             positions=positions, block_tables=tables, slot_mappings=slot_mappings,
-            logits_indices=logits_indices, cu_num_logits_np=cu[: B + 1].copy(),
-            dcp_local_seq_lens=dcp_local,
-            dcp_local_seq_lens_np=None if dcp_local_np is None else dcp_local_np[:B_pad],
+            logits_indices=logits_indices, cu_num_logits_np=cu_np,
+            dcp_local_seq_lens=dcp_local, dcp_local_seq_lens_np=dcp_local_np,
             uniform_query_len=uniform, draft_tokens=requests.draft_tokens)
+
+    def _prepare_torch(self, prep, B, B_pad, T_pad, num_logits_total, num_patches) -> None:
+        """The CPU path: the fused kernel's torch twin (a method so host-cost benchmarks can
+        stand in for the one CUDA launch)."""
+        prepare_step_torch(prep, B, B_pad, T_pad, self.dcp_size, self.dcp_rank,
+                           self.dcp_interleave, num_logits_total, num_patches)
 
 
 class _StagedView:

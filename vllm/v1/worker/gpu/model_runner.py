@@ -787,10 +787,10 @@ class GPUModelRunner:
         padded = None
         manager = self._graph_managers.get(counts[0]) if counts else None
         if manager is not None:
-            q = manager.query_len
-            if (all(c == q for c in counts) and all(samples)
-                    and all(h is None for h in host_ids)):
-                padded = manager.padded_num_reqs(len(rows))
+            # list.count runs in C: no per-request Python loop on the steady path
+            q, n = manager.query_len, len(rows)
+            if counts.count(q) == n and samples.count(True) == n and host_ids.count(None) == n:
+                padded = manager.padded_num_reqs(n)
         return self._build_batch(layout, padded, cudagraph=padded is not None)
 
     def _steady_decode_layout(self, scheduler_output: Any):
@@ -896,7 +896,7 @@ class GPUModelRunner:
             num_tokens=batch.num_tokens_padded,
             query_start_loc=batch.query_start_loc,
             query_start_loc_cpu=batch.query_start_loc_cpu,
-            seq_lens=self.input_buffers.seq_lens,
+            seq_lens=batch.seq_lens,  # the [num_reqs_padded] view (no slice per step)
             max_query_len=q,
             # Graph replays keep the capture's bound (kernels shaped by it are baked in).
             max_seq_len=(self.max_model_len if cudagraph else
@@ -904,8 +904,7 @@ class GPUModelRunner:
             block_tables=batch.block_tables,
             slot_mappings=batch.slot_mappings,
             causal=True,
-            dcp_local_seq_lens=(None if batch.dcp_local_seq_lens is None
-                                else self.input_buffers.dcp_local_seq_lens),
+            dcp_local_seq_lens=batch.dcp_local_seq_lens,
             seq_lens_cpu_upper_bound=seq_lens_cpu,
             seq_lens_cpu=seq_lens_cpu,
             dcp_local_seq_lens_cpu=(None if batch.dcp_local_seq_lens_np is None
