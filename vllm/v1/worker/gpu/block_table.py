@@ -36,7 +36,8 @@ _FULL_REGATHER_ENTRIES = 1 << 11
 
 if HAS_TRITON:
 
-    @triton.jit
+    # Per-step counts are not specialised on (one compiled variant, no JIT mid-serving).
+    @triton.jit(do_not_specialize=["num_reqs", "num_tokens"])
     def _compute_slot_mappings_kernel(
         slot_mappings_ptr,  # [num_groups, slot_stride] int64
         slot_stride,

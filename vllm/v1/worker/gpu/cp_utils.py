@@ -57,7 +57,8 @@ def get_dcp_local_seq_lens(seq_lens: torch.Tensor, dcp_size: int = 1, dcp_rank: 
 
 if HAS_TRITON:
 
-    @triton.jit
+    # Per-step counts are not specialised on (one compiled variant, no JIT mid-serving).
+    @triton.jit(do_not_specialize=["num_reqs", "num_rows"])
     def _dcp_local_seq_lens_kernel(out_ptr, seq_lens_ptr, num_reqs, num_rows, cp_size, cp_rank,
                                    cp_interleave, BLOCK: tl.constexpr):
         rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

@@ -73,7 +73,10 @@ class StepPrepBuffers:
 
 if HAS_TRITON:
 
-    @triton.jit
+    # The per-step counts are not specialised on: Triton would otherwise compile a variant for
+    # each new (== 1, divisible by 16, other) combination of them, a JIT build (~0.1-1 s) in the
+    # middle of serving whenever a batch first reaches one.
+    @triton.jit(do_not_specialize=["num_patches", "num_reqs", "num_rows", "num_tokens_padded"])
     def _prepare_step_kernel(
         input_ids_ptr, positions_ptr, seq_lens_ptr, logits_idx_ptr, dcp_local_ptr,
         slot_ptr, slot_stride, in_tab_ptr, in_tab_gstride, in_tab_rstride,
