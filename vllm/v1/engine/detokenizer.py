@@ -56,14 +56,17 @@ class IncrementalDetokenizer:
         stream = self._stream
         if stream is not None:
             backend = self._backend
+            if not self.stop:  # nothing to search for: just keep the text (the common case)
+                for token in new_token_ids:
+                    delta = stream.step(backend, int(token))
+                    if delta:
+                        self.output_text += delta
+                return None
             for i, token in enumerate(new_token_ids):
                 delta = stream.step(backend, int(token))
-                if delta:
-                    if not self.stop:  # nothing to search for: just keep the text
-                        self.output_text += delta
-                    elif self._append(delta):
-                        self.num_consumed = i + 1
-                        return self._matched
+                if delta and self._append(delta):
+                    self.num_consumed = i + 1
+                    return self._matched
             return None
         for i, token in enumerate(new_token_ids):
             self._tokens.append(int(token))

@@ -228,8 +228,12 @@ class Scheduler:
         if self.waiting and len(self.running) < self.max_num_running_reqs:
             return None  # an admission may follow (with a full batch none can)
         kv = self.kv_cache_manager
-        blocks_needed = kv.num_new_blocks_needed
-        slots_needed = self._slots_needed
+        # kv.num_new_blocks_needed(id, _slots_needed(request, 1)), inlined: this loop runs for
+        # every running request at every step.
+        held_blocks = kv.req_to_blocks
+        tokens_per_block = kv.tokens_per_block
+        headroom = 1 + self.num_spec_tokens + 1
+        no_blocks = ()
         check_placeholders = self.async_scheduling
         max_model_len = self.max_model_len
         scheduled: list[Request] = []
@@ -249,8 +253,9 @@ class Scheduler:
             computed = request.num_computed_tokens
             if planned - computed != 1:
                 return None  # an unfinished prefill: the general path
-            num_tokens = slots_needed(request, 1)
-            need = blocks_needed(request.request_id, num_tokens)
+            num_tokens = computed + headroom
+            need = -(-num_tokens // tokens_per_block) - len(
+                held_blocks.get(request.request_id, no_blocks))
             if need > 0:
                 new_blocks_total += need
                 grow.append((request, num_tokens))

@@ -609,10 +609,12 @@ class GPUModelRunner:
                 # The replayed graph verified greedily already (graph_sampling.py): the same
                 # argmax, acceptance and last_sampled update the eager path below would make.
                 return None, None, num_draft, rows, rows_info
-        if self.rejection_sampler is not None and not num_draft.any():
-            # Nobody verifies drafts this step (the policy let nobody draft): sample as a plain
-            # engine does. With zero drafts the rejection sampler's result and its generator
-            # draws are exactly the sampler's (tests/v1/sample: zero-draft equivalence).
+        if not num_draft.any():
+            # Nobody verifies drafts this step (a plain engine, or the policy let nobody draft):
+            # sample as a plain engine does, without the verification layout and draft gather.
+            # With zero drafts the rejection sampler's result and its generator draws are
+            # exactly the sampler's (tests/v1/sample: zero-draft equivalence); without one the
+            # general path below makes the same sampler call and the same last_sampled update.
             return self._sample_plain(batch, logits, metadata, rows, num_draft)
         # One host layout of the verified drafts serves the draft gather, q and verification.
         layout = verification_layout(num_draft)
