@@ -73,7 +73,7 @@ def _instrument(per_request: bool) -> None:
     _wrap(Scheduler, "update_from_output", "scheduler.update_from_output")
     _wrap(llm_engine.LLMEngine, "_process_step", "engine._process_step (incl. update)")
     if per_request:  # a wrapper costs ~1 us per call: these inflate the step by ~2 us/request
-        _wrap(llm_engine.LLMEngine, "_make_output", "  engine._make_output (per request)")
+        _wrap(llm_engine.LLMEngine, "_make_output", "  engine._make_output (finished requests)")
         from vllm.v1.engine import detokenizer
         _wrap(detokenizer.IncrementalDetokenizer, "update", "  detokenizer.update (per request)")
 
@@ -99,10 +99,14 @@ def run_one(batch: int, steps: int, args) -> dict:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.llm_engine import LLMEngine
     ctx = args.context
+    max_model_len = ctx + args.output_len + steps + 64
+    block_size = EngineArgs.block_size or 16
     engine = LLMEngine.from_engine_args(EngineArgs(
-        model=args.model, max_model_len=ctx + args.output_len + steps + 64,
+        model=args.model, max_model_len=max_model_len,
         max_num_seqs=max(batch, 1), async_scheduling=not args.sync,
-        max_num_batched_tokens=max(2048, batch * ctx)))
+        max_num_batched_tokens=max(2048, batch * ctx),
+        # Every request at full length at once: no preemption changes the batch while timing.
+        num_gpu_blocks_override=batch * (-(-max_model_len // block_size) + 1) + 8))
     runner = engine.executor.worker.model_runner
     if not args.real_forward:
         _stub_forward(runner)
@@ -115,6 +119,9 @@ def run_one(batch: int, steps: int, args) -> dict:
         engine.step()
     for _ in range(args.output_len):  # outputs are this long when the timed steps start
         engine.step()
+    if len(engine.scheduler.running) != batch:
+        raise RuntimeError(f"only {len(engine.scheduler.running)} of {batch} requests run "
+                           "(preempted?): the probe measures a full batch")
     per_step: dict[str, list[float]] = defaultdict(list)
     step_times = []
     gc.collect()

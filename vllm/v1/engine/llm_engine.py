@@ -244,7 +244,9 @@ class LLMEngine:
                 include_stop_str_in_output=getattr(params, "include_stop_str_in_output", False))
         self._states[request_id] = _RequestState(
             request_id, prompt_text, prompt_token_ids, [], detokenizer,
-            RequestTimer(num_prompt_tokens=len(prompt_token_ids)), params=params,
+            # TTFT / TPOT / phases only: the per-step gaps are not kept (O(1) per request).
+            RequestTimer(num_prompt_tokens=len(prompt_token_ids), keep_bursts=False),
+            params=params,
             parent_id=parent_id, index=index,
             logprobs=[] if params.logprobs is not None else None,
             cumulative_logprob=0.0 if params.logprobs is not None else None)
@@ -400,9 +402,19 @@ class LLMEngine:
                 state.output_token_ids.extend(new_token_ids)
             num_new_tokens += num_new
             state.timer.record_tokens(num_new, now)
-            finished = finish_reason is not None
-            output = make_output(state, finished, finish_reason, stop_reason)
-            if finished:
+            if finish_reason is None:
+                # _make_output's running case, inlined (it runs for every request every step).
+                token_ids = state.output_token_ids
+                logprobs = state.logprobs
+                output = RequestOutput(req_id, state.prompt, state.prompt_token_ids, [
+                    CompletionOutput(
+                        state.index, "" if detokenizer is None else detokenizer.output_text,
+                        PrefixView(token_ids, len(token_ids)), None, stop_reason,
+                        state.cumulative_logprob,
+                        None if logprobs is None else PrefixView(logprobs, len(logprobs)))],
+                    False, None, state.prompt_logprobs)
+            else:
+                output = make_output(state, True, finish_reason, stop_reason)
                 self._record_finished(state)
                 del states[req_id]
             if state.parent_id is not None:
