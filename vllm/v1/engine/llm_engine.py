@@ -373,7 +373,8 @@ class LLMEngine:
         merged = False  # some output is a parent's (n > 1): dedupe at the end
         for core in core_outputs:
             new_token_ids = core.new_token_ids
-            num_sampled_tokens += len(new_token_ids)
+            num_new = len(new_token_ids)
+            num_sampled_tokens += num_new
             req_id = core.request_id
             state = states.get(req_id)
             if state is None:
@@ -391,11 +392,11 @@ class LLMEngine:
                     # Tokens of a speculative step after the one that completed the stop string
                     # are not output (a plain engine never generates them).
                     new_token_ids = new_token_ids[:detokenizer.num_consumed]
+                    num_new = len(new_token_ids)
                     if core.finish_reason is None:
                         self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_STOPPED)
             if step_logprobs and state.logprobs is not None and req_id in step_logprobs:
-                self._append_logprobs(state, step_logprobs[req_id], len(new_token_ids))
-            num_new = len(new_token_ids)
+                self._append_logprobs(state, step_logprobs[req_id], num_new)
             if num_new == 1:
                 state.output_token_ids.append(new_token_ids[0])
             else:

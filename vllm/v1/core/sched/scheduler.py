@@ -636,9 +636,9 @@ class Scheduler:
             if request is None or req_id not in scheduled:
                 continue  # finished or aborted while the step ran: its output is dropped
             sampled = all_sampled[row]
-            if not len(sampled):
-                continue  # an unfinished prefill chunk
             if len(sampled) != 1:
+                if not len(sampled):
+                    continue  # an unfinished prefill chunk
                 raise RuntimeError(f"model runner returned {len(sampled)} tokens for request "
                                    f"{req_id!r} in an async step without drafts; expected 1")
             status = request.status
