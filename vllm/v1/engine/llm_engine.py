@@ -402,7 +402,12 @@ class LLMEngine:
             else:
                 state.output_token_ids.extend(new_token_ids)
             num_new_tokens += num_new
-            state.timer.record_tokens(num_new, now)
+            timer = state.timer
+            if timer.keep_bursts or timer.first_token_time is None or not num_new:
+                timer.record_tokens(num_new, now)
+            else:  # record_tokens of a later burst without kept gaps, inlined
+                timer.last_token_time = now
+                timer.num_generation_tokens += num_new
             if finish_reason is None:
                 # _make_output's running case, inlined (it runs for every request every step).
                 token_ids = state.output_token_ids

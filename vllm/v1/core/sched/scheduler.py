@@ -197,6 +197,8 @@ class Scheduler:
     steady_decode_fast_path = True
     # The synchronous no-draft update (`_update_from_plain_output`); tests switch it off too.
     plain_update_fast_path = True
+    # The async update's no-stop-possible check before `_check_stop`; tests switch it off too.
+    async_stop_fast_path = True
 
     def schedule(self) -> SchedulerOutput:
         plan = None
@@ -631,6 +633,8 @@ class Scheduler:
         all_sampled = runner_output.sampled_token_ids
         running_status, preempted_status = RequestStatus.RUNNING, RequestStatus.PREEMPTED
         check_stop = self._check_stop
+        max_model_len = self.max_model_len
+        fast_stop_check = self.async_stop_fast_path
         for row, req_id in enumerate(runner_output.req_ids):
             request = requests.get(req_id)
             if request is None or req_id not in scheduled:
@@ -648,7 +652,17 @@ class Scheduler:
             elif status != preempted_status:
                 continue
             token = sampled[0]
-            request.output_token_ids.append(token)
+            output_ids = request.output_token_ids
+            output_ids.append(token)
+            num_out = len(output_ids)
+            if (fast_stop_check and num_out < request.max_tokens and not request.stop_token_ids
+                    and request.num_prompt_tokens + num_out < max_model_len
+                    and (token != request.eos_token_id or request.ignore_eos
+                         or num_out < request.min_tokens)):
+                # No stop can fire on this token (each of _check_stop's conditions is false):
+                # the common decode row, without the call.
+                outputs.append(EngineCoreOutput(req_id, [token], None, request.stop_reason))
+                continue
             if check_stop(request, token):
                 (self.running if running else self.waiting).remove(request)
                 self._free_request(request)
