@@ -409,7 +409,8 @@ class LLMEngine:
                 timer.last_token_time = now
                 timer.num_generation_tokens += num_new
             if finish_reason is None:
-                # _make_output's running case, inlined (it runs for every request every step).
+                # _make_output's running case, inlined (it runs for every request every step;
+                # positional arguments in vllm/outputs.py's field order).
                 token_ids = state.output_token_ids
                 logprobs = state.logprobs
                 output = RequestOutput(req_id, state.prompt, state.prompt_token_ids, [
