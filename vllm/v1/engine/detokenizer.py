@@ -9,6 +9,7 @@ appears once its characters are complete), primed with the same prompt context.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 # Prompt tokens used as decoding context for the first output tokens.
@@ -32,6 +33,10 @@ class IncrementalDetokenizer:
         self.stopped = False
         self.num_consumed = 0  # tokens of the last update() up to its stop string (all: no stop)
         self._stream = None
+        # With a DecodeStream and no stop strings, update() of one token is exactly
+        # `delta = step_token(token)` then `output_text += delta` when delta is non-empty:
+        # the engine calls this C-level step directly (None: call update()).
+        self.step_token = None
         backend = getattr(tokenizer, "backend", None)
         if backend is not None:
             try:
@@ -41,6 +46,8 @@ class IncrementalDetokenizer:
             if DecodeStream is not None:
                 self._backend = backend
                 self._stream = DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
+                if not self.stop:
+                    self.step_token = functools.partial(self._stream.step, backend)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

@@ -385,7 +385,12 @@ class LLMEngine:
             finish_reason = core.finish_reason
             stop_reason = core.stop_reason
             detokenizer = state.detokenizer
-            if detokenizer is not None:
+            if detokenizer is not None and num_new == 1 and detokenizer.step_token is not None:
+                # detokenizer.update() of one token without stop strings, inlined
+                delta = detokenizer.step_token(int(new_token_ids[0]))
+                if delta:
+                    detokenizer.output_text += delta
+            elif detokenizer is not None:
                 stop_str = detokenizer.update(new_token_ids)
                 if stop_str is not None:
                     finish_reason, stop_reason = "stop", stop_str
