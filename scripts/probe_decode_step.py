@@ -67,6 +67,7 @@ def _instrument(engine) -> None:
     _wrap(model_runner.GPUModelRunner, "_sampling_metadata", "runner._sampling_metadata")
     _wrap(type(engine.scheduler), "schedule", "scheduler.schedule")
     _wrap(type(engine.scheduler), "update_from_output", "scheduler.update_from_output")
+    _wrap(type(engine), "_process_step", "engine._process_step (incl. update, outputs)")
     if runner.cudagraphs is not None:
         _wrap(type(runner.cudagraphs), "replay", "CudaGraphManager.replay")
     for cls in {type(b) for b in getattr(runner, "attn_metadata_builders", []) or []}:

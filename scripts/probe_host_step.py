@@ -13,7 +13,7 @@ step (ms) of each phase over --steps steady decode steps, for every --batch size
 --repeats N: the smallest of N such medians).
 
 Usage: python scripts/probe_host_step.py --batch 1 8 32 64 --steps 200 [--sync]
-    [--json out.json]
+    [--output-len 2000] [--json out.json]
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def _instrument(per_request: bool) -> None:
     _wrap(Scheduler, "update_from_output", "scheduler.update_from_output")
     _wrap(llm_engine.LLMEngine, "_process_step", "engine._process_step (incl. update)")
     if per_request:  # a wrapper costs ~1 us per call: these inflate the step by ~2 us/request
-        _wrap(llm_engine.LLMEngine, "_make_output", "  engine._make_output (per request)")
+        _wrap(llm_engine.LLMEngine, "_make_output", "  engine._make_output (finished requests)")
         from vllm.v1.engine import detokenizer
         _wrap(detokenizer.IncrementalDetokenizer, "update", "  detokenizer.update (per request)")
 
@@ -99,20 +99,29 @@ def run_one(batch: int, steps: int, args) -> dict:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.llm_engine import LLMEngine
     ctx = args.context
+    max_model_len = ctx + args.output_len + steps + 64
+    block_size = EngineArgs.block_size or 16
     engine = LLMEngine.from_engine_args(EngineArgs(
-        model=args.model, max_model_len=ctx + steps + 64, max_num_seqs=max(batch, 1),
-        async_scheduling=not args.sync, max_num_batched_tokens=max(2048, batch * ctx)))
+        model=args.model, max_model_len=max_model_len,
+        max_num_seqs=max(batch, 1), async_scheduling=not args.sync,
+        max_num_batched_tokens=max(2048, batch * ctx),
+        # Every request at full length at once: no preemption changes the batch while timing.
+        num_gpu_blocks_override=batch * (-(-max_model_len // block_size) + 1) + 8))
     runner = engine.executor.worker.model_runner
     if not args.real_forward:
         _stub_forward(runner)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True,
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len + steps + 40,
+                            ignore_eos=True,
                             detokenize=not args.no_detokenize)
     for i in range(batch):
         engine.add_request(f"r{i}", [(7 * i + 3 * j + 1) % 250 for j in range(ctx)], params)
     while engine.scheduler.waiting:
         engine.step()
-    for _ in range(10):
+    for _ in range(args.output_len):  # outputs are this long when the timed steps start
         engine.step()
+    if len(engine.scheduler.running) != batch:
+        raise RuntimeError(f"only {len(engine.scheduler.running)} of {batch} requests run "
+                           "(preempted?): the probe measures a full batch")
     per_step: dict[str, list[float]] = defaultdict(list)
     step_times = []
     gc.collect()
@@ -137,6 +146,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--context", type=int, default=32)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--output-len", type=int, default=10,
+                        help="decode steps run before the timed ones (each request's output "
+                             "is that long when timing starts: output-length dependence)")
     parser.add_argument("--sync", action="store_true",
                         help="async scheduling off (it is on by default, as in the engine)")
     parser.add_argument("--real-forward", action="store_true",

@@ -74,6 +74,22 @@ def update_both(s: Scheduler, so, out: ModelRunnerOutput, counter: dict) -> Sche
     return fast
 
 
+def async_update_both(s: Scheduler, so, out: ModelRunnerOutput,
+                      counter: dict) -> tuple[Scheduler, list]:
+    """The async update with its no-stop-possible check off and on: equal outputs and equal
+    scheduler state; counter['async_updates'] counts the compared updates. Returns the
+    fast-check copy and its outputs."""
+    general = copy.deepcopy(s)
+    general.async_stop_fast_path = False
+    expected = general.update_from_output(so, out)
+    fast = copy.deepcopy(s)
+    got = fast.update_from_output(so, out)
+    counter["async_updates"] = counter.get("async_updates", 0) + 1
+    assert got == expected
+    assert scheduler_state(fast) == scheduler_state(general)
+    return fast, got
+
+
 def random_churn(s: Scheduler, rng, next_id: int, max_prompt: int, max_tokens: int) -> int:
     """One step's random traffic for the fast-vs-general comparisons: now and then (or when the
     scheduler ran dry) 1-6 new requests, some with stop ids or ignore_eos, and now and then an

@@ -47,3 +47,25 @@ def test_earliest_stop_string_wins(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, [], stop=["later", "ear"])
     assert detok.update(tokenizer.encode("the earlier later")) == "ear"
     assert detok.output_text == "the "
+
+
+def test_step_token_equals_update_one_token_at_a_time(tokenizer):
+    """The engine's inlined path (step_token, no stop strings) against update(): the same text
+    after every token, on random byte sequences with multi-byte characters and special ids."""
+    import random
+    rng = random.Random(5)
+    pool = tokenizer.encode("héllo wörld — ✓ 日本語 🙂 ab") + list(range(0, 300, 7))
+    for skip in (True, False):
+        for _ in range(20):
+            prompt = [rng.choice(pool) for _ in range(rng.randint(0, 8))]
+            fast = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip)
+            plain = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip)
+            assert fast.step_token is not None  # a tokenizers-backed tokenizer, no stops
+            for _ in range(rng.randint(1, 30)):
+                token = rng.choice(pool)
+                delta = fast.step_token(token)
+                if delta:
+                    fast.output_text += delta
+                assert plain.update([token]) is None
+                assert fast.output_text == plain.output_text
+    assert IncrementalDetokenizer(tokenizer, [1], stop=["x"]).step_token is None

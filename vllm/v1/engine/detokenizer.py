@@ -9,6 +9,7 @@ appears once its characters are complete), primed with the same prompt context.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 # Prompt tokens used as decoding context for the first output tokens.
@@ -32,6 +33,10 @@ class IncrementalDetokenizer:
         self.stopped = False
         self.num_consumed = 0  # tokens of the last update() up to its stop string (all: no stop)
         self._stream = None
+        # With a DecodeStream and no stop strings, update() of one token is exactly
+        # `delta = step_token(token)` then `output_text += delta` when delta is non-empty:
+        # the engine calls this C-level step directly (None: call update()).
+        self.step_token = None
         backend = getattr(tokenizer, "backend", None)
         if backend is not None:
             try:
@@ -41,6 +46,8 @@ class IncrementalDetokenizer:
             if DecodeStream is not None:
                 self._backend = backend
                 self._stream = DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
+                if not self.stop:
+                    self.step_token = functools.partial(self._stream.step, backend)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -56,14 +63,17 @@ class IncrementalDetokenizer:
         stream = self._stream
         if stream is not None:
             backend = self._backend
+            if not self.stop:  # nothing to search for: just keep the text (the common case)
+                for token in new_token_ids:
+                    delta = stream.step(backend, int(token))
+                    if delta:
+                        self.output_text += delta
+                return None
             for i, token in enumerate(new_token_ids):
                 delta = stream.step(backend, int(token))
-                if delta:
-                    if not self.stop:  # nothing to search for: just keep the text
-                        self.output_text += delta
-                    elif self._append(delta):
-                        self.num_consumed = i + 1
-                        return self._matched
+                if delta and self._append(delta):
+                    self.num_consumed = i + 1
+                    return self._matched
             return None
         for i, token in enumerate(new_token_ids):
             self._tokens.append(int(token))

@@ -22,6 +22,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.request import Request, RequestStatus
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+from vllm.v1.engine.output_views import PrefixView
 from vllm.v1.executor.abstract import DEFAULT_WORKER_CLS, Executor, StepError
 from vllm.v1.metrics.stats import RequestTimer
 from vllm.v1.sample.metadata import is_greedy
@@ -243,7 +244,9 @@ class LLMEngine:
                 include_stop_str_in_output=getattr(params, "include_stop_str_in_output", False))
         self._states[request_id] = _RequestState(
             request_id, prompt_text, prompt_token_ids, [], detokenizer,
-            RequestTimer(num_prompt_tokens=len(prompt_token_ids)), params=params,
+            # TTFT / TPOT / phases only: the per-step gaps are not kept (O(1) per request).
+            RequestTimer(num_prompt_tokens=len(prompt_token_ids), keep_bursts=False),
+            params=params,
             parent_id=parent_id, index=index,
             logprobs=[] if params.logprobs is not None else None,
             cumulative_logprob=0.0 if params.logprobs is not None else None)
@@ -347,6 +350,11 @@ class LLMEngine:
 
     def _process_step(self, scheduler_output, runner_output, num_prompt_tokens: int,
                       step_start: float) -> list[RequestOutput]:
+        """Scheduler update, then one output per request that gained tokens (or finished).
+
+        Per request this is O(new tokens), flat in output length: outputs hold read-only
+        prefix views of the request's token / logprob lists (output_views.py), the text grows by
+        the detokenizer's delta, and the step's counters are summed once at the end."""
         self._consecutive_failed_steps = 0
         if self._trials:
             self._trials.difference_update(scheduler_output.num_scheduled_tokens)
@@ -360,37 +368,65 @@ class LLMEngine:
         step_prompt_logprobs = runner_output.prompt_logprobs
         states = self._states
         make_output = self._make_output
-        num_new_tokens = 0
+        num_new_tokens = 0  # output tokens (after stop-string truncation)
+        num_sampled_tokens = 0  # tokens the scheduler accepted (vllm:iteration_tokens_total)
         merged = False  # some output is a parent's (n > 1): dedupe at the end
         for core in core_outputs:
+            new_token_ids = core.new_token_ids
+            num_new = len(new_token_ids)
+            num_sampled_tokens += num_new
             req_id = core.request_id
             state = states.get(req_id)
             if state is None:
                 continue
-            new_token_ids = core.new_token_ids
-            if step_prompt_logprobs and req_id in step_prompt_logprobs \
-                    and state.prompt_logprobs is None:
+            if step_prompt_logprobs and state.prompt_logprobs is None \
+                    and req_id in step_prompt_logprobs:
                 state.prompt_logprobs = self._prompt_logprobs(step_prompt_logprobs[req_id])
-            finish_reason, stop_reason = core.finish_reason, core.stop_reason
+            finish_reason = core.finish_reason
+            stop_reason = core.stop_reason
             detokenizer = state.detokenizer
-            if detokenizer is not None:
+            if detokenizer is not None and num_new == 1 and detokenizer.step_token is not None:
+                # detokenizer.update() of one token without stop strings, inlined
+                delta = detokenizer.step_token(int(new_token_ids[0]))
+                if delta:
+                    detokenizer.output_text += delta
+            elif detokenizer is not None:
                 stop_str = detokenizer.update(new_token_ids)
                 if stop_str is not None:
                     finish_reason, stop_reason = "stop", stop_str
                     # Tokens of a speculative step after the one that completed the stop string
                     # are not output (a plain engine never generates them).
                     new_token_ids = new_token_ids[:detokenizer.num_consumed]
+                    num_new = len(new_token_ids)
                     if core.finish_reason is None:
                         self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_STOPPED)
             if step_logprobs and state.logprobs is not None and req_id in step_logprobs:
-                self._append_logprobs(state, step_logprobs[req_id], len(new_token_ids))
-            state.output_token_ids.extend(new_token_ids)
-            num_new = len(new_token_ids)
+                self._append_logprobs(state, step_logprobs[req_id], num_new)
+            if num_new == 1:
+                state.output_token_ids.append(new_token_ids[0])
+            else:
+                state.output_token_ids.extend(new_token_ids)
             num_new_tokens += num_new
-            state.timer.record_tokens(num_new, now)
-            finished = finish_reason is not None
-            output = make_output(state, finished, finish_reason, stop_reason)
-            if finished:
+            timer = state.timer
+            if timer.keep_bursts or timer.first_token_time is None or not num_new:
+                timer.record_tokens(num_new, now)
+            else:  # record_tokens of a later burst without kept gaps, inlined
+                timer.last_token_time = now
+                timer.num_generation_tokens += num_new
+            if finish_reason is None:
+                # _make_output's running case, inlined (it runs for every request every step;
+                # positional arguments in vllm/outputs.py's field order).
+                token_ids = state.output_token_ids
+                logprobs = state.logprobs
+                output = RequestOutput(req_id, state.prompt, state.prompt_token_ids, [
+                    CompletionOutput(
+                        state.index, "" if detokenizer is None else detokenizer.output_text,
+                        PrefixView(token_ids, len(token_ids)), None, stop_reason,
+                        state.cumulative_logprob,
+                        None if logprobs is None else PrefixView(logprobs, len(logprobs)))],
+                    False, None, state.prompt_logprobs)
+            else:
+                output = make_output(state, True, finish_reason, stop_reason)
                 self._record_finished(state)
                 del states[req_id]
             if state.parent_id is not None:
@@ -401,8 +437,7 @@ class LLMEngine:
             outputs.append(output)
         self._num_generation_tokens += num_new_tokens
         # Prompt tokens prefilled + tokens generated this step (vllm:iteration_tokens_total).
-        self.last_iteration_tokens = num_prompt_tokens + sum(
-            len(core.new_token_ids) for core in core_outputs)
+        self.last_iteration_tokens = num_prompt_tokens + num_sampled_tokens
         return self._dedupe_parents(outputs) if merged else outputs
 
     # ---- failure isolation -------------------------------------------------------------------
@@ -526,17 +561,26 @@ class LLMEngine:
                      stop_reason) -> RequestOutput:
         detokenizer = state.detokenizer
         logprobs = state.logprobs
+        token_ids = state.output_token_ids
+        if finished:
+            # The last output: lists of the user's own (one copy over the request's life).
+            token_ids = list(token_ids)
+            if logprobs is not None:
+                logprobs = list(logprobs)
+        else:
+            # The engine only appends to these lists: a prefix view reads as a list of this
+            # step's items forever (no O(output length) copy per step).
+            token_ids = PrefixView(token_ids, len(token_ids))
+            if logprobs is not None:
+                logprobs = PrefixView(logprobs, len(logprobs))
         completion = CompletionOutput(
-            index=state.index, text="" if detokenizer is None else detokenizer.output_text,
-            token_ids=list(state.output_token_ids), finish_reason=finish_reason,
-            stop_reason=stop_reason, cumulative_logprob=state.cumulative_logprob,
-            logprobs=None if logprobs is None else list(logprobs))
+            state.index, "" if detokenizer is None else detokenizer.output_text, token_ids,
+            finish_reason, stop_reason, state.cumulative_logprob, logprobs)
         # The prompt ids never change after add_request, so every output shares one list (as
         # upstream does) instead of copying the whole prompt for every request at every step.
-        return RequestOutput(request_id=state.request_id, prompt=state.prompt,
-                             prompt_token_ids=state.prompt_token_ids, outputs=[completion],
-                             finished=finished, metrics=state.timer.phases() if finished else None,
-                             prompt_logprobs=state.prompt_logprobs)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids,
+                             [completion], finished,
+                             state.timer.phases() if finished else None, state.prompt_logprobs)
 
     def _record_finished(self, state: _RequestState) -> None:
         self._num_finished += 1

@@ -20,6 +20,9 @@ class RequestTimer:
     num_generation_tokens: int = 0
     # One entry per output burst after the first: (seconds since previous burst, tokens in burst).
     bursts: list[tuple[float, int]] = field(default_factory=list)
+    # False: no bursts are kept (a timer that only needs TTFT / TPOT / phases, e.g. the engine's
+    # own per-request timer, then holds O(1) state instead of one tuple per step).
+    keep_bursts: bool = True
 
     def record_tokens(self, num_new_tokens: int, now: float | None = None) -> None:
         """Record that `num_new_tokens` tokens became visible at `now` (no-op for 0 tokens)."""
@@ -28,7 +31,7 @@ class RequestTimer:
         now = time.perf_counter() if now is None else now
         if self.first_token_time is None:
             self.first_token_time = now
-        else:
+        elif self.keep_bursts:
             self.bursts.append((now - self.last_token_time, num_new_tokens))
         self.last_token_time = now
         self.num_generation_tokens += num_new_tokens

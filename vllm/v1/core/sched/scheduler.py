@@ -197,6 +197,8 @@ class Scheduler:
     steady_decode_fast_path = True
     # The synchronous no-draft update (`_update_from_plain_output`); tests switch it off too.
     plain_update_fast_path = True
+    # The async update's no-stop-possible check before `_check_stop`; tests switch it off too.
+    async_stop_fast_path = True
 
     def schedule(self) -> SchedulerOutput:
         plan = None
@@ -228,8 +230,12 @@ class Scheduler:
         if self.waiting and len(self.running) < self.max_num_running_reqs:
             return None  # an admission may follow (with a full batch none can)
         kv = self.kv_cache_manager
-        blocks_needed = kv.num_new_blocks_needed
-        slots_needed = self._slots_needed
+        # kv.num_new_blocks_needed(id, _slots_needed(request, 1)), inlined: this loop runs for
+        # every running request at every step.
+        held_blocks = kv.req_to_blocks
+        tokens_per_block = kv.tokens_per_block
+        headroom = 1 + self.num_spec_tokens + 1
+        no_blocks = ()
         check_placeholders = self.async_scheduling
         max_model_len = self.max_model_len
         scheduled: list[Request] = []
@@ -249,8 +255,9 @@ class Scheduler:
             computed = request.num_computed_tokens
             if planned - computed != 1:
                 return None  # an unfinished prefill: the general path
-            num_tokens = slots_needed(request, 1)
-            need = blocks_needed(request.request_id, num_tokens)
+            num_tokens = computed + headroom
+            need = -(-num_tokens // tokens_per_block) - len(
+                held_blocks.get(request.request_id, no_blocks))
             if need > 0:
                 new_blocks_total += need
                 grow.append((request, num_tokens))
@@ -626,14 +633,16 @@ class Scheduler:
         all_sampled = runner_output.sampled_token_ids
         running_status, preempted_status = RequestStatus.RUNNING, RequestStatus.PREEMPTED
         check_stop = self._check_stop
+        max_model_len = self.max_model_len
+        fast_stop_check = self.async_stop_fast_path
         for row, req_id in enumerate(runner_output.req_ids):
             request = requests.get(req_id)
             if request is None or req_id not in scheduled:
                 continue  # finished or aborted while the step ran: its output is dropped
             sampled = all_sampled[row]
-            if not len(sampled):
-                continue  # an unfinished prefill chunk
             if len(sampled) != 1:
+                if not len(sampled):
+                    continue  # an unfinished prefill chunk
                 raise RuntimeError(f"model runner returned {len(sampled)} tokens for request "
                                    f"{req_id!r} in an async step without drafts; expected 1")
             status = request.status
@@ -643,7 +652,17 @@ class Scheduler:
             elif status != preempted_status:
                 continue
             token = sampled[0]
-            request.output_token_ids.append(token)
+            output_ids = request.output_token_ids
+            output_ids.append(token)
+            num_out = len(output_ids)
+            if (fast_stop_check and num_out < request.max_tokens and not request.stop_token_ids
+                    and request.num_prompt_tokens + num_out < max_model_len
+                    and (token != request.eos_token_id or request.ignore_eos
+                         or num_out < request.min_tokens)):
+                # No stop can fire on this token (each of _check_stop's conditions is false):
+                # the common decode row, without the call.
+                outputs.append(EngineCoreOutput(req_id, [token], None, request.stop_reason))
+                continue
             if check_stop(request, token):
                 (self.running if running else self.waiting).remove(request)
                 self._free_request(request)

@@ -33,7 +33,8 @@ from vllm.v1.worker.gpu.buffer_utils import CpuGpuBuffer
 from vllm.v1.worker.gpu.graph_sampling import captured_greedy_step
 from vllm.v1.worker.gpu.input_batch import InputBatch, InputBatchBuilder
 from vllm.v1.worker.gpu.request_states import RequestStates
-from vllm.v1.worker.gpu.sample_utils import BatchRows, SamplingStates
+from vllm.v1.worker.gpu.sample_utils import (BatchRows, SamplingStates,
+                                             sampling_row_index)
 from vllm.v1.worker.gpu.spec_decode import get_speculator_cls
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftInputs
 
@@ -573,21 +574,20 @@ class GPUModelRunner:
     def _sampling_metadata(self, batch: InputBatch, rows: list[int]) -> SamplingMetadata:
         """Sampling settings of the sampling rows, gathered on the device from the per-slot
         buffers (no tensor built from Python lists)."""
-        greedy_np = self._greedy_np[batch.idx_mapping_np[rows]]
+        row_slots = batch.idx_mapping_np[sampling_row_index(batch.num_reqs, rows)]
+        greedy_np = self._greedy_np[row_slots]
         if greedy_np.all():
             # A view of a persistent zero buffer: no per-step allocation or copy.
             return SamplingMetadata(temperature=self._zero_temperature[: len(rows)],
                                     all_greedy=True, all_random=False)
         req_ids = [batch.req_ids[r] for r in rows]
         greedy = greedy_np.tolist()
-        slots = self._pinned_index(batch.idx_mapping_np[rows], "sampling_slots")
+        slots = self._pinned_index(row_slots, "sampling_slots")
         self._temperature.copy_to_gpu()
         self._top_k.copy_to_gpu()
         self._top_p.copy_to_gpu()
-        top_k = self._top_k.gpu[slots] if any(self._top_k.np[batch.idx_mapping_np[rows]] > 0) \
-            else None
-        top_p = self._top_p.gpu[slots] if any(self._top_p.np[batch.idx_mapping_np[rows]] < 1) \
-            else None
+        top_k = self._top_k.gpu[slots] if any(self._top_k.np[row_slots] > 0) else None
+        top_p = self._top_p.gpu[slots] if any(self._top_p.np[row_slots] < 1) else None
         gens = self.generators.for_batch(req_ids)
         gens = {i: g for i, g in gens.items() if not greedy[i]}
         return SamplingMetadata(temperature=self._temperature.gpu[slots], all_greedy=False,
@@ -602,17 +602,21 @@ class GPUModelRunner:
                 else np.flatnonzero(samples).tolist())
         metadata = self._sampling_metadata(batch, rows)
         self._step_sampling_metadata = metadata
-        num_draft = batch.num_draft_np[rows] if rows else np.zeros(0, dtype=np.int64)
+        # (a copy: the batch's buffer is rewritten by the next step's build)
+        index = sampling_row_index(batch.num_reqs, rows)
+        num_draft = batch.num_draft_np[index].copy() if rows else np.zeros(0, dtype=np.int64)
         if batch.cudagraph and metadata.all_greedy and rows:
             rows_info = self._batch_rows(batch, rows, num_draft, None)
             if not self.sampling_states.any_active(rows_info):
                 # The replayed graph verified greedily already (graph_sampling.py): the same
                 # argmax, acceptance and last_sampled update the eager path below would make.
                 return None, None, num_draft, rows, rows_info
-        if self.rejection_sampler is not None and not num_draft.any():
-            # Nobody verifies drafts this step (the policy let nobody draft): sample as a plain
-            # engine does. With zero drafts the rejection sampler's result and its generator
-            # draws are exactly the sampler's (tests/v1/sample: zero-draft equivalence).
+        if not num_draft.any():
+            # Nobody verifies drafts this step (a plain engine, or the policy let nobody draft):
+            # sample as a plain engine does, without the verification layout and draft gather.
+            # With zero drafts the rejection sampler's result and its generator draws are
+            # exactly the sampler's (tests/v1/sample: zero-draft equivalence); without one the
+            # general path below makes the same sampler call and the same last_sampled update.
             return self._sample_plain(batch, logits, metadata, rows, num_draft)
         # One host layout of the verified drafts serves the draft gather, q and verification.
         layout = verification_layout(num_draft)
@@ -646,7 +650,8 @@ class GPUModelRunner:
         multi-token bad words, a featured slot) is attached only when a row has features."""
         req_ids = [batch.req_ids[r] for r in rows] if len(rows) != batch.num_reqs \
             else list(batch.req_ids)
-        rows_info = BatchRows(req_ids, batch.idx_mapping_np[rows].tolist(),
+        index = sampling_row_index(batch.num_reqs, rows)
+        rows_info = BatchRows(req_ids, batch.idx_mapping_np[index].tolist(),
                               num_draft=num_draft.tolist(), draft_tokens=drafts)
         if self.sampling_states.any_active(rows_info):
             by_id = self.requests.by_id
@@ -661,7 +666,8 @@ class GPUModelRunner:
         logits = self.sampling_states.process_logits(logits, rows_info)
         sampled = self.sampler(logits, metadata).unsqueeze(1)
         if rows:
-            slots = self._pinned_index(batch.idx_mapping_np[rows], "sampled_slots")
+            index = sampling_row_index(batch.num_reqs, rows)
+            slots = self._pinned_index(batch.idx_mapping_np[index], "sampled_slots")
             self.requests.last_sampled[slots] = sampled[:, 0]
         # every row of such a step samples exactly one token (a read-only persistent buffer)
         return sampled, self._ones[: len(rows)], num_draft, rows, rows_info

@@ -26,6 +26,14 @@ from vllm.v1.sample.ops.logits_processors import (apply_logit_bias, apply_min_p,
 from vllm.v1.sample.ops.penalties import apply_penalties, segment_draft_counts
 
 
+
+def sampling_row_index(num_reqs: int, rows: list[int]):
+    """A numpy index for a step's sampling rows (sorted row ids): a slice when every row
+    samples (rows is then 0..num_reqs-1; indexing with a Python list converts the whole list,
+    ~4 us for 64 rows, several times a step)."""
+    return slice(0, len(rows)) if len(rows) == num_reqs else rows
+
+
 @dataclass
 class BatchRows:
     """How this step's logits rows map to requests (built once per step by the runner).
