@@ -38,6 +38,16 @@ from contextlib import contextmanager
 import torch
 
 
+# calls of the stubbed single-launch kernels (each one launch on CUDA), per function name
+STUB_CALLS: dict[str, int] = {}
+
+
+def _counted_noop(name: str):
+    def noop(self, *args, **kwargs):
+        STUB_CALLS[name] = STUB_CALLS.get(name, 0) + 1
+    return noop
+
+
 @contextmanager
 def _stub_device_prep(enabled: bool):
     """Replace the CPU torch fallbacks of single-launch CUDA kernels by no-ops."""
@@ -51,7 +61,7 @@ def _stub_device_prep(enabled: bool):
              (mla_common.MLACommonMetadataBuilder, "_row_seq_lens_torch")]
     originals = [getattr(owner, name, None) for owner, name in saved]
     for owner, name in saved:
-        setattr(owner, name, lambda self, *a, **k: None)
+        setattr(owner, name, _counted_noop(name))
     if originals[2] is None:  # a tree from before _row_seq_lens_torch: stub the whole method
         def row_seq_lens_stub(self, cm, num_decodes, num_tokens, causal, local_seq_lens):
             out, req, pos = self._row_buffers(num_tokens, cm.seq_lens.device)
@@ -76,21 +86,36 @@ def _install_fake_flashinfer(monkeypatch_modules: dict) -> object:
     import sys
     from types import ModuleType, SimpleNamespace
 
+    from tests.utils.flashinfer_mla_plan_model import model_plan
+
+    def native(fws, iws, pws, qo, kv_indptr, kv_len, num_heads, head_dim, causal):
+        # the planner model writes a real plan layout (so plan refreshes happen, as on the GPU:
+        # most steady steps refresh); its own cost is outside the builder's normal steady step
+        info, scratch, _ = model_plan(qo.numpy(), kv_len.numpy(), kv_indptr.numpy(), num_heads,
+                                      num_sm=132)
+        pws[: scratch.numel()] = scratch
+        iws[: scratch.numel()] = scratch
+        return info, scratch.numel()
+
     class Wrapper:
         def __init__(self, workspace, use_cuda_graph=False, backend="fa3", qo_indptr=None,
                      kv_indptr=None, kv_indices=None, kv_len_arr=None):
             self._graph, self._bufs = use_cuda_graph, (qo_indptr, kv_indptr, kv_indices,
                                                         kv_len_arr)
+            self._iws = torch.zeros(1 << 21, dtype=torch.uint8)
+            self._pws = torch.zeros(1 << 21, dtype=torch.uint8)
 
         def plan(self, metadata, causal, **kwargs):
             qo, kvp, kvi, kvl = self._bufs
             self._planned_backend = SimpleNamespace(
-                _cached_module=SimpleNamespace(
-                    plan_with_staged_workspace_bytes=lambda *a: ((), 0)),
+                _cached_module=SimpleNamespace(plan_with_staged_workspace_bytes=native),
                 _backend="fa3", _causal=causal, _use_cuda_graph=self._graph,
                 device=torch.device("cpu"), _qo_indptr_buf=qo, _kv_indptr_buf=kvp,
                 _kv_indices_buf=kvi, _kv_len_arr_buf=kvl, _float_workspace_buffer=None,
-                _int_workspace_buffer=None, _pin_memory_int_workspace_buffer=None)
+                _int_workspace_buffer=self._iws, _pin_memory_int_workspace_buffer=self._pws,
+                _plan_info=None)
+            if self._graph:  # the first plan: planned natively by the caller next step
+                self._planned_backend._plan_info = None
 
     fa_common = ModuleType("_fa_common")
     fa_common._validate_fa_plan_workload = lambda *a: None
@@ -177,7 +202,7 @@ def _advance(env) -> None:
             tables.append_block_ids(state.slot, (ids,), overwrite=False)
 
 
-def _step(env, timings) -> None:
+def _step(env, timings, fi_counter=None) -> None:
     from vllm.v1.attention.backends.mla.flashinfer_mla import plan_hopper_decode
     from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
     rows, q = env["rows"], env["q"]
@@ -207,9 +232,16 @@ def _step(env, timings) -> None:
     # The FlashInfer builder on the same step (graph step: its plan runs at build time once a
     # first plan recorded the layer arguments).
     common = _common_of(env, batch, q)
+    stubbed = sum(STUB_CALLS.values())
     t4 = time.perf_counter()
-    fi_md = env["fi"].build(0, common)
+    if fi_counter is None:
+        fi_md = env["fi"].build(0, common)
+    else:
+        with fi_counter.mode:
+            fi_md = env["fi"].build(0, common)
     t5 = time.perf_counter()
+    if fi_counter is not None:  # single-launch kernels the host-only run stubbed
+        fi_counter.counts["stubbed kernels"] = sum(STUB_CALLS.values()) - stubbed
     state = fi_md.decode.backend_state
     if state.wrapper_slot.plan_args is None:  # the first layer's plan (what a forward does)
         from vllm.v1.attention.backends.mla.flashinfer_mla import _plan
@@ -271,7 +303,15 @@ def bench(batch: int, q: int, args) -> dict[str, float]:
         _advance(env)
         with counter.mode:
             _step(env, {name: [] for name in timings})
+        fi_counter = _OpCounter()
+        _advance(env)
+        _step(env, {name: [] for name in timings}, fi_counter)
     result = {name: statistics.median(v) * 1e3 for name, v in timings.items()}
+    slots = list(env["fi"]._graph_slots.values())
+    result["refreshes"] = sum(s.refreshes for s in slots)
+    result["plans"] = sum(s.native_replans + s.full_plans for s in slots)
+    result["fi_ops"] = sum(fi_counter.counts.values())
+    result["fi_copies"] = fi_counter.counts.get("copy_", 0)
     result["ops"] = sum(counter.counts.values())
     result["copies"] = counter.counts.get("copy_", 0)
     return result
@@ -297,13 +337,15 @@ def main() -> None:
     print(f"# {mode}; ctx {args.ctx}, block {args.block_size}, median of {args.repeats} steps, "
           f"ms per step")
     print("| Q | B | InputBatchBuilder.build | build_attn_metadata (TORCH_MLA) | CSR plan "
-          "(numpy) | total | FLASHINFER_MLA builder | torch ops (copies) per step |")
-    print("|---|---|---|---|---|---|---|---|")
+          "(numpy) | total | FLASHINFER_MLA builder | torch ops (copies) per step | "
+          "FLASHINFER_MLA ops (copies) | FI refreshes / real plans |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for q in args.q:
         for batch in args.batch_sizes:
             r = bench(batch, q, args)
             print(f"| {q} | {batch} | {r['build']:.3f} | {r['attn']:.3f} | {r['csr']:.3f} | "
-                  f"{r['total']:.3f} | {r['fi']:.3f} | {r['ops']} ({r['copies']}) |",
+                  f"{r['total']:.3f} | {r['fi']:.3f} | {r['ops']} ({r['copies']}) | "
+                  f"{r['fi_ops']} ({r['fi_copies']}) | {r['refreshes']} / {r['plans']} |",
                   flush=True)
 
 

@@ -146,6 +146,7 @@ class PlanStaging:
         self._events: list = [None] * depth
         self._next = 0
         self._current = 0
+        self.fused_layout = None  # the last _FusedLayout planned through this ring
 
     @property
     def layout(self) -> tuple[int, int]:
@@ -220,6 +221,64 @@ def _request_segments(bounds, row_lens, fused: bool, causal_mode: str):
             np.asarray(kvs, dtype=np.int64))
 
 
+@dataclass
+class _FusedLayout:
+    """What a fused plan (one request per live block) takes from the query rows alone: the
+    same every steady decode step, so PlanStaging keeps the last one (`fused_layout`)."""
+
+    key: tuple            # (dtype, bytes) of the query_start_loc it was made from
+    reqs: np.ndarray      # [n] int64 live block of each planned request
+    last_rows: np.ndarray  # [n] int64 the row whose visible count is the request's kv_len
+    qo: np.ndarray        # [n+1] int32 qo_indptr of the real requests
+    # [n] int64 first element of each request's block-table row in the flattened table
+    # (set per table stride, see `table_starts`)
+    stride: int = -1
+    row_starts: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, bounds: np.ndarray, key: tuple) -> "_FusedLayout":
+        b = bounds.astype(np.int64)
+        starts, ends = b[:-1], b[1:]
+        live = np.nonzero(ends > starts)[0]
+        qo = np.zeros(len(live) + 1, dtype=np.int32)
+        np.cumsum(ends[live] - starts[live], out=qo[1:], dtype=np.int32)
+        return cls(key=key, reqs=live, last_rows=ends[live] - 1, qo=qo)
+
+    def table_starts(self, stride: int) -> np.ndarray:
+        if stride != self.stride:
+            self.stride, self.row_starts = stride, self.reqs * stride
+        return self.row_starts
+
+
+def _fused_layout(bounds: np.ndarray, staging: "PlanStaging | None") -> _FusedLayout:
+    key = (bounds.dtype.char, bounds.tobytes())
+    held = None if staging is None else staging.fused_layout
+    if held is not None and held.key == key:
+        return held
+    layout = _FusedLayout.of(bounds, key)
+    if staging is not None:
+        staging.fused_layout = layout
+    return layout
+
+
+def _gather_pages(block_table: np.ndarray, layout: _FusedLayout, kv_indptr: np.ndarray,
+                  pages: np.ndarray, num_pages: int, out: np.ndarray) -> None:
+    """out[kv_indptr[i] + p] = block_table[reqs[i], p] for p < pages[i] (one take)."""
+    n = len(pages)
+    if not block_table.flags.c_contiguous:
+        block_table = np.ascontiguousarray(block_table)
+    if n and int(pages.max()) > block_table.shape[1]:
+        raise ValueError(f"a request needs {int(pages.max())} pages but the block table has "
+                         f"{block_table.shape[1]} columns; the runner's block table is too narrow "
+                         "for these sequence lengths.")
+    # element p of request i sits at flat index row_start[i] + p = (row_start[i] - indptr[i])
+    # + (indptr[i] + p): a per-request shift repeated over its pages, plus the running index
+    shift = layout.table_starts(block_table.shape[1]) - kv_indptr[:n]
+    idx = np.repeat(shift, pages)
+    idx += np.arange(num_pages)
+    np.take(block_table.reshape(-1), idx, out=out)
+
+
 def plan_hopper_decode(decode: MLACommonDecodeMetadata, page_size: int,
                        causal_mode: CausalPlanMode = "auto",
                        num_requests: int | None = None,
@@ -232,19 +291,28 @@ def plan_hopper_decode(decode: MLACommonDecodeMetadata, page_size: int,
     if causal_mode not in ("auto", "runs", "flattened"):
         raise ValueError(f"causal_mode={causal_mode!r}; choose 'auto', 'runs' or 'flattened'.")
     # Host twins only: plan() runs on the host every step and must not sync on device data.
-    bounds = decode.query_start_loc_cpu.numpy().astype(np.int64)
+    bounds = decode.query_start_loc_cpu.numpy()
     row_lens = _host(decode.row_seq_lens_cpu, decode.row_seq_lens, "row_seq_lens").numpy()
     block_table = _host(decode.block_table_cpu, decode.block_table, "block_table").numpy()
     multi_token = decode.kind == MLADecodeKind.CAUSAL_MULTI
     plan_causal = multi_token and causal_mode == "auto" and decode.dcp_world_size == 1
-    reqs, nrows, kvs = _request_segments(bounds, row_lens.astype(np.int64),
-                                         not multi_token or plan_causal, causal_mode)
+    layout = None
+    if not multi_token or plan_causal:
+        # One request per live block: its rows and order follow from the query rows alone,
+        # kept across steps (steady decode never changes them), so a step only reads lengths.
+        layout = _fused_layout(bounds, staging)
+        reqs = layout.reqs
+        kvs = row_lens[layout.last_rows]
+    else:
+        reqs, nrows, kvs = _request_segments(bounds.astype(np.int64), row_lens.astype(np.int64),
+                                             False, causal_mode)
     if len(kvs) == 0 and num_requests is None:
         return None
     total = len(kvs) if num_requests is None else num_requests
     if len(kvs) > total:
         raise ValueError(f"{len(kvs)} planned requests exceed the graph plan's {num_requests}")
-    pages = -(-kvs // page_size)
+    pages = kvs + (page_size - 1)
+    pages //= page_size
     num_pages = int(pages.sum())
     staged = staging is not None and staging.fits(total, num_pages)
     if staged:
@@ -259,19 +327,27 @@ def plan_hopper_decode(decode: MLACommonDecodeMetadata, page_size: int,
         qo, kv_indptr, kv_len = qo_t.numpy(), kv_indptr_t.numpy(), kv_len_t.numpy()
         kv_indices = kv_indices_t.numpy()
     n = len(kvs)
-    qo[0] = kv_indptr[0] = 0
+    if layout is not None:
+        qo[: n + 1] = layout.qo
+    else:
+        qo[0] = 0
+        if n:
+            np.cumsum(nrows, out=qo[1: n + 1], dtype=np.int32)
+    kv_indptr[0] = 0
     if n:
-        np.cumsum(nrows, out=qo[1: n + 1], dtype=np.int32)
         np.cumsum(pages, out=kv_indptr[1: n + 1], dtype=np.int32)
     qo[n + 1:] = qo[n]  # padding requests: no query row, no KV
     kv_indptr[n + 1:] = kv_indptr[n]
     kv_len[:n] = kvs
     kv_len[n:] = 0
     if num_pages:
-        width = int(pages.max())
-        mask = np.arange(width)[None, :] < pages[:, None]
-        kv_indices[:] = block_table[reqs, :width][mask]
-    has_empty = total > n or (n > 0 and int(kvs.min()) == 0) or n == 0
+        if layout is not None:
+            _gather_pages(block_table, layout, kv_indptr, pages, num_pages, kv_indices)
+        else:
+            width = int(pages.max())
+            mask = np.arange(width)[None, :] < pages[:, None]
+            kv_indices[:] = block_table[reqs, :width][mask]
+    has_empty = total > n or n == 0 or int(kvs.min()) == 0
     packed = packed_layout = None
     if staged and total == staging.max_requests:
         packed, packed_layout = staging.packed_prefix(num_pages), staging.layout
