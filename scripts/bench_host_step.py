@@ -1,19 +1,25 @@
 """Host cost of a steady decode step's input and metadata builders, measured on the CPU.
 
 Builds the runner's pieces on device="cpu" (RequestStates, BlockTables, InputBatchBuilder, the
-MLA metadata builder of TORCH_MLA) and times, with perf_counter (median of --repeats steps):
+MLA metadata builder of TORCH_MLA) and times, with the thread clock (`--clock wall`: perf_counter;
+median of --repeats steps):
 
   * `build`    InputBatchBuilder.build of a steady decode (or uniform verify) layout;
   * `attn`     build_attn_metadata with the runner's arguments (one KV cache group);
   * `csr`      plan_hopper_decode on that step's decode metadata into a graph-sized PlanStaging
                ring (the FlashInfer builder's host CSR plan; pure numpy, runs without CUDA);
-  * `fi`       the FLASHINFER_MLA (Hopper) builder's whole build of the same step: the common
-               MLA build, the CSR plan and the native re-plan with FlashInfer replaced by a
-               stand-in whose native planner returns at once (FlashInfer is not importable
-               here; its C++ planner, ~0.2 ms on an H200 node, is not in this number);
+  * `fi`       the FLASHINFER_MLA (Hopper) builder's whole build of the same step (graph
+               wrapper): the common MLA build, the CSR plan and the plan refresh, with FlashInfer
+               replaced by a stand-in whose native planner is the planner model of the tests
+               (tests/utils/flashinfer_mla_plan_model.py), so steady steps refresh the held plan
+               as on the GPU, and a real plan is made when a request's chunk count changes
+               (FlashInfer is not importable here; the median step is a refresh, and the C++
+               planner's ~0.2 ms on an H200 node is in no number);
   * `total`    build + attn + csr;
   * the ATen ops (and copy_ ops) one step dispatches, views excluded (each one costs a CUDA host
-    ~5-10 us, which the CPU run hides).
+    ~5-10 us, which the CPU run hides), for the whole step and for the FlashInfer build alone
+    ("stubbed kernels": single-launch kernels that --host-only replaced, one launch each on
+    CUDA), and the FlashInfer refreshes / real plans over the run.
 
 Every timed step is a real next step: each request's num_computed grows by the query length and
 a block is appended when the sequence crosses a block boundary (outside the timed region), so
@@ -36,6 +42,10 @@ import time
 from contextlib import contextmanager
 
 import torch
+
+
+# thread CPU time by default: the box is shared, and wall time counts the other processes
+_clock = time.thread_time
 
 
 # calls of the stubbed single-launch kernels (each one launch on CUDA), per function name
@@ -208,11 +218,11 @@ def _step(env, timings, fi_counter=None) -> None:
     rows, q = env["rows"], env["q"]
     B = len(rows)
     counts, drafts, samples, host_ids = [q] * B, [q - 1] * B, [True] * B, [None] * B
-    t0 = time.perf_counter()
+    t0 = _clock()
     batch = env["builder"].build(rows, counts, drafts, samples, host_ids, env["states"],
                                  env["tables"], num_reqs_padded=B, num_tokens_padded=B * q)
     batch.cudagraph = True
-    t1 = time.perf_counter()
+    t1 = _clock()
     # The runner's call (model_runner._build_batch), graph step.
     md = build_attn_metadata(
         attn_metadata_builders=[env["mla"]], kv_cache_config=env["cfg"],
@@ -224,22 +234,22 @@ def _step(env, timings, fi_counter=None) -> None:
         seq_lens_cpu_upper_bound=torch.from_numpy(batch.seq_lens_np.copy()),
         seq_lens_cpu=torch.from_numpy(batch.seq_lens_np.copy()), dcp_local_seq_lens_cpu=None,
         block_tables_cpu=env["tables"].input_block_tables_cpu, cudagraph=True)
-    t2 = time.perf_counter()
+    t2 = _clock()
     decode = md["layer0"].decode
     plan_hopper_decode(decode, env["block_size"], "auto", num_requests=B,
                        staging=env["staging"])
-    t3 = time.perf_counter()
+    t3 = _clock()
     # The FlashInfer builder on the same step (graph step: its plan runs at build time once a
     # first plan recorded the layer arguments).
     common = _common_of(env, batch, q)
     stubbed = sum(STUB_CALLS.values())
-    t4 = time.perf_counter()
+    t4 = _clock()
     if fi_counter is None:
         fi_md = env["fi"].build(0, common)
     else:
         with fi_counter.mode:
             fi_md = env["fi"].build(0, common)
-    t5 = time.perf_counter()
+    t5 = _clock()
     if fi_counter is not None:  # single-launch kernels the host-only run stubbed
         fi_counter.counts["stubbed kernels"] = sum(STUB_CALLS.values()) - stubbed
     state = fi_md.decode.backend_state
@@ -329,7 +339,11 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--host-only", action=argparse.BooleanOptionalAction, default=True,
                         help="stub the CPU fallbacks of single-launch CUDA kernels (default on)")
+    parser.add_argument("--clock", choices=("thread", "wall"), default="thread",
+                        help="thread CPU time (default; steady on a shared box) or wall time")
     args = parser.parse_args()
+    global _clock
+    _clock = time.thread_time if args.clock == "thread" else time.perf_counter
     if args.repeats < 1 or args.warmup < 0:
         parser.error(f"--repeats={args.repeats} must be >= 1 and --warmup={args.warmup} >= 0")
     torch.set_num_threads(1)

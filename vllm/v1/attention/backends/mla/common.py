@@ -303,8 +303,9 @@ class MLACommonMetadataBuilder:
         qsl_dev = self._alias(cm.query_start_loc, num_decodes + 1)
         max_query_len = int(query_lens[:num_decodes].max()) if num_decodes else 0
         multi = causal and max_query_len > 1
-        row_seq_lens, row_req, row_pos = self._row_seq_lens(cm, num_decodes, num_decode_tokens,
-                                                            multi, seq_lens)
+        row_seq_lens, row_req, row_pos = self._row_seq_lens(
+            cm, num_decodes, num_decode_tokens, multi, seq_lens,
+            plain_rows=self._plain_rows(qsl_cpu, query_lens, num_decodes, multi))
         row_host = self._row_seq_lens_host(cm, num_decodes, num_decode_tokens, qsl_cpu, multi,
                                            seq_lens_host)
         return MLACommonDecodeMetadata(
@@ -320,8 +321,21 @@ class MLACommonMetadataBuilder:
                              else cm.block_table_cpu[:num_decodes]),
             cudagraph=bool(cm.cudagraph))
 
+    @staticmethod
+    def _plain_rows(qsl_cpu: np.ndarray, query_lens: np.ndarray, num_decodes: int,
+                    multi: bool) -> int | None:
+        """The number of live rows when the decode rows are plain: one token per live row, the
+        live rows first (token i is row i), then only zero-length padding rows. None otherwise.
+        (Query lengths of 0/1 step qsl by at most one, so qsl[live] == live holds exactly when
+        the first `live` rows are the live ones.)"""
+        if multi or num_decodes == 0 or int(query_lens[:num_decodes].max()) > 1:
+            return None
+        live = int(qsl_cpu[num_decodes])
+        return live if live > 0 and int(qsl_cpu[live]) == live else None
+
     def _row_seq_lens(self, cm: CommonAttentionMetadata, num_decodes: int,
-                      num_tokens: int, causal: bool, local_seq_lens: torch.Tensor):
+                      num_tokens: int, causal: bool, local_seq_lens: torch.Tensor,
+                      plain_rows: int | None = None):
         """Visible KV count on this rank for every decode query row (device, int32), plus the
         request and in-block index of every row; written into persistent buffers, no host sync.
 
@@ -339,15 +353,33 @@ class MLACommonMetadataBuilder:
         out, req_buf, pos_buf = self._row_views(num_tokens, device)
         if num_decodes == 0 or num_tokens == 0:
             out.zero_()
+            self._row_plain_key = None
             return out, req_buf, pos_buf
+        # Plain rows with the layout of the last write (steady Q=1 decode): req, pos and the
+        # zero tail of the padding tokens are still in the buffers, so only the live rows'
+        # lengths move, in one copy (a Triton launch costs the host several times that).
+        key = None
+        if plain_rows is not None:
+            key = (num_decodes, num_tokens, plain_rows, out.data_ptr())
+            if getattr(self, "_row_plain_key", None) == key:
+                live = self._row_plain_live
+                live.copy_(local_seq_lens[:plain_rows] if local_seq_lens.shape[0] != plain_rows
+                           else local_seq_lens)
+                return out, req_buf, pos_buf
+        # Any other write leaves the buffers in another layout: the shortcut waits for the
+        # next plain step written in full.
+        self._row_plain_key = None
         if device.type == "cuda" and HAS_TRITON:
             # One launch instead of the dozen below (the decode step is host-bound).
             row_seq_lens_triton(out, req_buf, pos_buf, cm.query_start_loc, local_seq_lens,
                                 cm.seq_lens, num_decodes, num_tokens, causal,
                                 self.dcp_world_size, self.dcp_rank, self.dcp_interleave)
-            return out, req_buf, pos_buf
-        self._row_seq_lens_torch(cm, num_decodes, num_tokens, causal, local_seq_lens, out,
-                                 req_buf, pos_buf)
+        else:
+            self._row_seq_lens_torch(cm, num_decodes, num_tokens, causal, local_seq_lens, out,
+                                     req_buf, pos_buf)
+        if key is not None:
+            self._row_plain_live = out[:plain_rows] if plain_rows != num_tokens else out
+            self._row_plain_key = key
         return out, req_buf, pos_buf
 
     def _row_views(self, num_tokens: int, device: torch.device):
