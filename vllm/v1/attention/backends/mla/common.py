@@ -204,7 +204,7 @@ class MLACommonMetadataBuilder:
         # Host arithmetic in numpy on zero-copy views of the host twins: this runs every step,
         # and each torch op on a tiny CPU tensor costs several times a numpy call.
         qsl_np = cm.query_start_loc_cpu[: num_reqs + 1].numpy().astype(np.int64)
-        query_lens = np.diff(qsl_np)
+        query_lens = qsl_np[1:] - qsl_np[:-1]  # np.diff costs several times this
         causal = bool(cm.causal)
         seq_lens_host = self._host_seq_lens(cm)
 
@@ -305,9 +305,9 @@ class MLACommonMetadataBuilder:
         multi = causal and max_query_len > 1
         row_seq_lens, row_req, row_pos = self._row_seq_lens(
             cm, num_decodes, num_decode_tokens, multi, seq_lens,
-            plain_rows=self._plain_rows(qsl_cpu, query_lens, num_decodes, multi))
+            plain_rows=self._plain_rows(qsl_cpu, max_query_len, num_decodes, multi))
         row_host = self._row_seq_lens_host(cm, num_decodes, num_decode_tokens, qsl_cpu, multi,
-                                           seq_lens_host)
+                                           seq_lens_host, query_lens)
         return MLACommonDecodeMetadata(
             block_table=self._alias(cm.block_table_tensor, num_decodes),
             seq_lens=seq_lens, dcp_tot_seq_lens=tot, query_start_loc=qsl_dev,
@@ -322,13 +322,13 @@ class MLACommonMetadataBuilder:
             cudagraph=bool(cm.cudagraph))
 
     @staticmethod
-    def _plain_rows(qsl_cpu: np.ndarray, query_lens: np.ndarray, num_decodes: int,
+    def _plain_rows(qsl_cpu: np.ndarray, max_query_len: int, num_decodes: int,
                     multi: bool) -> int | None:
         """The number of live rows when the decode rows are plain: one token per live row, the
         live rows first (token i is row i), then only zero-length padding rows. None otherwise.
         (Query lengths of 0/1 step qsl by at most one, so qsl[live] == live holds exactly when
         the first `live` rows are the live ones.)"""
-        if multi or num_decodes == 0 or int(query_lens[:num_decodes].max()) > 1:
+        if multi or num_decodes == 0 or max_query_len > 1:
             return None
         live = int(qsl_cpu[num_decodes])
         return live if live > 0 and int(qsl_cpu[live]) == live else None
@@ -419,7 +419,8 @@ class MLACommonMetadataBuilder:
 
     def _row_seq_lens_host(self, cm: CommonAttentionMetadata, num_decodes: int, num_tokens: int,
                            qsl_cpu: np.ndarray, causal: bool,
-                           seq_lens_host: np.ndarray) -> torch.Tensor:
+                           seq_lens_host: np.ndarray,
+                           query_lens: np.ndarray | None = None) -> torch.Tensor:
         """Host twin of row_seq_lens for host planners, from host twins only (numpy: this runs
         on the host every step)."""
         n, r, inter = self.dcp_world_size, self.dcp_rank, self.dcp_interleave
@@ -429,7 +430,7 @@ class MLACommonMetadataBuilder:
         qsl = qsl_cpu[: num_decodes + 1]
         live = int(qsl[-1])
         glob = seq_lens_host[:num_decodes]
-        qlen = np.diff(qsl)
+        qlen = qsl[1:] - qsl[:-1] if query_lens is None else query_lens[:num_decodes]
         if not causal and live == num_decodes and qlen.max() <= 1:
             g = glob  # one token per row (plain decode): row i is token i
         else:

@@ -85,6 +85,10 @@ class HopperPlanInputs:
     # `packed` is its used prefix, so a graph wrapper of the same layout takes them in one copy.
     packed: torch.Tensor | None = None
     packed_layout: tuple[int, int] | None = None
+    # Staged plans: (the PlanStaging ring, the index of the set holding these arrays), and
+    # numpy views of qo_indptr, kv_indptr, kv_len_arr (the refresh reads them every step).
+    staged_in: tuple | None = None
+    arrays: tuple | None = None
 
     @property
     def num_requests(self) -> int:
@@ -151,6 +155,11 @@ class PlanStaging:
     @property
     def layout(self) -> tuple[int, int]:
         return self.max_requests, self.max_pages
+
+    @property
+    def current_index(self) -> int:
+        """The set the last `acquire` handed out (guarded by the next consumed-mark)."""
+        return self._current
 
     def packed_prefix(self, num_pages: int) -> torch.Tensor:
         """The current set's [qo | kv_indptr | kv_len | first num_pages kv_indices] prefix."""
@@ -353,7 +362,9 @@ def plan_hopper_decode(decode: MLACommonDecodeMetadata, page_size: int,
         packed, packed_layout = staging.packed_prefix(num_pages), staging.layout
     return HopperPlanInputs(qo_indptr=qo_t, kv_indptr=kv_indptr_t, kv_indices=kv_indices_t,
                             kv_len_arr=kv_len_t, causal=plan_causal, has_empty_rows=has_empty,
-                            packed=packed, packed_layout=packed_layout)
+                            packed=packed, packed_layout=packed_layout,
+                            staged_in=(staging, staging.current_index) if staged else None,
+                            arrays=(qo, kv_indptr, kv_len))
 
 
 @dataclass
@@ -467,8 +478,15 @@ def _refresh(slot: _WrapperSlot, inputs: HopperPlanInputs, plan_args: dict) -> b
     backend = getattr(slot.wrapper, "_planned_backend", None)
     if backend is None or getattr(backend, "_causal", True):
         return False
-    if not refresher.try_refresh(inputs.qo_indptr.numpy(), inputs.kv_indptr.numpy(),
-                                 inputs.kv_len_arr.numpy()):
+    arrays = inputs.arrays or (inputs.qo_indptr.numpy(), inputs.kv_indptr.numpy(),
+                               inputs.kv_len_arr.numpy())
+    # Staged in this slot's ring: the work arrays share the set's buffer index and its event
+    # (recorded by _plan after the copies), so the refresh records and queries none itself.
+    staged_in = inputs.staged_in
+    # (only while no later acquire moved the ring on: the consumed-mark guards the current set)
+    ring_index = (staged_in[1] if staged_in is not None and staged_in[0] is slot.staging
+                  and staged_in[1] == slot.staging.current_index else None)
+    if not refresher.try_refresh(*arrays, ring_index=ring_index):
         return False
     _upload_csr(slot, backend, inputs, graph=True)
     return True
