@@ -21,6 +21,7 @@ machines without it; CPU tests replace that function with recording fakes.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -151,10 +152,20 @@ class PlanStaging:
         self._next = 0
         self._current = 0
         self.fused_layout = None  # the last _FusedLayout planned through this ring
+        # per set: (serial of the fused layout, request count) its qo/padding entries were
+        # written for (plan_hopper_decode then writes only the lengths)
+        self._holding: list = [None] * depth
 
     @property
     def layout(self) -> tuple[int, int]:
         return self.max_requests, self.max_pages
+
+    def holds(self, layout, total: int) -> bool:
+        """Whether the current set was last written for this layout and request count."""
+        return self._holding[self._current] == (layout.serial, total)
+
+    def mark_holding(self, layout, total: int) -> None:
+        self._holding[self._current] = None if layout is None else (layout.serial, total)
 
     @property
     def current_index(self) -> int:
@@ -230,6 +241,9 @@ def _request_segments(bounds, row_lens, fused: bool, causal_mode: str):
             np.asarray(kvs, dtype=np.int64))
 
 
+_LAYOUT_SERIALS = itertools.count()
+
+
 @dataclass
 class _FusedLayout:
     """What a fused plan (one request per live block) takes from the query rows alone: the
@@ -243,6 +257,7 @@ class _FusedLayout:
     # (set per table stride, see `table_starts`)
     stride: int = -1
     row_starts: np.ndarray | None = None
+    serial: int = field(default_factory=lambda: next(_LAYOUT_SERIALS))  # never reused
 
     @classmethod
     def of(cls, bounds: np.ndarray, key: tuple) -> "_FusedLayout":
@@ -284,8 +299,19 @@ def _gather_pages(block_table: np.ndarray, layout: _FusedLayout, kv_indptr: np.n
     # + (indptr[i] + p): a per-request shift repeated over its pages, plus the running index
     shift = layout.table_starts(block_table.shape[1]) - kv_indptr[:n]
     idx = np.repeat(shift, pages)
-    idx += np.arange(num_pages)
-    np.take(block_table.reshape(-1), idx, out=out)
+    idx += _arange(num_pages)
+    block_table.reshape(-1).take(idx, out=out)
+
+
+_ARANGE = np.arange(4096, dtype=np.int64)
+
+
+def _arange(n: int) -> np.ndarray:
+    """np.arange(n) as a view of one held array (an arange per step costs a call and a buffer)."""
+    global _ARANGE
+    if n > _ARANGE.shape[0]:
+        _ARANGE = np.arange(max(n, 2 * _ARANGE.shape[0]), dtype=np.int64)
+    return _ARANGE[:n]
 
 
 def plan_hopper_decode(decode: MLACommonDecodeMetadata, page_size: int,
@@ -336,19 +362,25 @@ def plan_hopper_decode(decode: MLACommonDecodeMetadata, page_size: int,
         qo, kv_indptr, kv_len = qo_t.numpy(), kv_indptr_t.numpy(), kv_len_t.numpy()
         kv_indices = kv_indices_t.numpy()
     n = len(kvs)
-    if layout is not None:
-        qo[: n + 1] = layout.qo
-    else:
-        qo[0] = 0
-        if n:
-            np.cumsum(nrows, out=qo[1: n + 1], dtype=np.int32)
-    kv_indptr[0] = 0
+    # A staged set that last held this very layout (and request count) still holds its qo,
+    # the padding requests' zero lengths and kv_indptr[0]: only the lengths are written.
+    held = staged and layout is not None and staging.holds(layout, total)
+    if not held:
+        if layout is not None:
+            qo[: n + 1] = layout.qo
+        else:
+            qo[0] = 0
+            if n:
+                np.cumsum(nrows, out=qo[1: n + 1], dtype=np.int32)
+        qo[n + 1:] = qo[n]  # padding requests: no query row, no KV
+        kv_indptr[0] = 0
+        kv_len[n:] = 0
+        if staged:
+            staging.mark_holding(layout, total)
     if n:
         np.cumsum(pages, out=kv_indptr[1: n + 1], dtype=np.int32)
-    qo[n + 1:] = qo[n]  # padding requests: no query row, no KV
     kv_indptr[n + 1:] = kv_indptr[n]
     kv_len[:n] = kvs
-    kv_len[n:] = 0
     if num_pages:
         if layout is not None:
             _gather_pages(block_table, layout, kv_indptr, pages, num_pages, kv_indices)

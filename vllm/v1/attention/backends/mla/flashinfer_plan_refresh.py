@@ -219,6 +219,9 @@ class PlanRefresher:
         self._rows: dict[tuple[int, int], tuple] = {}
         self.skeleton: PlanSkeleton | None = None
         self._views: tuple | None = None
+        # bytes of the CSR kv_indptr whose work array the device holds (None: unknown): while
+        # no request changes its page count, the work kv_indptr is unchanged and not copied
+        self._indptr_written: bytes | None = None
         self.refreshes = 0
         # why a step was planned for real instead (benchmarks print these)
         self.misses = {"no skeleton": 0, "other rows or chunk counts": 0}
@@ -229,6 +232,7 @@ class PlanRefresher:
             skeleton = None
         self.skeleton = skeleton
         self._rows.clear()  # row views are cut to the skeleton's work count
+        self._indptr_written = None  # the plan wrote the work kv_indptr itself
         if skeleton is not None:
             w, ws = skeleton.num_works, self.device_ws
             self._views = tuple(ws[skeleton.offsets[f]: skeleton.offsets[f] + w]
@@ -265,8 +269,13 @@ class PlanRefresher:
             w = sk.num_works
             rows = self._rows[key] = (host.numpy(), host[0, :w], host[1, :w], host[2, :w])
         sk.fill(rows[0], kv_indptr, kv_lens)
-        for view, row in zip(self._views, rows[1:]):
-            view.copy_(row, non_blocking=True)
+        indptr = kv_indptr.tobytes()
+        views = self._views
+        if indptr != self._indptr_written:
+            views[0].copy_(rows[1], non_blocking=True)
+            self._indptr_written = indptr
+        views[1].copy_(rows[2], non_blocking=True)
+        views[2].copy_(rows[3], non_blocking=True)
         if ring_index is None and self._cuda:
             i = key[1]
             event = self._events[i]
