@@ -344,7 +344,8 @@ class MLACommonMetadataBuilder:
         row_seq_lens, row_req, row_pos = self._row_seq_lens(
             cm, num_decodes, num_decode_tokens, geo.multi, seq_lens, plain_rows=geo.plain_rows)
         row_host = self._row_seq_lens_host(cm, num_decodes, num_decode_tokens, geo.qsl_np,
-                                           geo.multi, seq_lens_host, geo.query_lens)
+                                           geo.multi, seq_lens_host, geo.query_lens,
+                                           geo.plain_rows)
         return MLACommonDecodeMetadata(
             block_table=self._alias(cm.block_table_tensor, num_decodes),
             seq_lens=seq_lens, dcp_tot_seq_lens=tot, query_start_loc=qsl_dev,
@@ -458,7 +459,8 @@ class MLACommonMetadataBuilder:
     def _row_seq_lens_host(self, cm: CommonAttentionMetadata, num_decodes: int, num_tokens: int,
                            qsl_cpu: np.ndarray, causal: bool,
                            seq_lens_host: np.ndarray,
-                           query_lens: np.ndarray | None = None) -> torch.Tensor:
+                           query_lens: np.ndarray | None = None,
+                           plain_rows: int | None = None) -> torch.Tensor:
         """Host twin of row_seq_lens for host planners, from host twins only (numpy: this runs
         on the host every step)."""
         n, r, inter = self.dcp_world_size, self.dcp_rank, self.dcp_interleave
@@ -468,16 +470,22 @@ class MLACommonMetadataBuilder:
         qsl = qsl_cpu[: num_decodes + 1]
         live = int(qsl[-1])
         glob = seq_lens_host[:num_decodes]
-        qlen = qsl[1:] - qsl[:-1] if query_lens is None else query_lens[:num_decodes]
-        if not causal and live == num_decodes and qlen.max() <= 1:
-            g = glob  # one token per row (plain decode): row i is token i
+        if plain_rows is not None and not causal:
+            # plain rows (MLACommonMetadataBuilder._plain_rows): token i is row i for i < live,
+            # the rest are padding rows
+            num_decodes = live = plain_rows
+            g = glob = glob[:live]
         else:
-            req = np.repeat(np.arange(num_decodes), qlen)
-            if causal:
-                offset = qlen[req] - 1 - (np.arange(live) - qsl[req])
-                g = glob[req] - offset
+            qlen = qsl[1:] - qsl[:-1] if query_lens is None else query_lens[:num_decodes]
+            if not causal and live == num_decodes and qlen.max() <= 1:
+                g = glob  # one token per row (plain decode): row i is token i
             else:
-                g = glob[req]
+                req = np.repeat(np.arange(num_decodes), qlen)
+                if causal:
+                    offset = qlen[req] - 1 - (np.arange(live) - qsl[req])
+                    g = glob[req] - offset
+                else:
+                    g = glob[req]
         if n > 1:
             if cm.dcp_local_seq_lens_cpu is not None and not causal:
                 local = cm.dcp_local_seq_lens_cpu[:num_decodes].numpy()

@@ -255,6 +255,7 @@ class _FusedLayout:
     qo: np.ndarray        # [n+1] int32 qo_indptr of the real requests
     # [n] int64 first element of each request's block-table row in the flattened table
     # (set per table stride, see `table_starts`)
+    plain: bool = False   # last_rows == arange(n): the lengths are a prefix of the rows
     stride: int = -1
     row_starts: np.ndarray | None = None
     serial: int = field(default_factory=lambda: next(_LAYOUT_SERIALS))  # never reused
@@ -266,7 +267,10 @@ class _FusedLayout:
         live = np.nonzero(ends > starts)[0]
         qo = np.zeros(len(live) + 1, dtype=np.int32)
         np.cumsum(ends[live] - starts[live], out=qo[1:], dtype=np.int32)
-        return cls(key=key, reqs=live, last_rows=ends[live] - 1, qo=qo)
+        last_rows = ends[live] - 1
+        n = len(live)
+        plain = bool(n) and int(last_rows[-1]) == n - 1  # increasing: then rows 0..n-1
+        return cls(key=key, reqs=live, last_rows=last_rows, qo=qo, plain=plain)
 
     def table_starts(self, stride: int) -> np.ndarray:
         if stride != self.stride:
@@ -337,7 +341,7 @@ def plan_hopper_decode(decode: MLACommonDecodeMetadata, page_size: int,
         # kept across steps (steady decode never changes them), so a step only reads lengths.
         layout = _fused_layout(bounds, staging)
         reqs = layout.reqs
-        kvs = row_lens[layout.last_rows]
+        kvs = row_lens[: len(reqs)] if layout.plain else row_lens[layout.last_rows]
     else:
         reqs, nrows, kvs = _request_segments(bounds.astype(np.int64), row_lens.astype(np.int64),
                                              False, causal_mode)
