@@ -89,6 +89,7 @@ class PlanSkeleton:
     # the planned qo_indptr as given (bytes, dtype): `fits` compares the next step's in one go
     qo_bytes: bytes = b""
     qo_dtype: np.dtype | None = None
+    ends_are_lengths: bool = False  # every real work is its request's last (one chunk each)
 
     @classmethod
     def from_plan(cls, plan_info, pinned_ws: torch.Tensor, qo_indptr: np.ndarray,
@@ -166,6 +167,7 @@ class PlanSkeleton:
         hi = c * limit
         return cls(qo_indptr=qo.copy(), num_real=num_real, lo=lo, hi=hi,
                    qo_bytes=qo_indptr.tobytes(), qo_dtype=qo_indptr.dtype,
+                   ends_are_lengths=bool(int(last.sum()) == int((req < num_real).sum())),
                    work_req=req, last_work=order[last], last_req=r_sorted[last],
                    kv_end=kv_end_w.copy(),
                    offsets={f: at[f] // 4 for f in ("kv_indptr", "kv_len", "kv_end")},
@@ -187,10 +189,19 @@ class PlanSkeleton:
         """Write the refreshed (kv_indptr, kv_len, kv_end) work arrays into out[3, >= W]."""
         w = self.num_works
         req = self.work_req  # padding works point at request num_real, itself a padding request
-        out[0, :w] = kv_indptr[req]
-        out[1, :w] = kv_lens[req]
-        out[2, :w] = self.kv_end
-        out[2, self.last_work] = kv_lens[self.last_req]
+        if kv_indptr.dtype == out.dtype and kv_lens.dtype == out.dtype:
+            np.take(kv_indptr, req, out=out[0, :w])  # no temporary
+            np.take(kv_lens, req, out=out[1, :w])
+        else:
+            out[0, :w] = kv_indptr[req]
+            out[1, :w] = kv_lens[req]
+        if self.ends_are_lengths and not kv_lens[self.num_real:].any():
+            # one chunk per request: every work ends its request's KV (padding works: 0 = the
+            # padding request's length), so kv_end is the kv_len row
+            out[2, :w] = out[1, :w]
+        else:
+            out[2, :w] = self.kv_end
+            out[2, self.last_work] = kv_lens[self.last_req]
 
 
 class PlanRefresher:
