@@ -221,14 +221,13 @@ def packed_csr_views(flat: torch.Tensor, num_requests: int):
             flat[2 * r1 + num_requests:])
 
 
-def _request_segments(bounds, row_lens, fused: bool, causal_mode: str):
-    """(request index, query rows, kv_len) of every planned request, as numpy arrays."""
+def _request_segments(bounds, row_lens, causal_mode: str):
+    """(request index, query rows, kv_len) of every planned request of causal blocks split
+    into runs (or single rows), as numpy arrays. Fused plans (one request per block, every row
+    seeing rows[-1] for non-causal / Q=1 blocks, or the kernel's causal bottom-right alignment
+    at DCP 1) take _FusedLayout instead."""
     starts, ends = bounds[:-1], bounds[1:]
     live = np.nonzero(ends > starts)[0]
-    if fused:
-        # one request per block; every row sees rows[-1] (non-causal / Q=1) or the causal
-        # bottom-right alignment of the kernel at DCP=1
-        return live, (ends - starts)[live], row_lens[ends[live] - 1]
     reqs, nrows, kvs = [], [], []
     for req in live.tolist():
         for num_rows, kv_len in _segments_of_block(
@@ -253,9 +252,9 @@ class _FusedLayout:
     reqs: np.ndarray      # [n] int64 live block of each planned request
     last_rows: np.ndarray  # [n] int64 the row whose visible count is the request's kv_len
     qo: np.ndarray        # [n+1] int32 qo_indptr of the real requests
-    # [n] int64 first element of each request's block-table row in the flattened table
-    # (set per table stride, see `table_starts`)
     plain: bool = False   # last_rows == arange(n): the lengths are a prefix of the rows
+    # [n] int64 first element of each request's block-table row in the flattened table
+    # (made per table stride, see `table_starts`)
     stride: int = -1
     row_starts: np.ndarray | None = None
     serial: int = field(default_factory=lambda: next(_LAYOUT_SERIALS))  # never reused
@@ -344,7 +343,7 @@ def plan_hopper_decode(decode: MLACommonDecodeMetadata, page_size: int,
         kvs = row_lens[: len(reqs)] if layout.plain else row_lens[layout.last_rows]
     else:
         reqs, nrows, kvs = _request_segments(bounds.astype(np.int64), row_lens.astype(np.int64),
-                                             False, causal_mode)
+                                             causal_mode)
     if len(kvs) == 0 and num_requests is None:
         return None
     total = len(kvs) if num_requests is None else num_requests
