@@ -534,6 +534,8 @@ def _adopt_plan(slot: _WrapperSlot, inputs: HopperPlanInputs, plan_args: dict) -
     device_ws = getattr(backend, "_int_workspace_buffer", None)
     plan_info = getattr(backend, "_plan_info", None)
     if pinned is None or device_ws is None or plan_info is None:
+        if slot.refresher is not None:  # the held skeleton is of an older plan: drop it
+            slot.refresher.adopt(None)
         return
     if slot.refresher is None or slot.refresher.device_ws.data_ptr() != device_ws.data_ptr():
         slot.refresher = PlanRefresher(device_ws,
