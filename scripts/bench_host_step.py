@@ -1,20 +1,27 @@
 """Host cost of a steady decode step's input and metadata builders, measured on the CPU.
 
 Builds the runner's pieces on device="cpu" (RequestStates, BlockTables, InputBatchBuilder, the
-MLA metadata builder of TORCH_MLA) and times, with perf_counter (median of --repeats steps):
+MLA metadata builder of TORCH_MLA) and times, with the thread clock (`--clock wall`: perf_counter;
+median of --repeats steps):
 
   * `build`    InputBatchBuilder.build of a steady decode (or uniform verify) layout;
   * `attn`     build_attn_metadata with the runner's arguments (one KV cache group);
   * `csr`      plan_hopper_decode on that step's decode metadata into a graph-sized PlanStaging
                ring (the FlashInfer builder's host CSR plan; pure numpy, runs without CUDA);
-  * `fi`       the FLASHINFER_MLA (Hopper) builder's whole build of the same step: the common
-               MLA build, the CSR plan and the native re-plan with FlashInfer replaced by a
-               stand-in whose native planner returns at once (FlashInfer is not importable
-               here; its C++ planner, ~0.2 ms on an H200 node, is not in this number);
+  * `fi`       the FLASHINFER_MLA (Hopper) builder's whole build of the same step (graph
+               wrapper): the common MLA build, the CSR plan and the plan refresh, with FlashInfer
+               replaced by a stand-in whose native planner is the planner model of the tests
+               (tests/utils/flashinfer_mla_plan_model.py), so steady steps refresh the held plan
+               as on the GPU, and a real plan is made when a request's chunk count changes
+               (FlashInfer is not importable here; the model's own time is taken out, as the
+               C++ planner's ~0.2 ms on an H200 node is in no number; at Q=1 the median step is
+               a refresh, causal verify plans (Q>1, DCP 1) are never refreshed);
   * `total`    build + attn + csr;
   * the ATen ops (and copy_ ops) one step dispatches, views excluded (each one costs a CUDA host
     ~5-10 us, which the CPU run hides), for build alone and for the whole step; "device launches"
     adds the stubbed single-launch kernels (below) to the ATen ops: what a CUDA host launches;
+    the FlashInfer build's own ops ("stubbed kernels": single-launch kernels that --host-only
+    replaced, one launch each on CUDA), and the FlashInfer refreshes / real plans over the run;
   * the ATen ops of the block appends between steps (BlockTables.append_block_ids, called by
     the runner's _update_states), per step.
 
@@ -41,16 +48,24 @@ from contextlib import contextmanager
 import torch
 
 
-# perf_counter (wall) by default; --clock thread uses the thread's CPU clock (a shared box
-# steals wall time from a step, not thread time).
-_clock = time.perf_counter
+# thread CPU time by default (--clock): the box is shared, and wall time counts the other
+# processes.
+_clock = time.thread_time
 
-# Calls of the stubbed single-launch kernels (each is one CUDA launch on a GPU host).
+# Calls of the stubbed single-launch kernels (each is one CUDA launch on a GPU host): in all,
+# and per function name.
 STUB_LAUNCHES = [0]
+STUB_CALLS: dict[str, int] = {}
+
+# time spent in the stand-in's planner model (taken out of `fi`)
+PLANNER_TIME = [0.0]
 
 
-def _stub(self, *args, **kwargs):
-    STUB_LAUNCHES[0] += 1
+def _counted_noop(name: str):
+    def noop(self, *args, **kwargs):
+        STUB_LAUNCHES[0] += 1
+        STUB_CALLS[name] = STUB_CALLS.get(name, 0) + 1
+    return noop
 
 
 @contextmanager
@@ -66,7 +81,7 @@ def _stub_device_prep(enabled: bool):
              (mla_common.MLACommonMetadataBuilder, "_row_seq_lens_torch")]
     originals = [getattr(owner, name, None) for owner, name in saved]
     for owner, name in saved:
-        setattr(owner, name, _stub)
+        setattr(owner, name, _counted_noop(name))
     if originals[2] is None:  # a tree from before _row_seq_lens_torch: stub the whole method
         def row_seq_lens_stub(self, cm, num_decodes, num_tokens, causal, local_seq_lens):
             STUB_LAUNCHES[0] += 1
@@ -92,21 +107,39 @@ def _install_fake_flashinfer(monkeypatch_modules: dict) -> object:
     import sys
     from types import ModuleType, SimpleNamespace
 
+    from tests.utils.flashinfer_mla_plan_model import model_plan
+
+    def native(fws, iws, pws, qo, kv_indptr, kv_len, num_heads, head_dim, causal):
+        # the planner model writes a real plan layout (so plan refreshes happen, as on the GPU:
+        # most steady steps refresh); its own (Python) time is taken out of the `fi` number,
+        # as the C++ planner's is not in it either
+        start = _clock()
+        info, scratch, _ = model_plan(qo.numpy(), kv_len.numpy(), kv_indptr.numpy(), num_heads,
+                                      num_sm=132)
+        pws[: scratch.numel()] = scratch
+        iws[: scratch.numel()] = scratch
+        PLANNER_TIME[0] += _clock() - start
+        return info, scratch.numel()
+
     class Wrapper:
         def __init__(self, workspace, use_cuda_graph=False, backend="fa3", qo_indptr=None,
                      kv_indptr=None, kv_indices=None, kv_len_arr=None):
             self._graph, self._bufs = use_cuda_graph, (qo_indptr, kv_indptr, kv_indices,
                                                         kv_len_arr)
+            self._iws = torch.zeros(1 << 21, dtype=torch.uint8)
+            self._pws = torch.zeros(1 << 21, dtype=torch.uint8)
 
         def plan(self, metadata, causal, **kwargs):
             qo, kvp, kvi, kvl = self._bufs
             self._planned_backend = SimpleNamespace(
-                _cached_module=SimpleNamespace(
-                    plan_with_staged_workspace_bytes=lambda *a: ((), 0)),
+                _cached_module=SimpleNamespace(plan_with_staged_workspace_bytes=native),
                 _backend="fa3", _causal=causal, _use_cuda_graph=self._graph,
                 device=torch.device("cpu"), _qo_indptr_buf=qo, _kv_indptr_buf=kvp,
                 _kv_indices_buf=kvi, _kv_len_arr_buf=kvl, _float_workspace_buffer=None,
-                _int_workspace_buffer=None, _pin_memory_int_workspace_buffer=None)
+                _int_workspace_buffer=self._iws, _pin_memory_int_workspace_buffer=self._pws,
+                _plan_info=None)
+            if self._graph:  # the first plan: planned natively by the caller next step
+                self._planned_backend._plan_info = None
 
     fa_common = ModuleType("_fa_common")
     fa_common._validate_fa_plan_workload = lambda *a: None
@@ -193,7 +226,7 @@ def _advance(env) -> None:
             tables.append_block_ids(state.slot, (ids,), overwrite=False)
 
 
-def _step(env, timings, counter=None) -> None:
+def _step(env, timings, counter=None, fi_counter=None) -> None:
     from vllm.v1.attention.backends.mla.flashinfer_mla import plan_hopper_decode
     from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
     rows, q = env["rows"], env["q"]
@@ -227,16 +260,24 @@ def _step(env, timings, counter=None) -> None:
     # The FlashInfer builder on the same step (graph step: its plan runs at build time once a
     # first plan recorded the layer arguments).
     common = _common_of(env, batch, q)
+    stubbed = sum(STUB_CALLS.values())
+    planner_before = PLANNER_TIME[0]
     t4 = _clock()
-    fi_md = env["fi"].build(0, common)
+    if fi_counter is None:
+        fi_md = env["fi"].build(0, common)
+    else:
+        with fi_counter.mode:
+            fi_md = env["fi"].build(0, common)
     t5 = _clock()
+    if fi_counter is not None:  # single-launch kernels the host-only run stubbed
+        fi_counter.counts["stubbed kernels"] = sum(STUB_CALLS.values()) - stubbed
     state = fi_md.decode.backend_state
     if state.wrapper_slot.plan_args is None:  # the first layer's plan (what a forward does)
         from vllm.v1.attention.backends.mla.flashinfer_mla import _plan
         _plan(state.wrapper_slot, state.hopper_inputs, ("first",), num_heads=16,
               head_dim_ckv=512, head_dim_kpe=64, page_size=env["block_size"], sm_scale=0.1,
               q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, lse_mode="basee")
-    timings["fi"].append(t5 - t4)
+    timings["fi"].append(t5 - t4 - (PLANNER_TIME[0] - planner_before))
     timings["build"].append(t1 - t0)
     timings["attn"].append(t2 - t1)
     timings["csr"].append(t3 - t2)
@@ -293,6 +334,9 @@ def bench(batch: int, q: int, args) -> dict[str, float]:
         with counter.mode:
             _step(env, {name: [] for name in timings}, counter)
         stub_launches = STUB_LAUNCHES[0]
+        fi_counter = _OpCounter()
+        _advance(env)
+        _step(env, {name: [] for name in timings}, fi_counter=fi_counter)
         # The block appends between steps (the runner's _update_states): device ops they
         # dispatch, per step, averaged over 64 steps (each steady row crosses a block boundary
         # every block_size / q steps).
@@ -302,6 +346,11 @@ def bench(batch: int, q: int, args) -> dict[str, float]:
                 _advance(env)
         append_ops = sum(appends.counts.values()) / 64
     result = {name: statistics.median(v) * 1e3 for name, v in timings.items()}
+    slots = list(env["fi"]._graph_slots.values())
+    result["refreshes"] = sum(s.refreshes for s in slots)
+    result["plans"] = sum(s.native_replans + s.full_plans for s in slots)
+    result["fi_ops"] = sum(fi_counter.counts.values())
+    result["fi_copies"] = fi_counter.counts.get("copy_", 0)
     result["ops"] = sum(counter.counts.values())
     result["copies"] = counter.counts.get("copy_", 0)
     result["launches"] = result["ops"] + stub_launches
@@ -324,8 +373,8 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--host-only", action=argparse.BooleanOptionalAction, default=True,
                         help="stub the CPU fallbacks of single-launch CUDA kernels (default on)")
-    parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
-                        help="wall: perf_counter; thread: the thread's CPU time (shared boxes)")
+    parser.add_argument("--clock", choices=("thread", "wall"), default="thread",
+                        help="thread CPU time (default; steady on a shared box) or wall time")
     args = parser.parse_args()
     global _clock
     _clock = time.thread_time if args.clock == "thread" else time.perf_counter
@@ -338,15 +387,17 @@ def main() -> None:
     print("| Q | B | InputBatchBuilder.build | build_attn_metadata (TORCH_MLA) | CSR plan "
           "(numpy) | total | FLASHINFER_MLA builder | torch ops (copies) per step | "
           "build: torch ops (copies) | build: device launches | step: device launches | "
-          "block appends: torch ops per step |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "block appends: torch ops per step | FLASHINFER_MLA ops (copies) | "
+          "FI refreshes / real plans |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for q in args.q:
         for batch in args.batch_sizes:
             r = bench(batch, q, args)
             print(f"| {q} | {batch} | {r['build']:.3f} | {r['attn']:.3f} | {r['csr']:.3f} | "
                   f"{r['total']:.3f} | {r['fi']:.3f} | {r['ops']} ({r['copies']}) | "
                   f"{r['build_ops']} ({r['build_copies']}) | {r['build_launches']} | "
-                  f"{r['launches']} | {r['append_ops']:.2f} |", flush=True)
+                  f"{r['launches']} | {r['append_ops']:.2f} | {r['fi_ops']} ({r['fi_copies']}) | "
+                  f"{r['refreshes']} / {r['plans']} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -221,3 +221,51 @@ def test_graph_plans_in_other_layouts_do_not_take_the_packed_copy():
     assert graph.packed_layout == (2, 64)
     want = torch.cat([graph.qo_indptr, graph.kv_indptr, graph.kv_len_arr, graph.kv_indices])
     assert torch.equal(graph.packed, want)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_steady_steps_through_one_staging_equal_brute_force(seed):
+    """The fused layout kept in the staging between steps (query rows unchanged) gives the same
+    CSR as a fresh construction, also when the rows, the padding or the block table change."""
+    rng = random.Random(seed)
+    page, max_blocks, rows = rng.choice([1, 4, 16]), 24, rng.randint(1, 8)
+    staging = PlanStaging(16, 16 * max_blocks, depth=2)
+    table = [[rng.randrange(1000) for _ in range(max_blocks)] for _ in range(16)]
+    lens = [rng.randint(0, page * 4) for _ in range(16)]
+    q, pad, non_causal = 1, 0, rng.random() < 0.5
+    hits = 0
+    for step in range(40):
+        event = rng.random()
+        if event < 0.1:  # a request joins or leaves
+            rows = max(1, min(12, rows + rng.choice([-1, 1])))
+        elif event < 0.15:  # other CUDA-graph padding
+            pad = rng.randint(0, 2)
+        elif event < 0.2:  # a block table row is rewritten (preemption, new request)
+            table[rng.randrange(rows)] = [rng.randrange(1000) for _ in range(max_blocks)]
+        elif event < 0.25 and non_causal:  # another draft block length
+            q = rng.randint(1, 4)
+        for i in range(rows):
+            lens[i] = min(lens[i] + rng.choice([0, 1, 1, 3]), page * max_blocks)
+        q_lens = [q] * rows + [0] * pad
+        row_lens = [lens[i] for i in range(rows) for _ in range(q)]
+        before = staging.fused_layout
+        decode = _metadata(q_lens, row_lens, table[: rows + pad], not non_causal, 1)
+        if non_causal:
+            decode.causal = False
+        total = rows + pad + rng.randint(0, 2) if rng.random() < 0.5 else None
+        got = plan_hopper_decode(decode, page, "auto", num_requests=total, staging=staging)
+        hits += staging.fused_layout is before and before is not None
+        qo, kv_indptr, kv_lens, indices = _brute_force(q_lens, row_lens, table, page, True,
+                                                       False, total)
+        assert got.qo_indptr.tolist() == qo
+        assert got.kv_indptr.tolist() == kv_indptr
+        assert got.kv_len_arr.tolist() == kv_lens
+        assert got.kv_indices.tolist() == indices
+        assert got.has_empty_rows == (min(kv_lens) == 0)
+    assert hits >= 10  # the held layout was actually reused
+
+
+def test_a_block_table_narrower_than_the_pages_is_an_error():
+    decode = _metadata([1, 1], [5, 40], [[1, 2], [3, 4]], True, 1)
+    with pytest.raises(ValueError, match="block table"):
+        plan_hopper_decode(decode, 16, "auto", staging=PlanStaging(4, 16, depth=2))

@@ -118,10 +118,10 @@ def test_refresher_writes_the_work_arrays_through_its_ring():
     assert not refresher.try_refresh(qo, _pages(kv), kv)
 
 
-def test_graph_plans_refresh_between_real_plans(monkeypatch):
-    """Through `_plan`: steady decode on a graph wrapper takes refreshes, and a real (native)
-    plan whenever a request changes its chunk count or the rows change; after every step the
-    wrapper's int workspace is a valid plan for that step's lengths."""
+def _graph_slot(monkeypatch, R, max_pages, heads=16, num_sm=8):
+    """A graph wrapper slot on a stand-in backend whose native planner is the planner model
+    (the plan lands in a pinned scratch and, as FlashInfer's staged copy does, the "device" int
+    workspace); returns (slot, backend, device workspace, chunk limits of the real plans)."""
     import sys
     from types import ModuleType
 
@@ -132,7 +132,6 @@ def test_graph_plans_refresh_between_real_plans(monkeypatch):
                  "flashinfer.mla._batch_mla._backends"]:
         monkeypatch.setitem(sys.modules, name, ModuleType(name))
     monkeypatch.setitem(sys.modules, "flashinfer.mla._batch_mla._backends._fa_common", fa_common)
-    R, page, heads, num_sm = 4, 16, 16, 8
     device_ws = torch.zeros(1 << 20, dtype=torch.uint8)
     pinned = torch.zeros(1 << 20, dtype=torch.uint8)
     limits = []
@@ -145,8 +144,7 @@ def test_graph_plans_refresh_between_real_plans(monkeypatch):
         limits.append(limit)
         return info, scratch.numel()
 
-    plan_args = dict(num_heads=heads, head_dim_ckv=512, kv_data_type=torch.bfloat16)
-    flat = torch.zeros(fm.packed_csr_size(R, 64), dtype=torch.int32)
+    flat = torch.zeros(fm.packed_csr_size(R, max_pages), dtype=torch.int32)
     bufs = fm.packed_csr_views(flat, R)
     backend = SimpleNamespace(
         _cached_module=SimpleNamespace(plan_with_staged_workspace_bytes=native),
@@ -163,8 +161,21 @@ def test_graph_plans_refresh_between_real_plans(monkeypatch):
             if name == "_plan_info":
                 backend._plan_info = value
 
+    plan_args = dict(num_heads=heads, head_dim_ckv=512, kv_data_type=torch.bfloat16)
     slot = fm._WrapperSlot(Wrapper(), plan_args=plan_args, packed_device=flat,
-                           packed_layout=(R, 64), staging=fm.PlanStaging(R, 64, depth=2))
+                           packed_layout=(R, max_pages),
+                           staging=fm.PlanStaging(R, max_pages, depth=2))
+    return slot, backend, device_ws, limits
+
+
+def test_graph_plans_refresh_between_real_plans(monkeypatch):
+    """Through `_plan`: steady decode on a graph wrapper takes refreshes, and a real (native)
+    plan whenever a request changes its chunk count or the rows change; after every step the
+    wrapper's int workspace is a valid plan for that step's lengths."""
+    from vllm.v1.attention.backends.mla import flashinfer_mla as fm
+    R, page = 4, 16
+    slot, backend, device_ws, limits = _graph_slot(monkeypatch, R, 64)
+    plan_args, bufs = slot.plan_args, fm.packed_csr_views(slot.packed_device, R)
     seq = [150, 31, 64, 0]
     real = 3
     native_before = 0
@@ -190,3 +201,63 @@ def test_graph_plans_refresh_between_real_plans(monkeypatch):
             seq[i] += 1
     assert slot.refreshes >= 60, (slot.refreshes, slot.native_replans, slot.full_plans)
     assert slot.native_replans >= 2  # the first plan, and the joining request
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_staged_steady_decode_refreshes_through_the_staging_ring(monkeypatch, seed):
+    """The builder's own sequence (plan_hopper_decode into the slot's staging ring, then
+    `_plan`) over steady Q=1 decode with rows joining, chunk-count jumps, rewritten block table
+    rows and DCP-local lengths: after every step the int workspace is a valid plan for the
+    step's lengths and the device CSR equals a brute-force one; refreshes use the staging
+    ring's buffers (no event of their own)."""
+    from vllm.v1.attention.backends.mla import flashinfer_mla as fm
+    from vllm.v1.attention.backends.mla.common import MLACommonDecodeMetadata
+    rng = random.Random(seed)
+    R, page, max_blocks = 6, 16, 64
+    slot, backend, device_ws, limits = _graph_slot(monkeypatch, R, R * max_blocks)
+    table = [[rng.randrange(5000) for _ in range(max_blocks)] for _ in range(R)]
+    dcp = rng.choice([1, 2])
+    lens = [rng.randint(1, 400) for _ in range(R)]
+    live = rng.randint(1, R)
+    for step in range(70):
+        event = rng.random()
+        if event < 0.05:
+            live = max(1, min(R, live + rng.choice([-1, 1])))  # rows change
+        elif event < 0.1:
+            lens[rng.randrange(live)] += rng.choice([100, 300])  # chunk count jumps
+        elif event < 0.15:
+            table[rng.randrange(live)] = [rng.randrange(5000) for _ in range(max_blocks)]
+        q_lens = [1] * live + [0] * (R - live)
+        qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        row_lens = lens[:live] + [0] * (R - live)  # rank-local visible lengths (DCP or not)
+        bt = torch.tensor(table, dtype=torch.int32)
+        decode = MLACommonDecodeMetadata(
+            block_table=bt, seq_lens=torch.tensor(row_lens, dtype=torch.int32),
+            dcp_tot_seq_lens=None, query_start_loc=torch.from_numpy(qsl), max_query_len=1,
+            max_seq_len=max(row_lens), causal=True, query_start_loc_cpu=torch.from_numpy(qsl),
+            num_decode_tokens=R, row_seq_lens=torch.tensor(row_lens, dtype=torch.int32),
+            dcp_world_size=dcp, row_seq_lens_cpu=torch.tensor(row_lens, dtype=torch.int32),
+            block_table_cpu=bt, cudagraph=True)
+        inputs = fm.plan_hopper_decode(decode, page, "auto", num_requests=R,
+                                       staging=slot.staging)
+        fm._plan(slot, inputs, ("step", step), **slot.plan_args)
+        qo = [0]
+        kv_lens, indices = [], []
+        for i in range(R):
+            qo.append(qo[-1] + q_lens[i])
+            kv_lens.append(row_lens[i] if q_lens[i] else 0)
+            if q_lens[i]:
+                indices.extend(table[i][: -(-row_lens[i] // page)])
+        ptr = _pages(kv_lens, page)
+        ws = device_ws.view(torch.int32).numpy()
+        assert_valid_plan(plan_works(ws, backend._plan_info), np.asarray(qo), kv_lens, ptr,
+                          limits[-1])
+        bufs = fm.packed_csr_views(slot.packed_device, R)
+        assert bufs[0].tolist() == qo and bufs[1].tolist() == ptr.tolist()
+        assert bufs[2].tolist() == kv_lens
+        assert bufs[3][: len(indices)].tolist() == indices
+        for i in range(live):
+            lens[i] += 1
+    refresher = slot.refresher
+    assert slot.refreshes >= 30, (slot.refreshes, slot.native_replans)
+    assert refresher._ring_host and refresher._next == 0  # the staging ring's buffers only

@@ -106,6 +106,24 @@ class MLACommonMetadata:
     num_prefill_tokens: int = 0
 
 
+@dataclass
+class _BatchGeometry:
+    """MLACommonMetadataBuilder._geometry: what a build derives from the query rows alone."""
+
+    key: tuple
+    qsl_np: np.ndarray        # [num_reqs+1] int64 host query_start_loc
+    query_lens: np.ndarray    # [num_reqs] int64
+    causal: bool
+    num_decodes: int
+    num_prefills: int
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    max_query_len: int
+    multi: bool               # causal multi-token decode rows
+    plain_rows: int | None    # live rows of a plain (one token per row) decode, else None
+    decode_qsl_cpu: torch.Tensor  # [num_decodes+1] int32
+
+
 def _spec_is_non_causal(kv_cache_spec: Any) -> bool:
     return bool(getattr(kv_cache_spec, "non_causal_multi_token_decode", False))
 
@@ -197,17 +215,23 @@ class MLACommonMetadataBuilder:
                              "batches: builders read host twins and never sync on seq_lens.")
         return cm.seq_lens[: cm.num_reqs].numpy()
 
-    def build(self, common_prefix_len: int,
-              common_attn_metadata: CommonAttentionMetadata) -> MLACommonMetadata:
-        cm = common_attn_metadata
+    def _geometry(self, cm: CommonAttentionMetadata) -> "_BatchGeometry":
+        """The batch split and decode-row shape, which follow from the host query_start_loc
+        (and the causal flag, the decode threshold and the token count) alone. A decode-only
+        geometry is kept: steady decode repeats it every step, and recomputing it is a dozen
+        numpy calls."""
         num_reqs = cm.num_reqs
+        qsl_view = cm.query_start_loc_cpu[: num_reqs + 1].numpy()
+        causal = bool(cm.causal)
+        key = (qsl_view.dtype.char, qsl_view.tobytes(), causal,
+               int(self.reorder_batch_threshold), int(cm.num_actual_tokens))
+        held = getattr(self, "_held_geometry", None)
+        if held is not None and held.key == key:
+            return held
         # Host arithmetic in numpy on zero-copy views of the host twins: this runs every step,
         # and each torch op on a tiny CPU tensor costs several times a numpy call.
-        qsl_np = cm.query_start_loc_cpu[: num_reqs + 1].numpy().astype(np.int64)
-        query_lens = np.diff(qsl_np)
-        causal = bool(cm.causal)
-        seq_lens_host = self._host_seq_lens(cm)
-
+        qsl_np = qsl_view.astype(np.int64)
+        query_lens = qsl_np[1:] - qsl_np[:-1]  # np.diff costs several times this
         if not causal:
             self._check_non_causal(cm, query_lens)
             num_decodes = num_reqs  # every row (padding included) is one block
@@ -220,20 +244,37 @@ class MLACommonMetadataBuilder:
             # counts the padded total: [0, 8, 16, 16] with 24 tokens -> 24).
             num_decode_tokens = max(num_decode_tokens, int(cm.num_actual_tokens))
         num_prefill_tokens = int(qsl_np[num_decodes + num_prefills]) - int(qsl_np[num_decodes])
+        max_query_len = int(query_lens[:num_decodes].max()) if num_decodes else 0
+        multi = causal and max_query_len > 1
+        geo = _BatchGeometry(
+            key=key, qsl_np=qsl_np, query_lens=query_lens, causal=causal,
+            num_decodes=num_decodes, num_prefills=num_prefills,
+            num_decode_tokens=num_decode_tokens, num_prefill_tokens=num_prefill_tokens,
+            max_query_len=max_query_len, multi=multi,
+            plain_rows=self._plain_rows(qsl_np, max_query_len, num_decodes, multi),
+            decode_qsl_cpu=torch.from_numpy(qsl_np[: num_decodes + 1].astype(np.int32)))
+        # kept only without prefill rows: the prefill path gets fresh arrays every step
+        self._held_geometry = geo if num_prefills == 0 else None
+        return geo
 
+    def build(self, common_prefix_len: int,
+              common_attn_metadata: CommonAttentionMetadata) -> MLACommonMetadata:
+        cm = common_attn_metadata
+        geo = self._geometry(cm)
+        seq_lens_host = self._host_seq_lens(cm)
+        num_decodes, num_prefills = geo.num_decodes, geo.num_prefills
         decode = None
         if num_decodes > 0:
-            decode = self._build_decode(cm, num_decodes, num_decode_tokens, qsl_np,
-                                        query_lens, causal, seq_lens_host)
+            decode = self._build_decode(cm, geo, seq_lens_host)
         prefill = None
         if num_prefills > 0:
-            prefill = self._build_prefill(cm, num_decodes, num_prefills, num_decode_tokens,
-                                          torch.from_numpy(qsl_np))
+            prefill = self._build_prefill(cm, num_decodes, num_prefills, geo.num_decode_tokens,
+                                          torch.from_numpy(geo.qsl_np))
         return MLACommonMetadata(
             num_actual_tokens=cm.num_actual_tokens, slot_mapping=cm.slot_mapping,
-            num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
-            num_prefills=num_prefills, causal=causal, decode=decode, prefill=prefill,
-            num_prefill_tokens=num_prefill_tokens)
+            num_decodes=num_decodes, num_decode_tokens=geo.num_decode_tokens,
+            num_prefills=num_prefills, causal=geo.causal, decode=decode, prefill=prefill,
+            num_prefill_tokens=geo.num_prefill_tokens)
 
     def _count_decodes(self, cm: CommonAttentionMetadata, query_lens: np.ndarray) -> int:
         """Leading rows with query length <= reorder_batch_threshold (decode rows); all rows
@@ -283,11 +324,10 @@ class MLACommonMetadataBuilder:
                 self._row_pos_buf = torch.zeros(size, dtype=torch.int64, device=device)
         return self._row_seq_lens_buf, self._row_req_buf, self._row_pos_buf
 
-    def _build_decode(self, cm: CommonAttentionMetadata, num_decodes: int,
-                      num_decode_tokens: int, qsl_cpu: np.ndarray,
-                      query_lens: np.ndarray, causal: bool,
+    def _build_decode(self, cm: CommonAttentionMetadata, geo: "_BatchGeometry",
                       seq_lens_host: np.ndarray) -> MLACommonDecodeMetadata:
         n, r, inter = self.dcp_world_size, self.dcp_rank, self.dcp_interleave
+        num_decodes, num_decode_tokens = geo.num_decodes, geo.num_decode_tokens
         global_lens = self._alias(cm.seq_lens, num_decodes)
         if n > 1 and cm.dcp_local_seq_lens is None:
             raise ValueError(
@@ -301,18 +341,18 @@ class MLACommonMetadataBuilder:
         else:
             seq_lens, tot, max_seq_len = global_lens, None, cm.max_seq_len
         qsl_dev = self._alias(cm.query_start_loc, num_decodes + 1)
-        max_query_len = int(query_lens[:num_decodes].max()) if num_decodes else 0
-        multi = causal and max_query_len > 1
-        row_seq_lens, row_req, row_pos = self._row_seq_lens(cm, num_decodes, num_decode_tokens,
-                                                            multi, seq_lens)
-        row_host = self._row_seq_lens_host(cm, num_decodes, num_decode_tokens, qsl_cpu, multi,
-                                           seq_lens_host)
+        row_seq_lens, row_req, row_pos = self._row_seq_lens(
+            cm, num_decodes, num_decode_tokens, geo.multi, seq_lens, plain_rows=geo.plain_rows)
+        row_host = self._row_seq_lens_host(cm, num_decodes, num_decode_tokens, geo.qsl_np,
+                                           geo.multi, seq_lens_host, geo.query_lens,
+                                           geo.plain_rows)
         return MLACommonDecodeMetadata(
             block_table=self._alias(cm.block_table_tensor, num_decodes),
             seq_lens=seq_lens, dcp_tot_seq_lens=tot, query_start_loc=qsl_dev,
-            max_query_len=max_query_len,
-            max_seq_len=max_seq_len, causal=causal,
-            query_start_loc_cpu=torch.from_numpy(qsl_cpu[: num_decodes + 1].astype(np.int32)),
+            max_query_len=geo.max_query_len,
+            max_seq_len=max_seq_len, causal=geo.causal,
+            # the geometry's own int32 copy, shared by the steps of this geometry (read-only)
+            query_start_loc_cpu=geo.decode_qsl_cpu,
             num_decode_tokens=num_decode_tokens, row_seq_lens=row_seq_lens,
             dcp_world_size=n, dcp_rank=r, dcp_interleave=inter,
             row_seq_lens_cpu=row_host, row_req=row_req, row_pos=row_pos,
@@ -320,8 +360,21 @@ class MLACommonMetadataBuilder:
                              else cm.block_table_cpu[:num_decodes]),
             cudagraph=bool(cm.cudagraph))
 
+    @staticmethod
+    def _plain_rows(qsl_cpu: np.ndarray, max_query_len: int, num_decodes: int,
+                    multi: bool) -> int | None:
+        """The number of live rows when the decode rows are plain: one token per live row, the
+        live rows first (token i is row i), then only zero-length padding rows. None otherwise.
+        (Query lengths of 0/1 step qsl by at most one, so qsl[live] == live holds exactly when
+        the first `live` rows are the live ones.)"""
+        if multi or num_decodes == 0 or max_query_len > 1:
+            return None
+        live = int(qsl_cpu[num_decodes])
+        return live if live > 0 and int(qsl_cpu[live]) == live else None
+
     def _row_seq_lens(self, cm: CommonAttentionMetadata, num_decodes: int,
-                      num_tokens: int, causal: bool, local_seq_lens: torch.Tensor):
+                      num_tokens: int, causal: bool, local_seq_lens: torch.Tensor,
+                      plain_rows: int | None = None):
         """Visible KV count on this rank for every decode query row (device, int32), plus the
         request and in-block index of every row; written into persistent buffers, no host sync.
 
@@ -339,15 +392,33 @@ class MLACommonMetadataBuilder:
         out, req_buf, pos_buf = self._row_views(num_tokens, device)
         if num_decodes == 0 or num_tokens == 0:
             out.zero_()
+            self._row_plain_key = None
             return out, req_buf, pos_buf
+        # Plain rows with the layout of the last write (steady Q=1 decode): req, pos and the
+        # zero tail of the padding tokens are still in the buffers, so only the live rows'
+        # lengths move, in one copy (a Triton launch costs the host several times that).
+        key = None
+        if plain_rows is not None:
+            key = (num_decodes, num_tokens, plain_rows, out.data_ptr())
+            if getattr(self, "_row_plain_key", None) == key:
+                live = self._row_plain_live
+                live.copy_(local_seq_lens[:plain_rows] if local_seq_lens.shape[0] != plain_rows
+                           else local_seq_lens)
+                return out, req_buf, pos_buf
+        # Any other write leaves the buffers in another layout: the shortcut waits for the
+        # next plain step written in full.
+        self._row_plain_key = None
         if device.type == "cuda" and HAS_TRITON:
             # One launch instead of the dozen below (the decode step is host-bound).
             row_seq_lens_triton(out, req_buf, pos_buf, cm.query_start_loc, local_seq_lens,
                                 cm.seq_lens, num_decodes, num_tokens, causal,
                                 self.dcp_world_size, self.dcp_rank, self.dcp_interleave)
-            return out, req_buf, pos_buf
-        self._row_seq_lens_torch(cm, num_decodes, num_tokens, causal, local_seq_lens, out,
-                                 req_buf, pos_buf)
+        else:
+            self._row_seq_lens_torch(cm, num_decodes, num_tokens, causal, local_seq_lens, out,
+                                     req_buf, pos_buf)
+        if key is not None:
+            self._row_plain_live = out[:plain_rows] if plain_rows != num_tokens else out
+            self._row_plain_key = key
         return out, req_buf, pos_buf
 
     def _row_views(self, num_tokens: int, device: torch.device):
@@ -387,7 +458,9 @@ class MLACommonMetadataBuilder:
 
     def _row_seq_lens_host(self, cm: CommonAttentionMetadata, num_decodes: int, num_tokens: int,
                            qsl_cpu: np.ndarray, causal: bool,
-                           seq_lens_host: np.ndarray) -> torch.Tensor:
+                           seq_lens_host: np.ndarray,
+                           query_lens: np.ndarray | None = None,
+                           plain_rows: int | None = None) -> torch.Tensor:
         """Host twin of row_seq_lens for host planners, from host twins only (numpy: this runs
         on the host every step)."""
         n, r, inter = self.dcp_world_size, self.dcp_rank, self.dcp_interleave
@@ -397,16 +470,22 @@ class MLACommonMetadataBuilder:
         qsl = qsl_cpu[: num_decodes + 1]
         live = int(qsl[-1])
         glob = seq_lens_host[:num_decodes]
-        qlen = np.diff(qsl)
-        if not causal and live == num_decodes and qlen.max() <= 1:
-            g = glob  # one token per row (plain decode): row i is token i
+        if plain_rows is not None and not causal:
+            # plain rows (MLACommonMetadataBuilder._plain_rows): token i is row i for i < live,
+            # the rest are padding rows
+            num_decodes = live = plain_rows
+            g = glob = glob[:live]
         else:
-            req = np.repeat(np.arange(num_decodes), qlen)
-            if causal:
-                offset = qlen[req] - 1 - (np.arange(live) - qsl[req])
-                g = glob[req] - offset
+            qlen = qsl[1:] - qsl[:-1] if query_lens is None else query_lens[:num_decodes]
+            if not causal and live == num_decodes and qlen.max() <= 1:
+                g = glob  # one token per row (plain decode): row i is token i
             else:
-                g = glob[req]
+                req = np.repeat(np.arange(num_decodes), qlen)
+                if causal:
+                    offset = qlen[req] - 1 - (np.arange(live) - qsl[req])
+                    g = glob[req] - offset
+                else:
+                    g = glob[req]
         if n > 1:
             if cm.dcp_local_seq_lens_cpu is not None and not causal:
                 local = cm.dcp_local_seq_lens_cpu[:num_decodes].numpy()

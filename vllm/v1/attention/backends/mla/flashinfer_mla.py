@@ -21,6 +21,7 @@ machines without it; CPU tests replace that function with recording fakes.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -85,6 +86,10 @@ class HopperPlanInputs:
     # `packed` is its used prefix, so a graph wrapper of the same layout takes them in one copy.
     packed: torch.Tensor | None = None
     packed_layout: tuple[int, int] | None = None
+    # Staged plans: (the PlanStaging ring, the index of the set holding these arrays), and
+    # numpy views of qo_indptr, kv_indptr, kv_len_arr (the refresh reads them every step).
+    staged_in: tuple | None = None
+    arrays: tuple | None = None
 
     @property
     def num_requests(self) -> int:
@@ -146,10 +151,26 @@ class PlanStaging:
         self._events: list = [None] * depth
         self._next = 0
         self._current = 0
+        self.fused_layout = None  # the last _FusedLayout planned through this ring
+        # per set: (serial of the fused layout, request count) its qo/padding entries were
+        # written for (plan_hopper_decode then writes only the lengths)
+        self._holding: list = [None] * depth
 
     @property
     def layout(self) -> tuple[int, int]:
         return self.max_requests, self.max_pages
+
+    def holds(self, layout, total: int) -> bool:
+        """Whether the current set was last written for this layout and request count."""
+        return self._holding[self._current] == (layout.serial, total)
+
+    def mark_holding(self, layout, total: int) -> None:
+        self._holding[self._current] = None if layout is None else (layout.serial, total)
+
+    @property
+    def current_index(self) -> int:
+        """The set the last `acquire` handed out (guarded by the next consumed-mark)."""
+        return self._current
 
     def packed_prefix(self, num_pages: int) -> torch.Tensor:
         """The current set's [qo | kv_indptr | kv_len | first num_pages kv_indices] prefix."""
@@ -200,14 +221,13 @@ def packed_csr_views(flat: torch.Tensor, num_requests: int):
             flat[2 * r1 + num_requests:])
 
 
-def _request_segments(bounds, row_lens, fused: bool, causal_mode: str):
-    """(request index, query rows, kv_len) of every planned request, as numpy arrays."""
+def _request_segments(bounds, row_lens, causal_mode: str):
+    """(request index, query rows, kv_len) of every planned request of causal blocks split
+    into runs (or single rows), as numpy arrays. Fused plans (one request per block, every row
+    seeing rows[-1] for non-causal / Q=1 blocks, or the kernel's causal bottom-right alignment
+    at DCP 1) take _FusedLayout instead."""
     starts, ends = bounds[:-1], bounds[1:]
     live = np.nonzero(ends > starts)[0]
-    if fused:
-        # one request per block; every row sees rows[-1] (non-causal / Q=1) or the causal
-        # bottom-right alignment of the kernel at DCP=1
-        return live, (ends - starts)[live], row_lens[ends[live] - 1]
     reqs, nrows, kvs = [], [], []
     for req in live.tolist():
         for num_rows, kv_len in _segments_of_block(
@@ -218,6 +238,83 @@ def _request_segments(bounds, row_lens, fused: bool, causal_mode: str):
             kvs.append(kv_len)
     return (np.asarray(reqs, dtype=np.int64), np.asarray(nrows, dtype=np.int64),
             np.asarray(kvs, dtype=np.int64))
+
+
+_LAYOUT_SERIALS = itertools.count()
+
+
+@dataclass
+class _FusedLayout:
+    """What a fused plan (one request per live block) takes from the query rows alone: the
+    same every steady decode step, so PlanStaging keeps the last one (`fused_layout`)."""
+
+    key: tuple            # (dtype, bytes) of the query_start_loc it was made from
+    reqs: np.ndarray      # [n] int64 live block of each planned request
+    last_rows: np.ndarray  # [n] int64 the row whose visible count is the request's kv_len
+    qo: np.ndarray        # [n+1] int32 qo_indptr of the real requests
+    plain: bool = False   # last_rows == arange(n): the lengths are a prefix of the rows
+    # [n] int64 first element of each request's block-table row in the flattened table
+    # (made per table stride, see `table_starts`)
+    stride: int = -1
+    row_starts: np.ndarray | None = None
+    serial: int = field(default_factory=lambda: next(_LAYOUT_SERIALS))  # never reused
+
+    @classmethod
+    def of(cls, bounds: np.ndarray, key: tuple) -> "_FusedLayout":
+        b = bounds.astype(np.int64)
+        starts, ends = b[:-1], b[1:]
+        live = np.nonzero(ends > starts)[0]
+        qo = np.zeros(len(live) + 1, dtype=np.int32)
+        np.cumsum(ends[live] - starts[live], out=qo[1:], dtype=np.int32)
+        last_rows = ends[live] - 1
+        n = len(live)
+        plain = bool(n) and int(last_rows[-1]) == n - 1  # increasing: then rows 0..n-1
+        return cls(key=key, reqs=live, last_rows=last_rows, qo=qo, plain=plain)
+
+    def table_starts(self, stride: int) -> np.ndarray:
+        if stride != self.stride:
+            self.stride, self.row_starts = stride, self.reqs * stride
+        return self.row_starts
+
+
+def _fused_layout(bounds: np.ndarray, staging: "PlanStaging | None") -> _FusedLayout:
+    key = (bounds.dtype.char, bounds.tobytes())
+    held = None if staging is None else staging.fused_layout
+    if held is not None and held.key == key:
+        return held
+    layout = _FusedLayout.of(bounds, key)
+    if staging is not None:
+        staging.fused_layout = layout
+    return layout
+
+
+def _gather_pages(block_table: np.ndarray, layout: _FusedLayout, kv_indptr: np.ndarray,
+                  pages: np.ndarray, num_pages: int, out: np.ndarray) -> None:
+    """out[kv_indptr[i] + p] = block_table[reqs[i], p] for p < pages[i] (one take)."""
+    n = len(pages)
+    if not block_table.flags.c_contiguous:
+        block_table = np.ascontiguousarray(block_table)
+    if n and int(pages.max()) > block_table.shape[1]:
+        raise ValueError(f"a request needs {int(pages.max())} pages but the block table has "
+                         f"{block_table.shape[1]} columns; the runner's block table is too narrow "
+                         "for these sequence lengths.")
+    # element p of request i sits at flat index row_start[i] + p = (row_start[i] - indptr[i])
+    # + (indptr[i] + p): a per-request shift repeated over its pages, plus the running index
+    shift = layout.table_starts(block_table.shape[1]) - kv_indptr[:n]
+    idx = np.repeat(shift, pages)
+    idx += _arange(num_pages)
+    block_table.reshape(-1).take(idx, out=out)
+
+
+_ARANGE = np.arange(4096, dtype=np.int64)
+
+
+def _arange(n: int) -> np.ndarray:
+    """np.arange(n) as a view of one held array (an arange per step costs a call and a buffer)."""
+    global _ARANGE
+    if n > _ARANGE.shape[0]:
+        _ARANGE = np.arange(max(n, 2 * _ARANGE.shape[0]), dtype=np.int64)
+    return _ARANGE[:n]
 
 
 def plan_hopper_decode(decode: MLACommonDecodeMetadata, page_size: int,
@@ -232,19 +329,28 @@ def plan_hopper_decode(decode: MLACommonDecodeMetadata, page_size: int,
     if causal_mode not in ("auto", "runs", "flattened"):
         raise ValueError(f"causal_mode={causal_mode!r}; choose 'auto', 'runs' or 'flattened'.")
     # Host twins only: plan() runs on the host every step and must not sync on device data.
-    bounds = decode.query_start_loc_cpu.numpy().astype(np.int64)
+    bounds = decode.query_start_loc_cpu.numpy()
     row_lens = _host(decode.row_seq_lens_cpu, decode.row_seq_lens, "row_seq_lens").numpy()
     block_table = _host(decode.block_table_cpu, decode.block_table, "block_table").numpy()
     multi_token = decode.kind == MLADecodeKind.CAUSAL_MULTI
     plan_causal = multi_token and causal_mode == "auto" and decode.dcp_world_size == 1
-    reqs, nrows, kvs = _request_segments(bounds, row_lens.astype(np.int64),
-                                         not multi_token or plan_causal, causal_mode)
+    layout = None
+    if not multi_token or plan_causal:
+        # One request per live block: its rows and order follow from the query rows alone,
+        # kept across steps (steady decode never changes them), so a step only reads lengths.
+        layout = _fused_layout(bounds, staging)
+        reqs = layout.reqs
+        kvs = row_lens[: len(reqs)] if layout.plain else row_lens[layout.last_rows]
+    else:
+        reqs, nrows, kvs = _request_segments(bounds.astype(np.int64), row_lens.astype(np.int64),
+                                             causal_mode)
     if len(kvs) == 0 and num_requests is None:
         return None
     total = len(kvs) if num_requests is None else num_requests
     if len(kvs) > total:
         raise ValueError(f"{len(kvs)} planned requests exceed the graph plan's {num_requests}")
-    pages = -(-kvs // page_size)
+    pages = kvs + (page_size - 1)
+    pages //= page_size
     num_pages = int(pages.sum())
     staged = staging is not None and staging.fits(total, num_pages)
     if staged:
@@ -259,25 +365,41 @@ def plan_hopper_decode(decode: MLACommonDecodeMetadata, page_size: int,
         qo, kv_indptr, kv_len = qo_t.numpy(), kv_indptr_t.numpy(), kv_len_t.numpy()
         kv_indices = kv_indices_t.numpy()
     n = len(kvs)
-    qo[0] = kv_indptr[0] = 0
+    # A staged set that last held this very layout (and request count) still holds its qo,
+    # the padding requests' zero lengths and kv_indptr[0]: only the lengths are written.
+    held = staged and layout is not None and staging.holds(layout, total)
+    if not held:
+        if layout is not None:
+            qo[: n + 1] = layout.qo
+        else:
+            qo[0] = 0
+            if n:
+                np.cumsum(nrows, out=qo[1: n + 1], dtype=np.int32)
+        qo[n + 1:] = qo[n]  # padding requests: no query row, no KV
+        kv_indptr[0] = 0
+        kv_len[n:] = 0
+        if staged:
+            staging.mark_holding(layout, total)
     if n:
-        np.cumsum(nrows, out=qo[1: n + 1], dtype=np.int32)
         np.cumsum(pages, out=kv_indptr[1: n + 1], dtype=np.int32)
-    qo[n + 1:] = qo[n]  # padding requests: no query row, no KV
     kv_indptr[n + 1:] = kv_indptr[n]
     kv_len[:n] = kvs
-    kv_len[n:] = 0
     if num_pages:
-        width = int(pages.max())
-        mask = np.arange(width)[None, :] < pages[:, None]
-        kv_indices[:] = block_table[reqs, :width][mask]
-    has_empty = total > n or (n > 0 and int(kvs.min()) == 0) or n == 0
+        if layout is not None:
+            _gather_pages(block_table, layout, kv_indptr, pages, num_pages, kv_indices)
+        else:
+            width = int(pages.max())
+            mask = np.arange(width)[None, :] < pages[:, None]
+            kv_indices[:] = block_table[reqs, :width][mask]
+    has_empty = total > n or n == 0 or int(kvs.min()) == 0
     packed = packed_layout = None
     if staged and total == staging.max_requests:
         packed, packed_layout = staging.packed_prefix(num_pages), staging.layout
     return HopperPlanInputs(qo_indptr=qo_t, kv_indptr=kv_indptr_t, kv_indices=kv_indices_t,
                             kv_len_arr=kv_len_t, causal=plan_causal, has_empty_rows=has_empty,
-                            packed=packed, packed_layout=packed_layout)
+                            packed=packed, packed_layout=packed_layout,
+                            staged_in=(staging, staging.current_index) if staged else None,
+                            arrays=(qo, kv_indptr, kv_len))
 
 
 @dataclass
@@ -391,8 +513,15 @@ def _refresh(slot: _WrapperSlot, inputs: HopperPlanInputs, plan_args: dict) -> b
     backend = getattr(slot.wrapper, "_planned_backend", None)
     if backend is None or getattr(backend, "_causal", True):
         return False
-    if not refresher.try_refresh(inputs.qo_indptr.numpy(), inputs.kv_indptr.numpy(),
-                                 inputs.kv_len_arr.numpy()):
+    arrays = inputs.arrays or (inputs.qo_indptr.numpy(), inputs.kv_indptr.numpy(),
+                               inputs.kv_len_arr.numpy())
+    # Staged in this slot's ring: the work arrays share the set's buffer index and its event
+    # (recorded by _plan after the copies), so the refresh records and queries none itself.
+    staged_in = inputs.staged_in
+    # (only while no later acquire moved the ring on: the consumed-mark guards the current set)
+    ring_index = (staged_in[1] if staged_in is not None and staged_in[0] is slot.staging
+                  and staged_in[1] == slot.staging.current_index else None)
+    if not refresher.try_refresh(*arrays, ring_index=ring_index):
         return False
     _upload_csr(slot, backend, inputs, graph=True)
     return True
@@ -405,6 +534,8 @@ def _adopt_plan(slot: _WrapperSlot, inputs: HopperPlanInputs, plan_args: dict) -
     device_ws = getattr(backend, "_int_workspace_buffer", None)
     plan_info = getattr(backend, "_plan_info", None)
     if pinned is None or device_ws is None or plan_info is None:
+        if slot.refresher is not None:  # the held skeleton is of an older plan: drop it
+            slot.refresher.adopt(None)
         return
     if slot.refresher is None or slot.refresher.device_ws.data_ptr() != device_ws.data_ptr():
         slot.refresher = PlanRefresher(device_ws,

@@ -86,6 +86,10 @@ class PlanSkeleton:
     kv_end: np.ndarray      # [W] the plan's kv_end (non-last chunks keep theirs)
     offsets: dict           # int32 element offsets of kv_indptr, kv_len, kv_end
     num_works: int
+    # the planned qo_indptr as given (bytes, dtype): `fits` compares the next step's in one go
+    qo_bytes: bytes = b""
+    qo_dtype: np.dtype | None = None
+    ends_are_lengths: bool = False  # every real work is its request's last (one chunk each)
 
     @classmethod
     def from_plan(cls, plan_info, pinned_ws: torch.Tensor, qo_indptr: np.ndarray,
@@ -162,6 +166,8 @@ class PlanSkeleton:
         lo = np.where(c > 1, (c - 1) * limit, -1)
         hi = c * limit
         return cls(qo_indptr=qo.copy(), num_real=num_real, lo=lo, hi=hi,
+                   qo_bytes=qo_indptr.tobytes(), qo_dtype=qo_indptr.dtype,
+                   ends_are_lengths=bool(int(last.sum()) == int((req < num_real).sum())),
                    work_req=req, last_work=order[last], last_req=r_sorted[last],
                    kv_end=kv_end_w.copy(),
                    offsets={f: at[f] // 4 for f in ("kv_indptr", "kv_len", "kv_end")},
@@ -169,42 +175,64 @@ class PlanSkeleton:
 
     def fits(self, qo_indptr: np.ndarray, kv_lens: np.ndarray) -> bool:
         """Whether (qo_indptr, kv_lens) keep this plan's rows and every chunk count."""
-        if qo_indptr.shape != self.qo_indptr.shape or not np.array_equal(qo_indptr,
-                                                                         self.qo_indptr):
+        if qo_indptr.dtype == self.qo_dtype:  # the same rows: the same bytes (one compare)
+            if qo_indptr.tobytes() != self.qo_bytes:
+                return False
+        elif qo_indptr.shape != self.qo_indptr.shape or not np.array_equal(qo_indptr,
+                                                                           self.qo_indptr):
             return False
         n = self.num_real
         kv = kv_lens[:n]
-        return bool(np.all(kv > self.lo) and np.all(kv <= self.hi)
-                    and not kv_lens[n:].any())
+        return bool(((kv > self.lo) & (kv <= self.hi)).all() and not kv_lens[n:].any())
 
     def fill(self, out: np.ndarray, kv_indptr: np.ndarray, kv_lens: np.ndarray) -> None:
         """Write the refreshed (kv_indptr, kv_len, kv_end) work arrays into out[3, >= W]."""
         w = self.num_works
         req = self.work_req  # padding works point at request num_real, itself a padding request
-        out[0, :w] = kv_indptr[req]
-        out[1, :w] = kv_lens[req]
-        out[2, :w] = self.kv_end
-        out[2, self.last_work] = kv_lens[self.last_req]
+        if kv_indptr.dtype == out.dtype and kv_lens.dtype == out.dtype:
+            np.take(kv_indptr, req, out=out[0, :w])  # no temporary
+            np.take(kv_lens, req, out=out[1, :w])
+        else:
+            out[0, :w] = kv_indptr[req]
+            out[1, :w] = kv_lens[req]
+        if self.ends_are_lengths and not kv_lens[self.num_real:].any():
+            # one chunk per request: every work ends its request's KV (padding works: 0 = the
+            # padding request's length), so kv_end is the kv_len row
+            out[2, :w] = out[1, :w]
+        else:
+            out[2, :w] = self.kv_end
+            out[2, self.last_work] = kv_lens[self.last_req]
 
 
 class PlanRefresher:
     """Per graph wrapper: the skeleton of its last real plan and the pinned buffers that carry
-    refreshed work arrays to its int workspace (a ring of `depth`, each guarded by an event, for
-    the same reason as PlanStaging: a non-blocking copy must have read a buffer before it is
-    rewritten). The buffers are small ([3, max_works] int32), so the ring is deep enough for a
-    wrapper planned several times in one step never to wait on the GPU."""
+    refreshed work arrays to its int workspace. Two ways to keep a buffer from being rewritten
+    before its non-blocking copy has read it:
+      * a caller that stages the step's CSR in a PlanStaging ring passes that set's index
+        (`ring_index`): the work arrays then go through a buffer of the same index, guarded by
+        the event the staging records for that set after the plan (no event of its own);
+      * otherwise an own ring of `depth` buffers, each guarded by an event, as in PlanStaging.
+    The buffers are small ([3, max_works] int32), so the own ring is deep enough for a wrapper
+    planned several times in one step never to wait on the GPU."""
 
     def __init__(self, int_workspace: torch.Tensor, max_works: int, depth: int = 8):
         self.device_ws = int_workspace.view(torch.int32)
         self.max_works = max_works
         pin = self._cuda = torch.cuda.is_available() and int_workspace.is_cuda
+        self._pin = pin
         self._host = [torch.zeros(3, max_works, dtype=torch.int32, pin_memory=pin)
                       for _ in range(depth)]
         self._np = [t.numpy() for t in self._host]
         self._events: list = [None] * depth
         self._next = 0
+        # buffers of the staging-ring indices (made on first use), and their [:W] row views
+        self._ring_host: dict[int, torch.Tensor] = {}
+        self._rows: dict[tuple[int, int], tuple] = {}
         self.skeleton: PlanSkeleton | None = None
         self._views: tuple | None = None
+        # bytes of the CSR kv_indptr whose work array the device holds (None: unknown): while
+        # no request changes its page count, the work kv_indptr is unchanged and not copied
+        self._indptr_written: bytes | None = None
         self.refreshes = 0
         # why a step was planned for real instead (benchmarks print these)
         self.misses = {"no skeleton": 0, "other rows or chunk counts": 0}
@@ -214,13 +242,30 @@ class PlanRefresher:
         if skeleton is not None and skeleton.num_works > self.max_works:
             skeleton = None
         self.skeleton = skeleton
+        self._rows.clear()  # row views are cut to the skeleton's work count
+        self._indptr_written = None  # the plan wrote the work kv_indptr itself
         if skeleton is not None:
             w, ws = skeleton.num_works, self.device_ws
             self._views = tuple(ws[skeleton.offsets[f]: skeleton.offsets[f] + w]
                                 for f in ("kv_indptr", "kv_len", "kv_end"))
 
+    def _buffer(self, ring_index: int | None):
+        """(host tensor, key of its row views) of the buffer this refresh writes."""
+        if ring_index is not None:
+            host = self._ring_host.get(ring_index)
+            if host is None:
+                host = self._ring_host[ring_index] = torch.zeros(
+                    3, self.max_works, dtype=torch.int32, pin_memory=self._pin)
+            return host, ("ring", ring_index)
+        i = self._next
+        self._next = (i + 1) % len(self._host)
+        event = self._events[i]
+        if event is not None and not event.query():
+            event.synchronize()
+        return self._host[i], ("own", i)
+
     def try_refresh(self, qo_indptr: np.ndarray, kv_indptr: np.ndarray,
-                    kv_lens: np.ndarray) -> bool:
+                    kv_lens: np.ndarray, ring_index: int | None = None) -> bool:
         """Refresh the held plan for new lengths (True), or leave it (False: plan afresh)."""
         sk = self.skeleton
         if sk is None:
@@ -229,16 +274,22 @@ class PlanRefresher:
         if not sk.fits(qo_indptr, kv_lens):
             self.misses["other rows or chunk counts"] += 1
             return False
-        i = self._next
-        self._next = (i + 1) % len(self._host)
-        event = self._events[i]
-        if event is not None and not event.query():
-            event.synchronize()
-        sk.fill(self._np[i], kv_indptr, kv_lens)
-        host, w = self._host[i], sk.num_works
-        for row, view in enumerate(self._views):
-            view.copy_(host[row, :w], non_blocking=True)
-        if self._cuda:
+        host, key = self._buffer(ring_index)
+        rows = self._rows.get(key)
+        if rows is None:  # [:W] views made once per skeleton (a torch slice costs ~1.5 us)
+            w = sk.num_works
+            rows = self._rows[key] = (host.numpy(), host[0, :w], host[1, :w], host[2, :w])
+        sk.fill(rows[0], kv_indptr, kv_lens)
+        indptr = kv_indptr.tobytes()
+        views = self._views
+        if indptr != self._indptr_written:
+            views[0].copy_(rows[1], non_blocking=True)
+            self._indptr_written = indptr
+        views[1].copy_(rows[2], non_blocking=True)
+        views[2].copy_(rows[3], non_blocking=True)
+        if ring_index is None and self._cuda:
+            i = key[1]
+            event = self._events[i]
             if event is None:
                 event = self._events[i] = torch.cuda.Event()
             event.record()

@@ -1,0 +1,110 @@
+"""Steady plain decode writes only the live rows' lengths into the persistent row buffers; every
+step's row geometry still equals a brute-force walk over the rows, whatever came before it.
+
+The shortcut (MLACommonMetadataBuilder._row_seq_lens) keeps req, pos and the zero tail of the
+padding tokens from the last full write of the same layout. The oracle recomputes every token
+from scratch: its row, its index in the row, and what it sees (the caller's rank-local length
+for a row's last token, local(G - (Q-1-j)) from the global bound for the earlier rows of a
+causal block, 0 for padding tokens).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.utils.mla_dcp_helpers import mla_spec, parallel_config
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.attention.backends.mla.torch_mla import TorchMLAMetadataBuilder
+from vllm.v1.worker.gpu.cp_utils import get_dcp_local_seq_lens
+
+
+def _local(g: int, dcp: int, rank: int, inter: int) -> int:
+    return int(get_dcp_local_seq_lens(torch.tensor([g]), dcp, rank, inter)[0])
+
+
+def _oracle(q_lens, glob, local, num_tokens, dcp, rank, inter):
+    out, req, pos = [], [], []
+    starts = [sum(q_lens[:b]) for b in range(len(q_lens))]
+    for t in range(num_tokens):
+        rows = [b for b in range(len(q_lens)) if starts[b] <= t < starts[b] + q_lens[b]]
+        if not rows:  # padding token: the last block's index, sees nothing
+            b = len(q_lens) - 1
+            out.append(0)
+            req.append(b)
+            pos.append(t - starts[b])
+            continue
+        b = rows[0]
+        j, q = t - starts[b], q_lens[b]
+        seen = local[b] if j == q - 1 else _local(glob[b] - (q - 1 - j), dcp, rank, inter)
+        out.append(seen)
+        req.append(b)
+        pos.append(j)
+    return out, req, pos
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_steady_rows_equal_brute_force_across_layout_changes(seed, monkeypatch):
+    rng = random.Random(seed)
+    dcp, inter = rng.choice([(1, 1), (2, 1), (2, 4)])
+    rank = rng.randrange(dcp)
+    b = TorchMLAMetadataBuilder(mla_spec(16, False), ["l0"], parallel_config(dcp, inter), "cpu",
+                                dcp_rank=rank)
+    b.reorder_batch_threshold = 4
+    full_writes = []
+    original = TorchMLAMetadataBuilder._row_seq_lens_torch
+
+    def counted(self, *args, **kwargs):
+        full_writes.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(TorchMLAMetadataBuilder, "_row_seq_lens_torch", counted)
+    live, pad, extra, steps = rng.randint(1, 6), 0, 0, 60
+    hits, previous = 0, None
+    glob = [rng.randint(5, 300) for _ in range(16)]
+    for step in range(steps):
+        event, q = rng.random(), 1
+        if event < 0.08:
+            live = max(1, min(10, live + rng.choice([-1, 1])))  # a request joins or leaves
+        elif event < 0.14:
+            pad = rng.randint(0, 3)  # other CUDA-graph padding rows (and tokens)
+            extra = rng.choice([0, 0, 1, 2])
+        elif event < 0.2:
+            q = 3  # a verify step between plain steps
+        glob = [g + rng.choice([1, 1, 2]) for g in glob]
+        prefill = rng.random() < 0.1  # a mixed step: a prompt chunk after the decode rows
+        q_lens = [q] * live + ([6] if prefill else [0] * pad)
+        qsl = [0]
+        for n in q_lens:
+            qsl.append(qsl[-1] + n)
+        num_tokens = qsl[-1] + (extra if q == 1 and not prefill else 0)
+        seq = glob[: len(q_lens)]
+        local = [_local(g, dcp, rank, inter) for g in seq]
+        qsl_t = torch.tensor(qsl, dtype=torch.int32)
+        cm = CommonAttentionMetadata(
+            query_start_loc=qsl_t.clone(), query_start_loc_cpu=qsl_t,
+            seq_lens=torch.tensor(seq, dtype=torch.int32), num_reqs=len(q_lens),
+            num_actual_tokens=num_tokens, max_query_len=max(q_lens), max_seq_len=max(seq),
+            block_table_tensor=torch.zeros(len(q_lens), 32, dtype=torch.int32),
+            slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),
+            dcp_local_seq_lens=torch.tensor(local, dtype=torch.int32) if dcp > 1 else None,
+            seq_lens_cpu=torch.tensor(seq, dtype=torch.int32),
+            dcp_local_seq_lens_cpu=torch.tensor(local, dtype=torch.int32) if dcp > 1 else None)
+        md = b.build(0, cm)
+        decode = md.decode
+        dec_lens = q_lens[:live] if prefill else q_lens
+        assert md.num_prefills == int(prefill) and md.num_decodes == len(dec_lens)
+        assert md.num_decode_tokens == (qsl[live] if prefill else max(qsl[-1], num_tokens))
+        assert decode.query_start_loc_cpu.tolist() == qsl[: len(dec_lens) + 1]
+        assert decode.max_query_len == q
+        want = _oracle(dec_lens, seq, local, decode.num_decode_tokens, dcp, rank, inter)
+        assert decode.row_seq_lens.tolist() == want[0], (step, q_lens)
+        assert decode.row_req.tolist() == want[1], (step, q_lens)
+        assert decode.row_pos.tolist() == want[2], (step, q_lens)
+        assert decode.row_seq_lens_cpu.tolist() == want[0]
+        layout = (tuple(dec_lens), decode.num_decode_tokens)
+        hits += q == 1 and layout == previous  # plain rows laid out as in the last step
+        previous = layout
+    # the shortcut is taken exactly on the plain steps that repeat the last layout
+    assert hits >= 10 and len(full_writes) == steps - hits
