@@ -1,7 +1,7 @@
 """A model of FlashInfer 0.7.2's MLA (fa3) planner for CPU tests, and a checker of its plans.
 
-`model_plan` follows the algorithm of `MLAPlan` (flashinfer/attention/scheduler.cuh) for
-non-causal plans: KV cut into chunks of at most the planner's limit, chunks dealt to the least
+`model_plan` follows the algorithm of `MLAPlan` (flashinfer/attention/scheduler.cuh), causal
+or not: KV cut into chunks of at most the planner's limit, chunks dealt to the least
 loaded cluster, the work arrays written at 16-byte aligned offsets of an int scratch buffer
 sized for 16384 work items each. Its cluster costs are a stand-in (tests never depend on which
 cluster a chunk lands on). `plan_works` reads a plan back the way the kernels do, and
@@ -30,8 +30,18 @@ def limit_of(total: int, num_clusters: int) -> int:
     return -(-x // 256) * 256
 
 
-def model_plan(qo, kv, kv_indptr, num_heads: int, num_sm: int = 8):
-    """(plan_info list, uint8 scratch tensor) of a non-causal plan for these requests."""
+def causal_kv_end(q_len: int, kv_len: int, tile_idx: int, tile: int, num_tiles: int,
+                  num_heads: int) -> int:
+    """MLAPlan's effective KV of a causal query tile (packed_causal_kv_end): the last tile
+    sees the whole KV, an earlier one only up to its last row (bottom-right aligned)."""
+    if tile_idx + 1 == num_tiles:
+        return kv_len
+    return max(min(kv_len - q_len + -(-((tile_idx + 1) * tile) // num_heads), kv_len), 0)
+
+
+def model_plan(qo, kv, kv_indptr, num_heads: int, num_sm: int = 8, causal: bool = False):
+    """(plan_info list, uint8 scratch tensor) of a plan for these requests (causal: each query
+    tile's KV ends at its effective end, as MLAPlan does)."""
     qo, kv, kv_indptr = (list(map(int, a)) for a in (qo, kv, kv_indptr))
     batch = len(kv)
     q_lens = [qo[i + 1] - qo[i] for i in range(batch)]
@@ -40,14 +50,19 @@ def model_plan(qo, kv, kv_indptr, num_heads: int, num_sm: int = 8):
     clusters = num_sm // cluster_size
     tile = 64 * cluster_size
     tiles = [-(-(q * num_heads) // tile) for q in q_lens]
-    limit = limit_of(sum(k * t for k, t in zip(kv, tiles)), clusters)
+    def effective(i, t):
+        return (causal_kv_end(q_lens[i], kv[i], t, tile, tiles[i], num_heads) if causal
+                else kv[i])
+
+    limit = limit_of(sum(effective(i, t) for i in range(batch) for t in range(tiles[i])),
+                     clusters)
     heap = [(0, c) for c in range(clusters)]
     per_cluster = [[] for _ in range(clusters)]
     merges, partial_nnz = [], 0
     for i in range(batch):
         packed = q_lens[i] * num_heads
         for t in reversed(range(tiles[i])):
-            remaining, start = kv[i], 0
+            remaining, start = effective(i, t), 0
             split = remaining > limit
             rows = min(tile, packed - t * tile)
             if split:

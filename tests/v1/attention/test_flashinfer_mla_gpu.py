@@ -200,7 +200,7 @@ def test_graph_wrapper_native_replans_with_the_packed_copy_match_torch_mla(qlen)
     assert slot.native_replans + slot.refreshes >= 3 and slot.full_plans == 1
 
 
-@pytest.mark.parametrize("qlen,causal", [(1, True), (4, False)])
+@pytest.mark.parametrize("qlen,causal", [(1, True), (4, False), (4, True), (5, True)])
 def test_graph_wrapper_plan_refreshes_match_torch_mla(qlen, causal):
     """Steady decode on one graph wrapper: lengths grow by one per step, so after the first plan
     the builder refreshes the plan's length-dependent work arrays instead of re-planning

@@ -88,7 +88,6 @@ def test_fits_refuses_other_query_rows_and_nonzero_padding():
 def test_unrecognised_plans_give_no_skeleton():
     qo, kv = np.array([0, 1, 2], dtype=np.int32), np.array([900, 60], dtype=np.int32)
     info, scratch, _ = model_plan(qo, kv, _pages(kv), 16, 8)
-    assert PlanSkeleton.from_plan(info, scratch, qo, kv, 16, causal=True) is None
     assert PlanSkeleton.from_plan(info[:-1], scratch, qo, kv, 16, causal=False) is None
     # a plan that does not cover a request (a work lost) is not adopted
     broken = scratch.clone()
@@ -261,3 +260,42 @@ def test_staged_steady_decode_refreshes_through_the_staging_ring(monkeypatch, se
     refresher = slot.refresher
     assert slot.refreshes >= 30, (slot.refreshes, slot.native_replans)
     assert refresher._ring_host and refresher._next == 0  # the staging ring's buffers only
+
+
+def test_single_tile_causal_plans_are_cut_as_non_causal_ones_and_refresh():
+    """MLAPlan gives a request's last query tile its whole KV (packed_causal_kv_end), so when
+    every request is one tile a causal plan equals the non-causal one and refreshes the same
+    way (DSpark/EAGLE verify rows: Q = 1 + k, 16 heads)."""
+    for q in (4, 5, 8):  # 64, 80, 128 packed rows: one tile of 64 or of 2 x 64 (cluster of 2)
+        qo = np.arange(0, 4 * q + 1, q, dtype=np.int32)
+        kv = np.array([700, 2049, 64, 300], dtype=np.int32)
+        causal_info, causal_ws, limit = model_plan(qo, kv, _pages(kv), 16, 8, causal=True)
+        plain_info, plain_ws, _ = model_plan(qo, kv, _pages(kv), 16, 8, causal=False)
+        assert causal_info == plain_info and torch.equal(causal_ws, plain_ws)
+        sk = PlanSkeleton.from_plan(causal_info, causal_ws, qo, kv, 16, causal=True)
+        assert sk is not None, q
+        new = kv + 1
+        assert sk.fits(qo, new)
+        ws = causal_ws.clone().view(torch.int32).numpy()
+        out = np.zeros((3, sk.num_works), dtype=np.int32)
+        ptr = _pages(new)
+        sk.fill(out, ptr, new)
+        for row, field in enumerate(("kv_indptr", "kv_len", "kv_end")):
+            ws[sk.offsets[field]: sk.offsets[field] + sk.num_works] = out[row]
+        old_counts = {i: _chunks_by_loop(int(k), limit) for i, k in enumerate(kv)}
+        assert_valid_plan(plan_works(ws, causal_info), qo, new, ptr, limit, old_counts)
+        # and what a fresh causal plan for the new lengths reads back as, work for work
+        fresh_info, fresh_ws, _ = model_plan(qo, new, ptr, 16, 8, causal=True)
+        if fresh_info == causal_info:
+            assert plan_works(ws, causal_info) == plan_works(fresh_ws.view(torch.int32).numpy(),
+                                                            fresh_info)
+
+
+def test_multi_tile_causal_plans_give_no_skeleton():
+    """Q = 9 rows x 16 heads = 144 packed rows: two tiles of 128; the first tile's KV ends at
+    its last row (not the request's end), which a refresh would not move."""
+    q = 9
+    qo = np.arange(0, 2 * q + 1, q, dtype=np.int32)
+    kv = np.array([900, 400], dtype=np.int32)
+    info, scratch, _ = model_plan(qo, kv, _pages(kv), 16, 8, causal=True)
+    assert PlanSkeleton.from_plan(info, scratch, qo, kv, 16, causal=True) is None

@@ -508,10 +508,13 @@ def _refresh(slot: _WrapperSlot, inputs: HopperPlanInputs, plan_args: dict) -> b
     """Steady decode on a graph wrapper: keep the held plan and rewrite only the work arrays
     that depend on the lengths (PlanSkeleton), when every request keeps its chunk count."""
     refresher = slot.refresher
-    if refresher is None or slot.plan_args != plan_args or inputs.causal:
+    if refresher is None or slot.plan_args != plan_args:
         return False
     backend = getattr(slot.wrapper, "_planned_backend", None)
-    if backend is None or getattr(backend, "_causal", True):
+    # The held plan must be of the same causal flag (a wrapper serves one decode kind, so it
+    # is; a causal plan has a skeleton only when every request is one query tile).
+    held_causal = getattr(backend, "_causal", None)
+    if backend is None or held_causal is None or bool(held_causal) != bool(inputs.causal):
         return False
     arrays = inputs.arrays or (inputs.qo_indptr.numpy(), inputs.kv_indptr.numpy(),
                                inputs.kv_len_arr.numpy())

@@ -22,7 +22,8 @@ fine; the cluster balance drifts by at most one chunk's worth and is rebuilt by 
 
 `PlanSkeleton.from_plan` reads a plan back from FlashInfer's pinned scratch (where the C++ planner
 wrote it, synchronously) and checks it against the layout above; anything it does not recognise
-(causal plans, another FlashInfer layout) gives None and the caller keeps re-planning.
+(requests over several query tiles, another FlashInfer layout) gives None and the caller keeps
+re-planning.
 """
 from __future__ import annotations
 
@@ -96,8 +97,12 @@ class PlanSkeleton:
                   kv_lens: np.ndarray, num_heads: int, causal: bool) -> "PlanSkeleton | None":
         """Read the plan FlashInfer just wrote into `pinned_ws` (its page-locked int scratch)
         for requests (qo_indptr, kv_lens). None when the plan is not of the recognised form."""
-        if causal:  # causal chunk ends depend on the query tile: not refreshed
-            return None
+        # Causal plans are refreshed only when every request is one query tile (checked below
+        # with the other tile conditions): MLAPlan gives a request's last (here: only) tile the
+        # request's whole KV as its effective length (packed_causal_kv_end), so such a plan is
+        # cut exactly as the non-causal one, and the kernel applies the causal mask from q_len
+        # and kv_len, both rewritten by a refresh. Earlier tiles of a multi-tile request end
+        # where their last row does, which no refresh rewrites.
         try:  # a tvm-ffi Array of int64 in FlashInfer 0.7.2
             info = [int(v) for v in plan_info]
         except (TypeError, ValueError):
