@@ -15,7 +15,7 @@ median of --repeats steps):
                as on the GPU, and a real plan is made when a request's chunk count changes
                (FlashInfer is not importable here; the model's own time is taken out, as the
                C++ planner's ~0.2 ms on an H200 node is in no number; at Q=1 the median step is
-               a refresh, causal verify plans (Q>1, DCP 1) are never refreshed);
+               a refresh, and so is a causal verify step whose rows are one query tile each);
   * `total`    build + attn + csr;
   * the ATen ops (and copy_ ops) one step dispatches, views excluded (each one costs a CUDA host
     ~5-10 us, which the CPU run hides), for build alone and for the whole step; "device launches"
@@ -115,7 +115,7 @@ def _install_fake_flashinfer(monkeypatch_modules: dict) -> object:
         # as the C++ planner's is not in it either
         start = _clock()
         info, scratch, _ = model_plan(qo.numpy(), kv_len.numpy(), kv_indptr.numpy(), num_heads,
-                                      num_sm=132)
+                                      num_sm=132, causal=bool(causal))
         pws[: scratch.numel()] = scratch
         iws[: scratch.numel()] = scratch
         PLANNER_TIME[0] += _clock() - start
