@@ -6,9 +6,11 @@
 #   bash scripts/gpu_validation.sh surface   # `vllm generate` / `vllm serve` on CUDA (needs fastapi there)
 #   bash scripts/gpu_validation.sh runner    # CUDA graphs vs eager, sync budget, fused kernels, fp8, prefill
 #   bash scripts/gpu_validation.sh decode    # benchmarks/engine/benchmark_decode.py (tiny + V3-rank dummy)
+#   bash scripts/gpu_validation.sh hostcuts  # sixth session's host cuts: their GPU tests, B=32 probe, V3 decode
+#   bash scripts/gpu_validation.sh specfp8   # fp8/bf16 paired rounds, DSpark V3 overhead, policy, spec tests
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
 set -uo pipefail
-out="${OUT:-out}"; mkdir -p "$out"
+out="${OUT:-out}"; mkdir -p "$out"; out="$(cd "$out" && pwd)"
 [ -f .gpu/env.sh ] || bash ../shared/gpu/stage.sh
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
 # shellcheck disable=SC1091
@@ -18,6 +20,13 @@ if [ -f .gpu/flashinfer_prefill_csrc.zip ]; then
   python3 -c "import zipfile; zipfile.ZipFile('.gpu/flashinfer_prefill_csrc.zip').extractall('/tmp/gpu-site')"
 fi
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
+# JIT caches carried from an earlier machine (FlashInfer builds its prefill module for > 49 s on a
+# fresh one): untarred and touched, so that ninja sees them newer than the unzipped sources.
+if [ -f .gpu/jit.tgz ] && [ ! -d "$HOME/.cache/flashinfer" ]; then
+  (root="$(pwd)"; cd "$HOME" && tar xzf "$root/.gpu/jit.tgz" \
+     && find .cache/flashinfer .triton -type f -exec touch {} +)
+fi
+V3=(--model benchmarks/configs/deepseek_v3_tp8_rank --load-format dummy)
 summary=()
 run_pytest() {  # name, then pytest arguments
   local name="$1"; shift
@@ -53,8 +62,36 @@ for what in "$@"; do
         timeout 60 python3 scripts/probe_decode_step.py --model benchmarks/configs/deepseek_v3_tp8_rank \
           --load-format dummy --steps 80 --batch "$b" --async-scheduling 2>&1 | head -n 14
       done ;;
+    hostcuts)
+      PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-290}" run_pytest hostcuts tests/v1/worker \
+        tests/v1/attention/test_flashinfer_mla_gpu.py tests/v1/e2e/test_gpu_exactness.py \
+        tests/v1/engine/test_async_scheduling_gpu.py
+      timeout 70 python3 scripts/probe_decode_step.py "${V3[@]}" --batch 32 --steps 60 \
+        --async-scheduling >"$out/probe32.log" 2>&1
+      summary+=("probe32 rc=$?"); grep -v "Warn\|warn_once" "$out/probe32.log" | head -n 30
+      timeout 170 python3 benchmarks/engine/benchmark_decode.py "${V3[@]}" --batch-sizes 1 8 32 64 \
+        --methods none --modes async-graphs --steps 60 --steps-per-block 20 --profile-steps 3 \
+        --out "$out/dv3" >"$out/dv3.log" 2>&1
+      summary+=("decode v3 rc=$?"); grep -v "^{" "$out/dv3.log" | tail -n 20 ;;
+    specfp8)
+      timeout 150 python3 benchmarks/benchmark_fp8_decode.py --batch-sizes 1 32 --rounds 3 \
+        --warmup-rounds 1 --steps 40 --json "$out/fp8.json" >"$out/fp8.log" 2>&1
+      summary+=("fp8 rc=$?"); grep -v "^{" "$out/fp8.log" | tail -n 4
+      timeout 130 python3 benchmarks/engine/benchmark_decode.py "${V3[@]}" \
+        --draft-model benchmarks/configs/deepseek_v3_tp8_rank_dspark --num-spec-tokens 4 \
+        --batch-sizes 1 32 --methods none dspark --modes async-graphs --steps 40 \
+        --steps-per-block 20 --profile-steps 3 --out "$out/dspark" >"$out/dspark.log" 2>&1
+      summary+=("dspark v3 rc=$?"); grep -v "^{" "$out/dspark.log" | tail -n 12
+      timeout 110 python3 benchmarks/engine/benchmark_spec_policy.py --batch-sizes 1 8 \
+        --variants none never auto-nopay --repeats 3 --out "$out/policy" >"$out/policy.log" 2>&1
+      summary+=("policy rc=$?"); grep -v "^{" "$out/policy.log" | tail -n 8
+      PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-120}" run_pytest specfp8 tests/v1/e2e/test_spec_policy_gpu.py \
+        tests/v1/sample tests/model_executor/test_models_gpu.py ;;
     *) echo "unknown group $what" >&2; exit 2 ;;
   esac
 done
+if [ -n "${SAVE_JIT:-}" ]; then  # for the next machine: copy $out/jit.tgz to .gpu/jit.tgz
+  (root="$(pwd)"; cd "$HOME" && tar czf "$out/jit.tgz" .cache/flashinfer .triton 2>/dev/null)
+fi
 echo "==== summary ===="
 printf '%s\n' "${summary[@]}"
