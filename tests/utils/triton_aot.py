@@ -54,13 +54,9 @@ def compile_launch(kernel, args: tuple, kwargs: dict, arch: int = 90):
     float -> fp32, keyword constexprs and launch options such as num_warps / num_stages).
     Returns Triton's compiled kernel; fails when it would not fit in sm_90 shared memory."""
     import triton
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
+    from triton.compiler import ASTSource
     target = cuda_target(arch)
-    backend = make_backend(target)
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    launch_kwargs = dict(kwargs)
-    bound, specialization, options = binder(*args, **launch_kwargs)
+    backend, launch_kwargs, bound, specialization, options = _bind(kernel, args, kwargs, target)
     options, signature, constexprs, attrs = kernel._pack_args(backend, launch_kwargs, bound,
                                                               specialization, options)
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
@@ -72,10 +68,35 @@ def compile_launch(kernel, args: tuple, kwargs: dict, arch: int = 90):
     return compiled
 
 
-def compile_recorded(recorder, key) -> dict:
-    """Compile each distinct variant of a recorder's launches once: `key(args, kwargs)` names the
-    variant (e.g. its constexprs). Returns {variant: compiled kernel}."""
+def _bind(kernel, args: tuple, kwargs: dict, target):
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    launch_kwargs = dict(kwargs)
+    bound, specialization, options = binder(*args, **launch_kwargs)
+    return backend, launch_kwargs, bound, specialization, options
+
+
+def launch_variant(kernel, args: tuple, kwargs: dict, arch: int = 90) -> str:
+    """What Triton's kernel cache keys a launch by (argument specialization and options): two
+    launches with the same variant run the same compiled kernel."""
+    _, _, _, specialization, options = _bind(kernel, args, kwargs, cuda_target(arch))
+    return repr((specialization, sorted(options.items())))
+
+
+def compile_recorded(recorder, expect_at_least: int = 1) -> dict:
+    """Compile every distinct variant (launch_variant) of a recorder's launches once; fails when
+    fewer than `expect_at_least` variants were launched (a case list that stopped covering them).
+    Returns {variant: compiled kernel}."""
     variants: dict = {}
     for args, kwargs in recorder.launches:
-        variants.setdefault(key(args, kwargs), (args, kwargs))
-    return {name: compile_launch(recorder.kernel, args, kwargs) for name, (args, kwargs) in variants.items()}
+        variants.setdefault(launch_variant(recorder.kernel, args, kwargs), (args, kwargs))
+    assert len(variants) >= expect_at_least, (
+        f"{recorder.kernel.fn.__name__}: {len(variants)} variants launched, expected >= {expect_at_least}")
+    out = {}
+    for name, (args, kwargs) in variants.items():
+        compiled = compile_launch(recorder.kernel, args, kwargs)
+        assert compiled.asm["cubin"], name
+        out[name] = compiled
+    return out
