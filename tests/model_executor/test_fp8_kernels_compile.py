@@ -18,9 +18,13 @@ from tests.utils.triton_aot import compile_recorded, cuda_target, record_launche
 
 triton = pytest.importorskip("triton")
 
-from vllm.model_executor.layers.quantization import fp8_kernels as fk  # noqa: E402
-from vllm.model_executor.layers.quantization.fp8_gemm_configs import (  # noqa: E402
-    PACKAGE_CONFIG_DIR, W8A8_TAG, W8A16_TAG, load_config_table)
+from vllm.model_executor.layers.quantization import fp8_kernels as fk
+from vllm.model_executor.layers.quantization.fp8_gemm_configs import (
+    PACKAGE_CONFIG_DIR,
+    W8A8_TAG,
+    W8A16_TAG,
+    load_config_table,
+)
 
 _KERNELS = ("_per_token_group_quant_kernel", "_w8a8_dot_kernel", "_w8a16_dot_kernel",
             "_w8a16_gemv_kernel", "_splitk_reduce_kernel")

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 
+
 def cuda_target(arch: int = 90):
     """The Triton target for sm_{arch}; skips the test when this Triton has no CUDA backend."""
     try:

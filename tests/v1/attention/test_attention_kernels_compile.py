@@ -34,8 +34,8 @@ def test_mla_cache_write_kernel_compiles_for_sm90():
                 q_pe = torch.zeros(tokens, heads, 64, dtype=dtype)
                 q_out = torch.empty_like(q_pe)
                 k_out = torch.empty_like(k_pe)
-                common = dict(positions=positions, cos_cache=cos, sin_cache=cos.clone(),
-                              interleaved=interleaved, q_pe=q_pe, q_out=q_out)
+                common = {"positions": positions, "cos_cache": cos, "sin_cache": cos.clone(),
+                          "interleaved": interleaved, "q_pe": q_pe, "q_out": q_out}
                 # rope_and_write_kv (k_pe_out given) and the plain fused write
                 mkc._launch(tokens, kv_c=kv_c, k_pe=k_pe, kv_cache=cache, slot_mapping=slots,
                             k_out=k_out, **common)

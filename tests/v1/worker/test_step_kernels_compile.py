@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from tests.utils.prepare_step_cases import random_prep_case
-from tests.utils.triton_aot import compile_launch, compile_recorded, cuda_target, record_launches
+from tests.utils.triton_aot import (
+    compile_launch,
+    compile_recorded,
+    cuda_target,
+    record_launches,
+)
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
