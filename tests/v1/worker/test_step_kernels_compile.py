@@ -27,13 +27,10 @@ def test_fused_prepare_step_kernel_compiles_for_sm90():
             buffers, args = random_prep_case(seed, "cpu")
             args.pop("num_logits")
             ps.prepare_step_triton(buffers, **args)
-    variants = {}
-    for args, kwargs in rec.launches:
-        variants.setdefault(kwargs["HAS_DCP"], (args, kwargs))
-    assert set(variants) == {False, True}  # the random cases cover DCP 1 and DCP > 1
-    for args, kwargs in variants.values():
-        compiled = compile_launch(rec.kernel, args, kwargs)
-        assert compiled.asm["cubin"]
+    assert {kwargs["HAS_DCP"] for _, kwargs in rec.launches} == {False, True}  # DCP 1 and > 1
+    # every distinct specialization the cases launch (e.g. one KV group or one draft column turn
+    # into constants), as a GPU would compile each of them
+    compile_recorded(rec, expect_at_least=2)
 
 
 def test_slot_mapping_kernel_compiles_for_sm90():
