@@ -3,19 +3,13 @@ would at its first launch): a CPU test then catches what only a real launch used
 a loop variable typed int32 in one branch and int64 in another (GPU run A, 2026-11-30).
 
 `record_launches(module, name)` swaps the module's kernel for a recorder whose launches keep
-their arguments; `compile_launch(kernel, args, kwargs)` builds the launch's signature from those
-arguments (tensors -> typed pointers, ints -> i32/i64, keyword constexprs) and compiles it."""
+their arguments; `compile_launch(kernel, args, kwargs)` binds those arguments with Triton's own
+launch-time specialization for the CUDA backend and compiles the result."""
 from __future__ import annotations
 
-import inspect
 from contextlib import contextmanager
 
 import pytest
-import torch
-
-_POINTER = {torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32",
-            torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.bool: "*i1",
-            torch.uint8: "*u8", torch.int8: "*i8"}
 
 
 def cuda_target(arch: int = 90):
@@ -49,25 +43,61 @@ def record_launches(module, name: str):
         setattr(module, name, recorder.kernel)
 
 
+# Hopper's largest dynamic shared memory per block (227 KiB): a launch needing more fails at load
+# time with OutOfResources, which an ahead-of-time compile would otherwise not show.
+SM90_MAX_SHARED = 232448
+
+
 def compile_launch(kernel, args: tuple, kwargs: dict, arch: int = 90):
-    """Compile `kernel` for the launch (args, kwargs); returns Triton's compiled kernel."""
+    """Compile `kernel` for the launch (args, kwargs) exactly as its first real launch would: the
+    arguments go through Triton's own binder for the CUDA backend (tensor -> typed pointer with the
+    16-byte alignment attribute, int -> i32/i64 or the constant 1 unless `do_not_specialize`,
+    float -> fp32, keyword constexprs and launch options such as num_warps / num_stages).
+    Returns Triton's compiled kernel; fails when it would not fit in sm_90 shared memory."""
     import triton
     from triton.compiler import ASTSource
-    names = list(inspect.signature(kernel.fn).parameters)
-    values = dict(zip(names, args))
-    signature, constexprs = {}, {}
-    for name in names:
-        if name in kwargs:
-            signature[name], constexprs[name] = "constexpr", kwargs[name]
-            continue
-        value = values[name]
-        if isinstance(value, torch.Tensor):
-            signature[name] = _POINTER[value.dtype]
-        elif isinstance(value, bool):
-            signature[name] = "i1"
-        elif isinstance(value, int):
-            signature[name] = "i64" if not -2**31 <= value < 2**31 else "i32"
-        else:
-            raise TypeError(f"argument {name!r} of {kernel.fn.__name__}: {type(value).__name__}")
-    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                          target=cuda_target(arch))
+    target = cuda_target(arch)
+    backend, launch_kwargs, bound, specialization, options = _bind(kernel, args, kwargs, target)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, launch_kwargs, bound,
+                                                              specialization, options)
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+                              options=options.__dict__)
+    shared = compiled.metadata.shared
+    assert shared <= SM90_MAX_SHARED, (
+        f"{kernel.fn.__name__} needs {shared} bytes of shared memory (> {SM90_MAX_SHARED} on sm_90) "
+        f"with {kwargs}")
+    return compiled
+
+
+def _bind(kernel, args: tuple, kwargs: dict, target):
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    launch_kwargs = dict(kwargs)
+    bound, specialization, options = binder(*args, **launch_kwargs)
+    return backend, launch_kwargs, bound, specialization, options
+
+
+def launch_variant(kernel, args: tuple, kwargs: dict, arch: int = 90) -> str:
+    """What Triton's kernel cache keys a launch by (argument specialization and options): two
+    launches with the same variant run the same compiled kernel."""
+    _, _, _, specialization, options = _bind(kernel, args, kwargs, cuda_target(arch))
+    return repr((specialization, sorted(options.items())))
+
+
+def compile_recorded(recorder, expect_at_least: int = 1) -> dict:
+    """Compile every distinct variant (launch_variant) of a recorder's launches once; fails when
+    fewer than `expect_at_least` variants were launched (a case list that stopped covering them).
+    Returns {variant: compiled kernel}."""
+    variants: dict = {}
+    for args, kwargs in recorder.launches:
+        variants.setdefault(launch_variant(recorder.kernel, args, kwargs), (args, kwargs))
+    assert len(variants) >= expect_at_least, (
+        f"{recorder.kernel.fn.__name__}: {len(variants)} variants launched, expected >= {expect_at_least}")
+    out = {}
+    for name, (args, kwargs) in variants.items():
+        compiled = compile_launch(recorder.kernel, args, kwargs)
+        assert compiled.asm["cubin"], name
+        out[name] = compiled
+    return out
