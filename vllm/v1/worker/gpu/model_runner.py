@@ -37,6 +37,7 @@ from vllm.v1.worker.gpu.sample_utils import (BatchRows, SamplingStates,
                                              sampling_row_index)
 from vllm.v1.worker.gpu.spec_decode import get_speculator_cls
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftInputs
+from vllm.v1.worker.gpu.spec_decode.step_output import apply_verified_step
 
 logger = logging.getLogger(__name__)
 
@@ -416,12 +417,9 @@ class GPUModelRunner:
             for row, token in zip(sample_rows, host[:num_sample_rows, 0].tolist()):
                 out_tokens[row] = [token]
         else:
-            for j, row in enumerate(sample_rows):
-                n = int(host[j, -1])
-                out_tokens[row] = host[j, :n].tolist()
-                num_draft_list[row] = int(num_draft[j])
-                num_accepted[row] = n - 1
-                num_computed_new[row] -= int(num_draft[j]) - (n - 1)
+            # Verified step: whole-array numpy counts (spec_decode/step_output.py).
+            num_draft_list, num_accepted = apply_verified_step(
+                host, num_draft, sample_rows, num_reqs, num_computed_new, out_tokens)
         # Counts for penalties / min_tokens, and logprobs of requests that asked (computed from
         # the raw logits; a step with none of these features does nothing here).
         # (A step whose rows use none of them skips the call: needs_host_tokens covers every
