@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tests.utils.dcp_oracle import brute_slots
 from vllm.v1.worker.gpu.block_table import BlockTables
 from vllm.v1.worker.gpu.request_states import RequestStates
 
@@ -53,3 +54,25 @@ def random_batch(seed: int, k: int, dcp: int, rank: int, interleave: int):
             pick(host_ids), pick(expect))
 
 
+
+
+def brute_step_inputs(rows, host_tables, groups, block_size, dcp, rank, interleave):
+    """What a step's inputs must be, by brute force on the host. `rows`: per batch row
+    (slot, num_computed, input ids, query length, drafts, samples); `host_tables`: the
+    [groups, slots, blocks] host block tables. Returns (input ids, positions, seq_lens,
+    logits indices, slot mappings per group), concatenated over the rows."""
+    ids, pos, seq, logits, slots = [], [], [], [], [[] for _ in range(groups)]
+    start = 0
+    for slot, computed, row_ids, count, n_drafts, sample in rows:
+        ids += row_ids
+        row_pos = list(range(computed, computed + count))
+        pos += row_pos
+        seq.append(computed + count)
+        if sample:  # a verified row's logits are all its tokens, a plain row's its last
+            n = count if n_drafts else 1
+            logits += list(range(start + count - n, start + count))
+        for grp in range(groups):
+            slots[grp] += brute_slots(row_pos, host_tables[grp, slot].tolist(), block_size,
+                                      dcp, rank, interleave)
+        start += count
+    return ids, pos, seq, logits, slots

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.utils.dcp_oracle import brute_local_len, brute_slots
-from tests.utils.input_batch_cases import BLOCK, MAX_REQS, MAX_TOKENS, random_batch
+from tests.utils.dcp_oracle import brute_local_len
+from tests.utils.input_batch_cases import (BLOCK, MAX_REQS, MAX_TOKENS, brute_step_inputs,
+                                          random_batch)
 from tests.utils.triton_interpreter import run_interpreter_driver
 from vllm.v1.worker.gpu.input_batch import InputBatchBuilder
 
@@ -25,19 +26,11 @@ def test_input_batch_equals_brute_force(seed, dcp, interleave, k):
     pad_tokens = sum(counts) + (seed % 4) * 3
     batch = builder.build(rows, counts, drafts, samples, host_ids, states, tables,
                           num_reqs_padded=pad_rows, num_tokens_padded=pad_tokens)
-    ids, pos, seq, logits_idx, slots0 = [], [], [], [], []
-    start = 0
-    for (slot, computed, row_ids), count, n_drafts, sample in zip(expect, counts, drafts, samples):
-        ids += row_ids
-        row_pos = list(range(computed, computed + count))
-        pos += row_pos
-        seq.append(computed + count)
-        if sample:
-            n_logits = count if n_drafts else 1
-            logits_idx += list(range(start + count - n_logits, start + count))
-        slots0 += brute_slots(row_pos, tables.host_block_tables[0, slot].tolist(), BLOCK, dcp,
-                              rank, interleave)
-        start += count
+    ids, pos, seq, logits_idx, slots = brute_step_inputs(
+        [(slot, computed, row_ids, count, n_drafts, sample) for (slot, computed, row_ids), count,
+         n_drafts, sample in zip(expect, counts, drafts, samples)],
+        tables.host_block_tables, 1, BLOCK, dcp, rank, interleave)
+    slots0 = slots[0]
     T = len(ids)
     assert batch.num_tokens == T and batch.num_tokens_padded == pad_tokens
     assert batch.input_ids[:T].tolist() == ids

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.utils.dcp_oracle import brute_local_len, brute_slots
+from tests.utils.dcp_oracle import brute_local_len
+from tests.utils.input_batch_cases import brute_step_inputs
 from vllm.v1.worker.gpu import block_table as block_table_mod
 from vllm.v1.worker.gpu.block_table import BlockTables
 from vllm.v1.worker.gpu.input_batch import InputBatchBuilder
@@ -130,25 +131,18 @@ class _World:
 def _check(world, batch, rows, counts, drafts, samples, host_ids, pad_rows, pad_tokens):
     states, tables = world.states, world.tables
     dcp, rank, interleave = world.dcp, world.rank, world.interleave
-    ids, pos, seq, logits, slots = [], [], [], [], [[], []]
-    start = 0
-    for state, count, n_drafts, sample, host in zip(rows, counts, drafts, samples, host_ids):
+    expect = []
+    for state, count, n_drafts, host in zip(rows, counts, drafts, host_ids):
         computed = int(states.num_computed.np[state.slot])
         if host is None:
-            ids += [int(states.last_sampled[state.slot])] + \
+            row_ids = [int(states.last_sampled[state.slot])] + \
                 states.draft_tokens[state.slot, :n_drafts].tolist()
         else:
-            ids += host
-        row_pos = list(range(computed, computed + count))
-        pos += row_pos
-        seq.append(computed + count)
-        if sample:
-            n = count if n_drafts else 1
-            logits += list(range(start + count - n, start + count))
-        for grp in range(2):
-            slots[grp] += brute_slots(row_pos, tables.host_block_tables[grp, state.slot].tolist(),
-                                      BLOCK, dcp, rank, interleave)
-        start += count
+            row_ids = host
+        expect.append((state.slot, computed, row_ids, count, n_drafts))
+    ids, pos, seq, logits, slots = brute_step_inputs(
+        [(*row, sample) for row, sample in zip(expect, samples)], tables.host_block_tables, 2,
+        BLOCK, dcp, rank, interleave)
     T, B = len(ids), len(rows)
     assert batch.num_tokens == T and batch.num_tokens_padded == pad_tokens
     assert batch.input_ids.tolist() == ids + [0] * (pad_tokens - T)
