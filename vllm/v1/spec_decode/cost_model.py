@@ -7,11 +7,16 @@ in a step that costs t_plain. Drafting pays while
     speedup = a * t_plain / t_spec > 1.
 
 Upstream measured (issue #54691) that the break-even `a` rises with context and batch size, so
-the times are kept per (batch-size bucket, context bucket) as the median of the bucket's last
-`time_window` steps measured on the host (the engine's wall clock around a step; no device
-syncs). A median, not a moving average: one step that paid a one-time cost (a first plan at a
-new size, a graph's first launch) would otherwise dominate the few plain samples exploration
-takes, and with it every later decision.
+the times are kept per (batch-size bucket, context bucket) as the lower quartile of the bucket's
+last `time_window` steps measured on the host (the engine's wall clock around a step; no device
+syncs). Step-time noise is one-sided: a step can pay a one-time cost (a first plan at a new size,
+a graph's first launch, a Python GC pass, the host descheduled) but never runs faster than its
+work. A mean or even a median of the few plain samples that exploration takes can therefore hold
+such a cost, and with it an engine that drafts where drafting cannot pay: on the H200 a plain
+bucket held 5.05 ms against the 1.0-1.2 ms of steady plain steps (sixth session), and an engine
+with drafting that could not pay drafted all 77 of its steps (seventh; docs/performance.md).
+The lower quartile is the minimum while a bucket holds <= 4 timings, so one good sample
+corrects a bad start; with 8 it ignores one freak-fast sample too.
 
 Three rules keep the decisions stable and the model fed:
 * hysteresis: a drafting request stops below 1 - h, an idle one restarts above 1 + h;
@@ -51,7 +56,7 @@ def pow2_bucket(n: int) -> int:
 
 @dataclass
 class CostModelConfig:
-    time_window: int = 8           # a bucket's step time: median of its last this-many timings
+    time_window: int = 8           # a bucket's step time: lower quartile of its last this-many
     acceptance_alpha: float = 0.2  # weight of a new acceptance sample in a request's EMA
     hysteresis: float = 0.05       # h: stop below 1 - h, restart above 1 + h
     min_samples: int = 2           # timings a bucket needs before they are trusted
@@ -80,9 +85,6 @@ class CostModelConfig:
                              f"probe_interval={self.probe_interval}; raise it")
 
 
-FIRST_SAMPLE_OUTLIER = 2.0  # a first timing this many times the second is dropped
-
-
 @dataclass
 class _Ema:
     """A request's running acceptance length."""
@@ -96,32 +98,27 @@ class _Ema:
 
 @dataclass
 class _StepTimes:
-    """One bucket's step timings of one kind: the median of the last `window` of them."""
+    """One bucket's step timings of one kind: the lower quartile of the last `window` of them
+    (the module doc says why not a mean or a median)."""
     window: int
     recent: deque = field(init=False)
     count: int = 0
-    _median: float | None = field(default=None, compare=False, repr=False)  # cache
+    _value: float | None = field(default=None, compare=False, repr=False)  # cache
 
     def __post_init__(self):
         self.recent = deque(maxlen=self.window)
 
     def add(self, sample: float) -> None:
-        if self.count == 1 and self.recent[0] > FIRST_SAMPLE_OUTLIER * sample:
-            # The first timing of a kind can carry one-time costs; with only two samples the
-            # median is their mean, so a first far above the second is dropped outright.
-            self.recent.clear()
         self.recent.append(sample)
         self.count += 1
-        self._median = None
+        self._value = None
 
     @property
     def value(self) -> float:
-        if self._median is None:
+        if self._value is None:
             ordered = sorted(self.recent)
-            n = len(ordered)
-            self._median = (ordered[n // 2] if n % 2 else
-                            0.5 * (ordered[n // 2 - 1] + ordered[n // 2]))
-        return self._median
+            self._value = ordered[(len(ordered) - 1) // 4]
+        return self._value
 
 
 @dataclass
