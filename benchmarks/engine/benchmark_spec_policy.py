@@ -51,6 +51,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--attention-backend", default="FLASHINFER_MLA")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--none-async", action="store_true",
+                        help="run the 'none' baseline with the engine's default (async) "
+                             "scheduling instead of synchronously: the tok/s a user gets without "
+                             "drafts (issue #10's DSpark >= 1.5x is taken against it)")
     parser.add_argument("--out", default="out/spec_policy")
     args = parser.parse_args()
     if "none" not in args.variants:
@@ -67,7 +71,7 @@ def main() -> None:
             enforce_eager=args.enforce_eager,
             # Speculative engines schedule synchronously (no async scheduling with drafters
             # yet): the baseline does too, so the ratios isolate the drafting policy.
-            async_scheduling=False if variant == "none" else None)
+            async_scheduling=False if variant == "none" and not args.none_async else None)
             for variant in ["none"] + [v for v in args.variants if v != "none"]}
         runs = run_rounds(cases, args.repeats, warmup_rounds=args.warmup_rounds)
         for variant, variant_runs in runs.items():
