@@ -14,7 +14,7 @@ from vllm import LLM, SamplingParams
 from vllm.config import ModelConfig, SpeculativeConfig, VllmConfig
 from vllm.model_executor.models.drafter_common import block_drafter_fields
 from vllm.model_executor.models.tiny import write_tiny_models
-from vllm.transformers_utils.config import HFConfig, load_hf_config
+from vllm.transformers_utils.config import HFConfig
 
 PROMPTS = [[5, 17, 29, 41, 53, 65, 77, 89], [200, 3, 99, 12], [7, 7, 7, 30, 31]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

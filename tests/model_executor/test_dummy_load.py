@@ -3,8 +3,6 @@ DeepSeek-V3 per-TP8-rank dims checked on never-touched (unallocated) parameters,
 seeded dummy weights that keep activations finite through many layers, a real-dims forward of a
 reduced layer count, and dummy target + drafter through the engine."""
 import json
-import math
-import os
 from pathlib import Path
 
 import pytest

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from vllm.forward_context import dense_attention_context
 from vllm.config import ModelConfig, VllmConfig

@@ -5,7 +5,6 @@ import json
 import os
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from vllm import LLM, SamplingParams

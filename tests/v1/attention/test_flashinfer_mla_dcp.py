@@ -13,7 +13,6 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.mla.flashinfer_mla import (FlashInferMLAImpl,
                                                            FlashInferMLAMetadataBuilder,
                                                            _segments_of_block)
-from vllm.v1.attention.backends.mla.torch_mla import TorchMLAImpl
 from vllm.v1.attention.ops.dcp_combine import merge_attn_states
 
 SMALL_WS = dict(workspace_bytes=1024)

@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 from vllm.v1.core.sched.request import RequestStatus
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from tests.utils.fake_model import EOS, FakeRunner, fake_drafts, next_token, reference_greedy
+from tests.utils.fake_model import EOS, FakeRunner, fake_drafts, reference_greedy
 from tests.utils.sched_helpers import make_config, make_request, run_to_completion
 
 

@@ -190,7 +190,6 @@ def generate(p: Params, config: dict, prompts: torch.Tensor, num_new: int, table
              temperature: float = 0.0, generator: torch.Generator | None = None) -> torch.Tensor:
     """Continue equal-length prompts [B, P] by `num_new` tokens (greedy at temperature 0, else
     sampled), with a per-layer cache of expanded keys/values. Only byte tokens are produced."""
-    b = prompts.shape[0]
     n_layers = config["num_hidden_layers"]
     cache_k: list[torch.Tensor | None] = [None] * n_layers
     cache_v: list[torch.Tensor | None] = [None] * n_layers
