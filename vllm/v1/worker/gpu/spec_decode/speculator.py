@@ -18,7 +18,7 @@ import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
 # Module attribute on purpose: tests patch `speculator.prepare_dcp_local_seq_lens`.
-from vllm.v1.worker.gpu.cp_utils import prepare_dcp_local_seq_lens
+from vllm.v1.worker.gpu.cp_utils import dcp_local_seq_lens_np, prepare_dcp_local_seq_lens
 from vllm.v1.worker.gpu.input_batch import InputBuffers
 
 
@@ -100,6 +100,9 @@ class Speculator:
         self._upper_bound_np = self.seq_lens_cpu_upper_bound.numpy()
         self._seq_lens_cpu = torch.zeros(max_num_reqs, dtype=torch.int32)
         self._seq_lens_cpu_np = self._seq_lens_cpu.numpy()
+        # Host twin of the rank-local draft lengths (DCP), written in numpy each build.
+        self._dcp_local_cpu = torch.zeros(max_num_reqs, dtype=torch.int32)
+        self._dcp_local_cpu_np = self._dcp_local_cpu.numpy()
         # (num_reqs, num_reqs_padded, Q) of the uniform query starts last copied to the device
         # (block drafters: the same every step, so neither the host write nor the copy recurs).
         self._uniform_qsl_key: tuple[int, int, int] | None = None
@@ -199,6 +202,8 @@ class Speculator:
         dcp_local_seq_lens: torch.Tensor | None = None,
         seq_lens_np: np.ndarray | None = None,
         cudagraph: bool = False,
+        slot_mappings: torch.Tensor | None = None,
+        padding_written: bool = False,
     ) -> dict[str, Any]:
         """Attention metadata of one draft forward, described by the draft's own buffers.
 
@@ -209,6 +214,9 @@ class Speculator:
         advanced past the target's upper bound: the AR step index, or Q for a block drafter.
         `seq_lens_np` are the exact draft lengths on the host (the runner knows them after its
         one transfer per step); planners read them instead of syncing on the device buffer.
+        `slot_mappings`: the caller already wrote the slots of this batch (block drafters'
+        fused input write), so they are not computed again; `padding_written`: it also zeroed
+        the padding rows' seq_lens. The rank-local DCP lengths are recomputed here either way.
         """
         if not 0 <= num_reqs <= num_reqs_padded <= self.max_num_reqs:
             raise ValueError(
@@ -239,7 +247,7 @@ class Speculator:
             raise ValueError(
                 f"the draft batch has {int(qsl_np[num_reqs_padded])} query tokens but "
                 f"num_tokens_padded={num_tokens_padded}; pass the padded token count.")
-        if num_reqs_padded > num_reqs:
+        if num_reqs_padded > num_reqs and not padding_written:
             buffers.seq_lens[num_reqs:num_reqs_padded].zero_()
 
         # Host upper bound of the draft lengths: each step adds at most `step` tokens past the
@@ -270,9 +278,11 @@ class Speculator:
         cp_size = self.dcp_size
         dcp_local_cpu = None
         if cp_size > 1 and seq_lens_cpu is not None:
-            from vllm.v1.worker.gpu.cp_utils import get_dcp_local_seq_lens
-            dcp_local_cpu = get_dcp_local_seq_lens(seq_lens_cpu, cp_size, self.dcp_rank,
-                                                   self.dcp_interleave)
+            # numpy into the persistent host twin (torch ops on host tensors cost microseconds
+            # each; planners read these lengths, the device reads the recomputed buffer below)
+            dcp_local_seq_lens_np(seq_lens_cpu.numpy(), cp_size, self.dcp_rank,
+                                  self.dcp_interleave, out=self._dcp_local_cpu_np)
+            dcp_local_cpu = self._dcp_local_cpu[:num_reqs_padded]
         if dcp_local_seq_lens is None and cp_size > 1:
             # Recompute from the draft's OWN seq_lens into the persistent buffer (DESIGN §6);
             # the target's local lengths would be stale after the draft advanced or rolled back.
@@ -280,8 +290,10 @@ class Speculator:
                                        cp_size, self.dcp_rank, self.dcp_interleave)
             dcp_local_seq_lens = buffers.dcp_local_seq_lens[:num_reqs_padded]
 
-        slot_mappings = self.block_tables.compute_slot_mappings(
-            buffers.query_start_loc[: num_reqs_padded + 1], buffers.positions[:num_tokens_padded])
+        if slot_mappings is None:
+            slot_mappings = self.block_tables.compute_slot_mappings(
+                buffers.query_start_loc[: num_reqs_padded + 1],
+                buffers.positions[:num_tokens_padded])
 
         # A bool applies to every built group, and only the drafter's own groups are built.
         return build_attn_metadata(
