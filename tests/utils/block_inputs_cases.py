@@ -41,6 +41,15 @@ def random_case(seed: int, device: str = "cpu") -> dict:
                 for _ in range(num_reqs)]
     accepted = [max(a, 0) for a in accepted]
     anchors = [rng.randrange(1, 1000) for _ in range(num_reqs)]
+    # EAGLE/MTP steps: rows of one token starting past the accepted prefix, first ids read from
+    # a column of the [num_reqs, k] drafts (a strided view).
+    start_offset = rng.choice([0, 0, 1, 3])
+    first_ids = torch.tensor(anchors, dtype=torch.int64, device=device)
+    if rng.random() < 0.4:
+        wide = torch.zeros(num_reqs, 3, dtype=torch.int64, device=device)
+        wide[:, 1] = first_ids
+        first_ids = wide[:, 1]
+    accepted = [max(a - start_offset, 0) for a in accepted]
     group_ids = tuple(sorted(rng.sample(range(num_groups), rng.randint(1, num_groups))))
     buffers = BlockInputBuffers(
         input_ids=torch.full((256,), SENTINEL, dtype=torch.int64, device=device),
@@ -53,7 +62,7 @@ def random_case(seed: int, device: str = "cpu") -> dict:
     tables.slot_mappings.fill_(SENTINEL)
     return dict(tables=tables, buffers=buffers, num_reqs=num_reqs, padded=padded, q=q,
                 accepted=torch.tensor(accepted, dtype=torch.int64, device=device),
-                next_token_ids=torch.tensor(anchors, dtype=torch.int64, device=device),
+                next_token_ids=first_ids, start_offset=start_offset,
                 max_model_len=max_model_len, slots=slots, sharded=sharded)
 
 
@@ -79,13 +88,13 @@ def expected_writes(case: dict) -> dict:
     SENTINEL)."""
     tables, q, padded, num_reqs = case["tables"], case["q"], case["padded"], case["num_reqs"]
     L = case["max_model_len"]
-    accepted = case["accepted"].tolist()
+    starts = [a + case["start_offset"] for a in case["accepted"].tolist()]
     anchors = case["next_token_ids"].tolist() + [0] * (padded - num_reqs)
     positions, seq_lens = [], []
     for row in range(padded):
         if row < num_reqs:
-            positions.append([min(accepted[row] + j, L - 1) for j in range(q)])
-            seq_lens.append(min(accepted[row] + q, L))
+            positions.append([min(starts[row] + j, L - 1) for j in range(q)])
+            seq_lens.append(min(starts[row] + q, L))
         else:
             positions.append([0] * q)
             seq_lens.append(0)

@@ -13,7 +13,8 @@ from vllm.v1.worker.gpu.spec_decode import block_inputs  # noqa: E402
 
 def _run(case, fn):
     fn(case["tables"], case["buffers"], case["num_reqs"], case["padded"], case["q"],
-       case["accepted"], case["next_token_ids"], case["max_model_len"])
+       case["accepted"], case["next_token_ids"], case["max_model_len"],
+       case["start_offset"])
 
 
 if __name__ == "__main__":

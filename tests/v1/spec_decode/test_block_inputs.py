@@ -20,7 +20,8 @@ from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
 
 def _run(case, fn):
     fn(case["tables"], case["buffers"], case["num_reqs"], case["padded"], case["q"],
-       case["accepted"], case["next_token_ids"], case["max_model_len"])
+       case["accepted"], case["next_token_ids"], case["max_model_len"],
+       case["start_offset"])
 
 
 @pytest.mark.parametrize("seed", range(60))
@@ -41,14 +42,18 @@ def test_cases_cover_the_geometries():
     assert any(c["num_reqs"] == 0 for c in cases)
     assert any(not all(c["sharded"]) and c["tables"].cp_size > 1 for c in cases)
     assert any(len(c["buffers"].group_ids_host) < c["tables"].num_kv_cache_groups for c in cases)
-    assert any(a + c["q"] > c["max_model_len"] for c in cases for a in c["accepted"].tolist())
+    assert any(a + c["start_offset"] + c["q"] > c["max_model_len"]
+               for c in cases for a in c["accepted"].tolist())
+    assert any(c["start_offset"] > 0 and c["num_reqs"] > 0 for c in cases)
+    assert any(c["next_token_ids"].stride(0) > 1 and c["num_reqs"] > 1 for c in cases)
 
 
 def test_dispatcher_returns_the_slot_view_and_checks_sizes():
     case = random_case(3)
     slots = block_inputs.write_block_inputs(case["tables"], case["buffers"], case["num_reqs"],
                                             case["padded"], case["q"], case["accepted"],
-                                            case["next_token_ids"], case["max_model_len"])
+                                            case["next_token_ids"], case["max_model_len"],
+                                            case["start_offset"])
     assert slots.data_ptr() == case["tables"].slot_mappings.data_ptr()
     assert slots.shape == (case["tables"].num_kv_cache_groups, case["padded"] * case["q"])
     with pytest.raises(ValueError, match="num_reqs"):
@@ -89,3 +94,40 @@ def test_block_propose_slots_equal_the_generic_slot_mapping(cp_size, cp_rank, in
     assert calls == []
     common = draft_builder.calls[-1].common
     assert common.slot_mapping.data_ptr() == tables.slot_mappings[1].data_ptr()
+
+
+@pytest.mark.parametrize("cp_size,cp_rank,interleave", [(1, 0, 1), (2, 1, 1), (4, 2, 4)])
+def test_eagle_steps_hand_the_builder_the_generic_slots(cp_size, cp_rank, interleave):
+    """EAGLE/MTP steps 1..k-1 use the fused write as rows of one token: the slots the builder
+    gets (and the draft's positions / seq_lens) equal the generic slot mapping of positions
+    num_computed_new + step - 1 and lengths num_computed_new + step."""
+    from tests.utils.spec_fakes import FakeEagleModel
+    from vllm.v1.worker.gpu.spec_decode.eagle.speculator import EagleSpeculator
+    from vllm.v1.worker.gpu.spec_decode.speculator import DraftInputs
+    spec, _ = make_speculator(EagleSpeculator, k=4, num_reqs=3, model=FakeEagleModel(),
+                              cp_size=cp_size, cp_rank=cp_rank, interleave=interleave)
+    tables, buffers = spec.block_tables, spec.input_buffers
+    computed = np.array([17, 40, 63], dtype=np.int64)  # accepted prefix after this step
+    seen = []
+    original = spec._build_draft_attn_metadata
+
+    def spy(*args, **kwargs):
+        if kwargs.get("slot_mappings") is not None:
+            seen.append((kwargs["step"], buffers.positions[:3].tolist(),
+                         buffers.seq_lens[:3].tolist(), kwargs["slot_mappings"][0, :3].tolist()))
+        return original(*args, **kwargs)
+
+    spec._build_draft_attn_metadata = spy
+    spec.propose(DraftInputs(
+        num_reqs=3, query_start_loc_np=np.arange(4), target_input_ids=torch.tensor([1, 2, 3]),
+        target_positions=torch.from_numpy(computed - 1), target_hidden_states=torch.zeros(3, 8),
+        target_seq_lens_cpu=torch.from_numpy(computed.astype(np.int32)),
+        num_computed_new=computed, last_accepted_index=torch.arange(3),
+        next_token_ids=torch.tensor([4, 5, 6])))
+    assert [s[0] for s in seen] == [1, 2, 3]
+    qsl = torch.arange(4, dtype=torch.int32)
+    for step, positions, seq_lens, slots in seen:
+        assert positions == (computed + step - 1).tolist()
+        assert seq_lens == (computed + step).tolist()
+        reference = tables.compute_slot_mappings(qsl, torch.tensor(positions))[0]
+        assert slots == reference.tolist()

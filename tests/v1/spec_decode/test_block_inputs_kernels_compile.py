@@ -19,6 +19,7 @@ def test_block_draft_inputs_kernel_compiles_for_sm90():
             case = random_case(seed)
             block_inputs.write_block_inputs_triton(
                 case["tables"], case["buffers"], case["num_reqs"], case["padded"], case["q"],
-                case["accepted"], case["next_token_ids"], case["max_model_len"])
+                case["accepted"], case["next_token_ids"], case["max_model_len"],
+                case["start_offset"])
     assert {kwargs["Q"] for _, kwargs in rec.launches} >= {1, 4, 5}
     compile_recorded(rec, expect_at_least=4)

@@ -1,21 +1,24 @@
-"""The block drafters' per-step inputs in one fused write (DFlash, DSpark).
+"""The uniform draft rows' per-step inputs in one fused write (DFlash/DSpark blocks, and the
+EAGLE/MTP autoregressive steps as blocks of one token).
 
-A block drafter's step is uniform: request i drafts a block of Q tokens at positions
-accepted[i] + arange(Q) (clamped to max_model_len - 1), its draft seq_len is
-min(accepted[i] + Q, max_model_len), and the block's first id is the anchor. One call writes, for
-`padded` rows (rows past num_reqs are CUDA-graph padding: anchor 0, positions 0, length 0, PAD
-slots):
+A uniform draft step: request i drafts Q tokens at positions start[i] + arange(Q), with
+start[i] = accepted[i] + start_offset (block drafters: offset 0, the anchor's position; EAGLE step
+s: offset s - 1), positions clamped to max_model_len - 1; its draft seq_len is
+min(start[i] + Q, max_model_len) and the row's first id is `next_token_ids[i]` (the anchor, or the
+previous draft). One call writes, for `padded` rows (rows past num_reqs are CUDA-graph padding:
+id 0, positions 0, length 0, PAD slots):
   - anchors[row] and input_ids[row * Q] (the mask columns 1.. are the caller's, written once);
   - positions[row * Q + j];
   - seq_lens[row];
   - slot_mappings[g, row * Q + j] for each of the drafter's own KV cache groups g (the same slot
-    formula as BlockTables.compute_slot_mappings; other groups' rows are left as they are).
+    formula as BlockTables.compute_slot_mappings; other groups' rows are left as they are: the
+    draft forward builds only its own groups).
 Rank-local DCP lengths are NOT written here: the shared base builder recomputes them from the
 draft's seq_lens for every speculator (DESIGN §6), through the patchable
 `speculator.prepare_dcp_local_seq_lens`.
 
 On CUDA this is one Triton launch (no host sync, capturable); elsewhere a torch twin with identical
-results. Before, the same writes took ~8 torch ops plus the slot-mapping launch every step.
+results. Before, the same writes took 6-9 torch ops plus the slot-mapping launch per forward.
 """
 from __future__ import annotations
 
@@ -44,14 +47,15 @@ if HAS_TRITON:
 
     # Per-step row counts are not specialised on (one compiled variant per Q, no JIT
     # mid-serving).
-    @triton.jit(do_not_specialize=["num_reqs"])
+    @triton.jit(do_not_specialize=["num_reqs", "start_offset"])
     def _block_draft_inputs_kernel(
         input_ids_ptr,        # [max_num_tokens] int64
         positions_ptr,        # [max_num_tokens] int64
         seq_lens_ptr,         # [max_num_reqs] int32
         anchors_ptr,          # [max_num_reqs] int64
         accepted_ptr,         # [num_reqs] int64: accepted prefix length = anchor position
-        next_tokens_ptr,      # [num_reqs] int64 anchors
+        next_tokens_ptr,      # [num_reqs] int64 anchors (row stride next_stride)
+        next_stride,
         group_ids_ptr,        # [G] int32: the drafter's KV cache groups
         slot_mappings_ptr,    # [num_groups, slot_stride] int64
         slot_stride,
@@ -63,6 +67,7 @@ if HAS_TRITON:
         group_max_blocks_ptr,  # [num_groups] int32
         num_reqs,
         max_model_len,
+        start_offset,         # the block starts at accepted + start_offset
         cp_rank,
         cp_interleave,
         Q: tl.constexpr,
@@ -74,15 +79,15 @@ if HAS_TRITON:
         cols = tl.arange(0, BLOCK_Q)
         in_block = cols < Q
         token = row.to(tl.int64) * Q + cols
-        accepted = tl.load(accepted_ptr + row, mask=real, other=0).to(tl.int64)
+        start = tl.load(accepted_ptr + row, mask=real, other=0).to(tl.int64) + start_offset
         # Clamped positions only occur for drafts the scheduler drops at max_model_len.
-        pos = tl.where(real, tl.minimum(accepted + cols, max_model_len - 1), 0)
+        pos = tl.where(real, tl.minimum(start + cols, max_model_len - 1), 0)
         if group_slot == 0:  # one program per row writes the row's non-slot inputs
-            anchor = tl.load(next_tokens_ptr + row, mask=real, other=0).to(tl.int64)
+            anchor = tl.load(next_tokens_ptr + row * next_stride, mask=real, other=0).to(tl.int64)
             tl.store(anchors_ptr + row, anchor)
             tl.store(input_ids_ptr + row.to(tl.int64) * Q, anchor)
             tl.store(positions_ptr + token, pos, mask=in_block)
-            seq_len = tl.where(real, tl.minimum(accepted + Q, max_model_len), 0)
+            seq_len = tl.where(real, tl.minimum(start + Q, max_model_len), 0)
             tl.store(seq_lens_ptr + row, seq_len.to(seq_lens_ptr.dtype.element_ty))
         group = tl.load(group_ids_ptr + group_slot).to(tl.int64)
         block_size = tl.load(block_sizes_ptr + group).to(tl.int64)
@@ -122,7 +127,8 @@ def _check_args(tables: BlockTables, buffers: BlockInputBuffers, num_reqs: int, 
 
 def write_block_inputs_torch(tables: BlockTables, buffers: BlockInputBuffers, num_reqs: int,
                              padded: int, q: int, accepted: torch.Tensor,
-                             next_token_ids: torch.Tensor, max_model_len: int) -> None:
+                             next_token_ids: torch.Tensor, max_model_len: int,
+                             start_offset: int = 0) -> None:
     """The torch twin of the fused kernel (CPU, or CUDA without Triton)."""
     num_tokens = padded * q
     anchors = buffers.anchors[:padded]
@@ -134,6 +140,8 @@ def write_block_inputs_torch(tables: BlockTables, buffers: BlockInputBuffers, nu
     anchors[:num_reqs].copy_(next_token_ids[:num_reqs])
     buffers.input_ids[:num_tokens].view(padded, q)[:, 0] = anchors
     accepted = accepted[:num_reqs].to(torch.int64)
+    if start_offset:
+        accepted = accepted + start_offset
     torch.add(accepted[:, None], buffers.offsets, out=positions[:num_reqs])
     positions[:num_reqs].clamp_(max=max_model_len - 1)
     torch.add(accepted, q, out=seq_lens[:num_reqs])
@@ -165,30 +173,31 @@ def _slots_torch(tables: BlockTables, group_ids: tuple[int, ...], positions: tor
 
 def write_block_inputs_triton(tables: BlockTables, buffers: BlockInputBuffers, num_reqs: int,
                               padded: int, q: int, accepted: torch.Tensor,
-                              next_token_ids: torch.Tensor, max_model_len: int) -> None:
+                              next_token_ids: torch.Tensor, max_model_len: int,
+                              start_offset: int = 0) -> None:
     geometry = tables.device_slot_geometry()
     grid = (padded, len(buffers.group_ids_host))
     _block_draft_inputs_kernel[grid](
         buffers.input_ids, buffers.positions, buffers.seq_lens, buffers.anchors, accepted,
-        next_token_ids, buffers.group_ids, geometry.slot_mappings,
+        next_token_ids, next_token_ids.stride(0), buffers.group_ids, geometry.slot_mappings,
         geometry.slot_mappings.stride(0), geometry.input_block_tables,
         geometry.input_block_tables.stride(0), geometry.input_block_tables.stride(1),
         geometry.block_sizes, geometry.group_cp_sizes, geometry.group_max_blocks, num_reqs,
-        max_model_len, geometry.cp_rank, geometry.cp_interleave, Q=q,
+        max_model_len, start_offset, geometry.cp_rank, geometry.cp_interleave, Q=q,
         BLOCK_Q=triton.next_power_of_2(q))
 
 
 def write_block_inputs(tables: BlockTables, buffers: BlockInputBuffers, num_reqs: int,
                        padded: int, q: int, accepted: torch.Tensor, next_token_ids: torch.Tensor,
-                       max_model_len: int) -> torch.Tensor:
+                       max_model_len: int, start_offset: int = 0) -> torch.Tensor:
     """Write the block inputs of `padded` rows (see the module docstring). Returns the
     [num_groups, padded * Q] view of the persistent slot mappings; only the drafter's groups'
     rows were written (the draft forward reads no other group)."""
     _check_args(tables, buffers, num_reqs, padded, q, accepted, next_token_ids)
     if buffers.positions.is_cuda and HAS_TRITON:
         write_block_inputs_triton(tables, buffers, num_reqs, padded, q, accepted, next_token_ids,
-                                  max_model_len)
+                                  max_model_len, start_offset)
     else:
         write_block_inputs_torch(tables, buffers, num_reqs, padded, q, accepted, next_token_ids,
-                                 max_model_len)
+                                 max_model_len, start_offset)
     return tables.slot_mapping_view(padded * q)

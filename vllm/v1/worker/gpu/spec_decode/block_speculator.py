@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm.v1.worker.gpu.spec_decode.block_inputs import BlockInputBuffers, write_block_inputs
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftInputs, Speculator
 
 
@@ -76,53 +75,23 @@ class BlockSpeculator(Speculator):
         seq_lens and the drafter groups' slot mappings, in one fused write (block_inputs.py).
         Returns (anchors [padded], slot mappings [num_groups, padded * Q])."""
         q = self.query_len
-        buffers = self._block_input_buffers()
         # Columns 1.. hold the mask token in every row, always: written once (the buffer is the
         # speculator's own; only column 0, the anchor, changes between steps).
         if self._masks_written < padded:
-            block_ids = buffers.input_ids[: padded * q].view(padded, q)
+            block_ids = self.input_buffers.input_ids[: padded * q].view(padded, q)
             block_ids[:, 1:].fill_(int(self.model.config.mask_token_id))
             self._masks_written = padded
-        slot_mappings = write_block_inputs(self.block_tables, buffers, num_reqs, padded, q,
-                                           accepted, next_token_ids, self.max_model_len)
+        slot_mappings = self._write_uniform_rows(num_reqs, padded, q, accepted, next_token_ids)
         return self._anchor_views(padded), slot_mappings
 
-    def _persistent(self, name: str, make) -> torch.Tensor:
-        """A device buffer made on first use and kept (Q is known only once the drafter is
-        loaded); made outside inference mode so CUDA graphs and in-place writes may use it."""
-        buf = self.__dict__.get(name)
-        if buf is None:
-            with torch.inference_mode(False):
-                buf = make()
-            setattr(self, name, buf)
-        return buf
-
-    def _anchor_buffer(self) -> torch.Tensor:
-        return self._persistent("_anchors", lambda: torch.zeros(
-            self.max_num_reqs, dtype=torch.int64, device=self.device))
-
     def _anchor_views(self, padded: int) -> torch.Tensor:
-        """anchors[:padded], one view per size (a torch slice costs the host ~1.5 us)."""
+        """anchors[:padded] of the persistent anchor buffer (the fused write fills it), one view
+        per size (a torch slice costs the host ~1.5 us)."""
         views = self.__dict__.setdefault("_anchor_view_cache", {})
         view = views.get(padded)
         if view is None:
-            view = views[padded] = self._anchor_buffer()[:padded]
+            view = views[padded] = self._uniform_buffers(self.query_len).anchors[:padded]
         return view
-
-    def _block_input_buffers(self) -> BlockInputBuffers:
-        """The fused write's buffers: the draft's own input buffers, the anchors and a device
-        copy of the drafter's KV cache group ids (all groups when none were bound)."""
-        groups = self.group_ids or tuple(range(self.block_tables.num_kv_cache_groups))
-        buffers = self.__dict__.get("_block_inputs")
-        if buffers is None or buffers.group_ids_host != groups:  # made once per binding
-            with torch.inference_mode(False):
-                group_ids = torch.tensor(groups, dtype=torch.int32, device=self.device)
-                offsets = torch.arange(self.query_len, dtype=torch.int64, device=self.device)
-            inputs = self.input_buffers
-            buffers = self._block_inputs = BlockInputBuffers(
-                inputs.input_ids, inputs.positions, inputs.seq_lens, self._anchor_buffer(),
-                group_ids, groups, offsets)
-        return buffers
 
     def _block_step(self, attn_metadata, padded: int, anchors: torch.Tensor) -> tuple:
         """The captured part of a draft step: block forward, LM head, draft choice."""

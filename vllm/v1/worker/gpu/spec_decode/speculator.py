@@ -20,6 +20,7 @@ from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
 # Module attribute on purpose: tests patch `speculator.prepare_dcp_local_seq_lens`.
 from vllm.v1.worker.gpu.cp_utils import dcp_local_seq_lens_np, prepare_dcp_local_seq_lens
 from vllm.v1.worker.gpu.input_batch import InputBuffers
+from vllm.v1.worker.gpu.spec_decode.block_inputs import BlockInputBuffers, write_block_inputs
 
 
 @dataclass
@@ -187,6 +188,35 @@ class Speculator:
         self.draft_probs_buffer[self._slots[: logits.shape[0]], index] = probs
         self._probs_written = True
         return tokens
+
+    # ------------------------------------------------------- uniform draft rows
+    def _uniform_buffers(self, q: int) -> BlockInputBuffers:
+        """The fused uniform-row write's buffers (block_inputs.py): the draft's own input
+        buffers, a persistent anchor buffer (kept across re-bindings: captured graphs read it),
+        arange(q) and a device copy of the drafter's KV cache group ids (all groups when none
+        were bound). Made once per (binding, q)."""
+        groups = self.group_ids or tuple(range(self.block_tables.num_kv_cache_groups))
+        buffers = self.__dict__.get("_uniform_inputs")
+        if (buffers is None or buffers.group_ids_host != groups
+                or buffers.offsets.shape[0] != q):
+            with torch.inference_mode(False):
+                anchors = (torch.zeros(self.max_num_reqs, dtype=torch.int64, device=self.device)
+                           if buffers is None else buffers.anchors)
+                group_ids = torch.tensor(groups, dtype=torch.int32, device=self.device)
+                offsets = torch.arange(q, dtype=torch.int64, device=self.device)
+            inputs = self.input_buffers
+            buffers = self._uniform_inputs = BlockInputBuffers(
+                inputs.input_ids, inputs.positions, inputs.seq_lens, anchors, group_ids, groups,
+                offsets)
+        return buffers
+
+    def _write_uniform_rows(self, num_reqs: int, padded: int, q: int, accepted: torch.Tensor,
+                            first_ids: torch.Tensor, start_offset: int = 0) -> torch.Tensor:
+        """ids[row * q] = first_ids, positions, draft seq_lens and the drafter groups' slots of
+        `padded` uniform rows of q tokens starting at accepted + start_offset, in one fused
+        write; returns the slot mappings view for `_build_draft_attn_metadata`."""
+        return write_block_inputs(self.block_tables, self._uniform_buffers(q), num_reqs, padded,
+                                  q, accepted, first_ids, self.max_model_len, start_offset)
 
     # ------------------------------------------------------- shared metadata
     def _build_draft_attn_metadata(
