@@ -131,3 +131,16 @@ def test_eagle_steps_hand_the_builder_the_generic_slots(cp_size, cp_rank, interl
         assert seq_lens == (computed + step).tolist()
         reference = tables.compute_slot_mappings(qsl, torch.tensor(positions))[0]
         assert slots == reference.tolist()
+
+
+@pytest.mark.gpu
+def test_triton_kernel_equals_brute_force_on_cuda():
+    """The compiled kernel on the GPU (not the interpreter) against the oracle and the twin."""
+    for seed in range(40):
+        case, twin = random_case(seed, "cuda"), random_case(seed, "cuda")
+        _run(case, block_inputs.write_block_inputs_triton)
+        _run(twin, block_inputs.write_block_inputs_torch)
+        torch.cuda.synchronize()
+        assert observed_writes(case) == expected_writes(case), seed
+        assert observed_writes(case) == observed_writes(twin), seed
+        assert untouched_tails(case), seed
