@@ -47,14 +47,15 @@ if HAS_TRITON:
 
     # Per-step row counts are not specialised on (one compiled variant per Q, no JIT
     # mid-serving).
-    @triton.jit(do_not_specialize=["num_reqs", "start_offset"])
+    @triton.jit(do_not_specialize=["num_reqs", "start_offset", "next_offset"])
     def _block_draft_inputs_kernel(
         input_ids_ptr,        # [max_num_tokens] int64
         positions_ptr,        # [max_num_tokens] int64
         seq_lens_ptr,         # [max_num_reqs] int32
         anchors_ptr,          # [max_num_reqs] int64
         accepted_ptr,         # [num_reqs] int64: accepted prefix length = anchor position
-        next_tokens_ptr,      # [num_reqs] int64 anchors (row stride next_stride)
+        next_tokens_ptr,      # base of the first ids: row i at next_offset + i * next_stride
+        next_offset,
         next_stride,
         group_ids_ptr,        # [G] int32: the drafter's KV cache groups
         slot_mappings_ptr,    # [num_groups, slot_stride] int64
@@ -83,7 +84,8 @@ if HAS_TRITON:
         # Clamped positions only occur for drafts the scheduler drops at max_model_len.
         pos = tl.where(real, tl.minimum(start + cols, max_model_len - 1), 0)
         if group_slot == 0:  # one program per row writes the row's non-slot inputs
-            anchor = tl.load(next_tokens_ptr + row * next_stride, mask=real, other=0).to(tl.int64)
+            anchor = tl.load(next_tokens_ptr + next_offset + row * next_stride, mask=real,
+                             other=0).to(tl.int64)
             tl.store(anchors_ptr + row, anchor)
             tl.store(input_ids_ptr + row.to(tl.int64) * Q, anchor)
             tl.store(positions_ptr + token, pos, mask=in_block)
@@ -176,10 +178,17 @@ def write_block_inputs_triton(tables: BlockTables, buffers: BlockInputBuffers, n
                               next_token_ids: torch.Tensor, max_model_len: int,
                               start_offset: int = 0) -> None:
     geometry = tables.device_slot_geometry()
+    # A column view (EAGLE: drafts[:, step - 1]) is passed as its base tensor plus an element
+    # offset, so the pointer's alignment (which Triton specialises on) does not change with the
+    # step: one compiled variant, no JIT in the middle of serving.
+    base = next_token_ids._base
+    if base is None or base.dtype != next_token_ids.dtype:
+        base = next_token_ids
+    next_offset = next_token_ids.storage_offset() - base.storage_offset()
     grid = (padded, len(buffers.group_ids_host))
     _block_draft_inputs_kernel[grid](
         buffers.input_ids, buffers.positions, buffers.seq_lens, buffers.anchors, accepted,
-        next_token_ids, next_token_ids.stride(0), buffers.group_ids, geometry.slot_mappings,
+        base, next_offset, next_token_ids.stride(0), buffers.group_ids, geometry.slot_mappings,
         geometry.slot_mappings.stride(0), geometry.input_block_tables,
         geometry.input_block_tables.stride(0), geometry.input_block_tables.stride(1),
         geometry.block_sizes, geometry.group_cp_sizes, geometry.group_max_blocks, num_reqs,
