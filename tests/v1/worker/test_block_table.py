@@ -240,3 +240,22 @@ def test_slot_mappings_are_cuda_graph_capturable():
     graph.replay()
     torch.cuda.synchronize()
     assert out.cpu().tolist() == [[3 * 16 + 2, -1, -1, -1]]
+
+
+def test_device_slot_geometry_aliases_the_persistent_buffers():
+    """What a fused kernel reads to write slots in-line: the persistent tensors themselves (a
+    later gather is seen without asking again), with each group's sharding."""
+    bt = BlockTables([16, 32], 4, 8, 64, "cpu", cp_size=2, cp_rank=1, cp_interleave=4,
+                     dcp_sharded=[True, False])
+    geometry = bt.device_slot_geometry()
+    assert geometry is bt.device_slot_geometry()
+    assert geometry.slot_mappings.data_ptr() == bt.slot_mappings.data_ptr()
+    assert geometry.input_block_tables[1].data_ptr() == bt.input_block_tables[1].data_ptr()
+    assert geometry.block_sizes.tolist() == [16, 32]
+    assert geometry.group_cp_sizes.tolist() == [2, 1]  # the replicated group is one rank
+    assert geometry.group_max_blocks.tolist() == [8, 16]  # and holds cp_size pages per id
+    assert (geometry.cp_rank, geometry.cp_interleave) == (1, 4)
+    bt.append_block_ids(2, ([7], [7]), overwrite=True)
+    bt.gather_block_tables(torch.tensor([2]))
+    assert geometry.input_block_tables[0, 0, 0].item() == 7
+    assert geometry.input_block_tables[1, 0, :2].tolist() == [14, 15]

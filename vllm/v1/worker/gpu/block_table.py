@@ -17,6 +17,8 @@ On CUDA slot mappings come from a Triton kernel (no host sync, capturable); else
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -89,6 +91,20 @@ if HAS_TRITON:
                     + offset % cp_interleave
                 slot = tl.where(owned & readable, block_id * block_size + local_offset, -1)
                 tl.store(out_ptr + offs, slot, mask=in_row)
+
+
+@dataclass(frozen=True)
+class SlotGeometry:
+    """The persistent device tensors a fused kernel reads to compute slots in-line, with the
+    formula of `_compute_slot_mappings_kernel` (e.g. the block drafters' one-launch input write)."""
+
+    slot_mappings: torch.Tensor       # [num_groups, max_num_batched_tokens] int64 (written)
+    input_block_tables: torch.Tensor  # [num_groups, max_num_reqs, max_blocks] int32 (batch rows)
+    block_sizes: torch.Tensor         # [num_groups] int32
+    group_cp_sizes: torch.Tensor      # [num_groups] int32: cp_size (sharded) or 1 (replicated)
+    group_max_blocks: torch.Tensor    # [num_groups] int32: table entries of a row
+    cp_rank: int
+    cp_interleave: int
 
 
 class BlockTables:
@@ -348,6 +364,16 @@ class BlockTables:
         if out is None:
             out = self._slot_views[num_tokens] = self.slot_mappings[:, :num_tokens]
         return out
+
+    def device_slot_geometry(self) -> SlotGeometry:
+        """What a fused kernel needs to write slot mappings of the gathered rows itself (made
+        once; the tensors are the persistent buffers, so later gathers are seen)."""
+        geometry = self.__dict__.get("_device_geometry")
+        if geometry is None:
+            geometry = self._device_geometry = SlotGeometry(
+                self.slot_mappings, self._input_block_tables, self._block_sizes,
+                self._group_cp_sizes, self._group_max_blocks, self.cp_rank, self.cp_interleave)
+        return geometry
 
     def compute_slot_mappings(self, query_start_loc: torch.Tensor,
                               positions: torch.Tensor) -> torch.Tensor:

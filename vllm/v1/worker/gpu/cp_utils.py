@@ -11,6 +11,7 @@ CPU-only machines without a working Triton still import this module.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from vllm.triton_utils import HAS_TRITON, tl, triton  # noqa: F401
@@ -53,6 +54,20 @@ def get_dcp_local_seq_lens(seq_lens: torch.Tensor, dcp_size: int = 1, dcp_rank: 
         return _local_lens(seq_lens, dcp_size, dcp_rank, interleave).to(seq_lens.dtype)
     ranks = torch.arange(dcp_size, device=seq_lens.device, dtype=seq_lens.dtype)
     return _local_lens(seq_lens.unsqueeze(-1), dcp_size, ranks, interleave).to(seq_lens.dtype)
+
+
+def dcp_local_seq_lens_np(seq_lens: np.ndarray, cp_size: int, cp_rank: int, cp_interleave: int,
+                          out: np.ndarray) -> np.ndarray:
+    """Host (numpy) twin of `get_dcp_local_seq_lens` for one rank, written into `out[:B]` (a
+    persistent host buffer: host planners read it) without torch ops. Returns out[:B]."""
+    _check_geometry(cp_size, cp_rank, cp_interleave)
+    n = seq_lens.shape[0]
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    span = cp_size * cp_interleave
+    full_rounds = lens // span
+    partial = np.clip(lens - full_rounds * span - cp_rank * cp_interleave, 0, cp_interleave)
+    np.add(full_rounds * cp_interleave, partial, out=out[:n], casting="unsafe")
+    return out[:n]
 
 
 if HAS_TRITON:

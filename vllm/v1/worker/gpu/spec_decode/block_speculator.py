@@ -56,64 +56,42 @@ class BlockSpeculator(Speculator):
         padded = graph_size or num_reqs
         accepted = inputs.accepted_on_device(self.device)
         accepted_np = np.asarray(inputs.num_computed_new, dtype=np.int64)
-        anchors = self._write_block(num_reqs, padded, accepted, inputs.next_token_ids)
+        anchors, slot_mappings = self._write_block(num_reqs, padded, accepted,
+                                                   inputs.next_token_ids)
         seq_lens_np = accepted_np[:num_reqs] + q
         np.minimum(seq_lens_np, self.max_model_len, out=seq_lens_np)
         attn_metadata = self._build_draft_attn_metadata(
             num_reqs, padded, padded * q, inputs.target_seq_lens_cpu, step=q,
             num_query_per_req=q, causal=False, seq_lens_np=seq_lens_np,
-            cudagraph=graph_size is not None)
+            cudagraph=graph_size is not None, slot_mappings=slot_mappings, padding_written=True)
         if graph_size is not None:
             return self.cudagraphs.replay(graph_size)[0][:num_reqs]
         return self._block_step(attn_metadata, padded, anchors)[0]
 
     def _write_block(self, num_reqs: int, padded: int, accepted: torch.Tensor,
-                     next_token_ids: torch.Tensor) -> torch.Tensor:
+                     next_token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Block inputs for `padded` rows (rows past num_reqs are CUDA-graph padding: position
-        0, no KV, length 0): ids = anchor + masks at positions accepted + arange(Q)."""
+        0, no KV, length 0): ids = anchor + masks at positions accepted + arange(Q), the draft
+        seq_lens and the drafter groups' slot mappings, in one fused write (block_inputs.py).
+        Returns (anchors [padded], slot mappings [num_groups, padded * Q])."""
         q = self.query_len
-        buffers = self.input_buffers
-        num_tokens = padded * q
-        anchors = self._anchor_buffer()[:padded]
-        if padded > num_reqs:
-            anchors[num_reqs:].zero_()
-        anchors[:num_reqs].copy_(next_token_ids[:num_reqs])
-        block_ids = buffers.input_ids[:num_tokens].view(padded, q)
         # Columns 1.. hold the mask token in every row, always: written once (the buffer is the
         # speculator's own; only column 0, the anchor, changes between steps).
         if self._masks_written < padded:
+            block_ids = self.input_buffers.input_ids[: padded * q].view(padded, q)
             block_ids[:, 1:].fill_(int(self.model.config.mask_token_id))
             self._masks_written = padded
-        block_ids[:, 0] = anchors
-        positions = buffers.positions[:num_tokens].view(padded, q)
-        if padded > num_reqs:
-            positions[num_reqs:].zero_()
-        # Clamped positions only occur for drafts the scheduler drops at max_model_len.
-        torch.add(accepted[:num_reqs, None], self._block_offsets(), out=positions[:num_reqs])
-        positions[:num_reqs].clamp_(max=self.max_model_len - 1)
-        seq_lens = buffers.seq_lens[:num_reqs]
-        torch.add(accepted[:num_reqs], q, out=seq_lens)  # int32 buffer
-        seq_lens.clamp_(max=self.max_model_len)
-        return anchors
+        slot_mappings = self._write_uniform_rows(num_reqs, padded, q, accepted, next_token_ids)
+        return self._anchor_views(padded), slot_mappings
 
-    def _persistent(self, name: str, make) -> torch.Tensor:
-        """A device buffer made on first use and kept (Q is known only once the drafter is
-        loaded); made outside inference mode so CUDA graphs and in-place writes may use it."""
-        buf = self.__dict__.get(name)
-        if buf is None:
-            with torch.inference_mode(False):
-                buf = make()
-            setattr(self, name, buf)
-        return buf
-
-    def _block_offsets(self) -> torch.Tensor:
-        """arange(Q) on the device, made once."""
-        return self._persistent("_offsets", lambda: torch.arange(
-            self.query_len, dtype=torch.int64, device=self.device))
-
-    def _anchor_buffer(self) -> torch.Tensor:
-        return self._persistent("_anchors", lambda: torch.zeros(
-            self.max_num_reqs, dtype=torch.int64, device=self.device))
+    def _anchor_views(self, padded: int) -> torch.Tensor:
+        """anchors[:padded] of the persistent anchor buffer (the fused write fills it), one view
+        per size (a torch slice costs the host ~1.5 us)."""
+        views = self.__dict__.setdefault("_anchor_view_cache", {})
+        view = views.get(padded)
+        if view is None:
+            view = views[padded] = self._uniform_buffers(self.query_len).anchors[:padded]
+        return view
 
     def _block_step(self, attn_metadata, padded: int, anchors: torch.Tensor) -> tuple:
         """The captured part of a draft step: block forward, LM head, draft choice."""
@@ -134,10 +112,11 @@ class BlockSpeculator(Speculator):
             accepted = torch.zeros(size, dtype=torch.int64, device=self.device)
             self.block_tables.gather_block_tables(
                 torch.zeros(size, dtype=torch.int64, device=self.device), np.zeros(size, np.int64))
-            anchors = self._write_block(size, size, accepted, accepted)
+            anchors, slot_mappings = self._write_block(size, size, accepted, accepted)
             md = self._build_draft_attn_metadata(
                 size, size, size * q, np.full(size, q), step=q, num_query_per_req=q,
-                causal=False, seq_lens_np=np.full(size, q), cudagraph=True)
+                causal=False, seq_lens_np=np.full(size, q), cudagraph=True,
+                slot_mappings=slot_mappings, padding_written=True)
             return md, size, anchors
 
         manager.capture_all(prepare, lambda batch: self._block_step(*batch))

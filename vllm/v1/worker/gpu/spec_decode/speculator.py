@@ -18,8 +18,9 @@ import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
 # Module attribute on purpose: tests patch `speculator.prepare_dcp_local_seq_lens`.
-from vllm.v1.worker.gpu.cp_utils import prepare_dcp_local_seq_lens
+from vllm.v1.worker.gpu.cp_utils import dcp_local_seq_lens_np, prepare_dcp_local_seq_lens
 from vllm.v1.worker.gpu.input_batch import InputBuffers
+from vllm.v1.worker.gpu.spec_decode.block_inputs import BlockInputBuffers, write_block_inputs
 
 
 @dataclass
@@ -100,6 +101,9 @@ class Speculator:
         self._upper_bound_np = self.seq_lens_cpu_upper_bound.numpy()
         self._seq_lens_cpu = torch.zeros(max_num_reqs, dtype=torch.int32)
         self._seq_lens_cpu_np = self._seq_lens_cpu.numpy()
+        # Host twin of the rank-local draft lengths (DCP), written in numpy each build.
+        self._dcp_local_cpu = torch.zeros(max_num_reqs, dtype=torch.int32)
+        self._dcp_local_cpu_np = self._dcp_local_cpu.numpy()
         # (num_reqs, num_reqs_padded, Q) of the uniform query starts last copied to the device
         # (block drafters: the same every step, so neither the host write nor the copy recurs).
         self._uniform_qsl_key: tuple[int, int, int] | None = None
@@ -185,6 +189,35 @@ class Speculator:
         self._probs_written = True
         return tokens
 
+    # ------------------------------------------------------- uniform draft rows
+    def _uniform_buffers(self, q: int) -> BlockInputBuffers:
+        """The fused uniform-row write's buffers (block_inputs.py): the draft's own input
+        buffers, a persistent anchor buffer (kept across re-bindings: captured graphs read it),
+        arange(q) and a device copy of the drafter's KV cache group ids (all groups when none
+        were bound). Made once per (binding, q)."""
+        groups = self.group_ids or tuple(range(self.block_tables.num_kv_cache_groups))
+        buffers = self.__dict__.get("_uniform_inputs")
+        if (buffers is None or buffers.group_ids_host != groups
+                or buffers.offsets.shape[0] != q):
+            with torch.inference_mode(False):
+                anchors = (torch.zeros(self.max_num_reqs, dtype=torch.int64, device=self.device)
+                           if buffers is None else buffers.anchors)
+                group_ids = torch.tensor(groups, dtype=torch.int32, device=self.device)
+                offsets = torch.arange(q, dtype=torch.int64, device=self.device)
+            inputs = self.input_buffers
+            buffers = self._uniform_inputs = BlockInputBuffers(
+                inputs.input_ids, inputs.positions, inputs.seq_lens, anchors, group_ids, groups,
+                offsets)
+        return buffers
+
+    def _write_uniform_rows(self, num_reqs: int, padded: int, q: int, accepted: torch.Tensor,
+                            first_ids: torch.Tensor, start_offset: int = 0) -> torch.Tensor:
+        """ids[row * q] = first_ids, positions, draft seq_lens and the drafter groups' slots of
+        `padded` uniform rows of q tokens starting at accepted + start_offset, in one fused
+        write; returns the slot mappings view for `_build_draft_attn_metadata`."""
+        return write_block_inputs(self.block_tables, self._uniform_buffers(q), num_reqs, padded,
+                                  q, accepted, first_ids, self.max_model_len, start_offset)
+
     # ------------------------------------------------------- shared metadata
     def _build_draft_attn_metadata(
         self,
@@ -199,6 +232,8 @@ class Speculator:
         dcp_local_seq_lens: torch.Tensor | None = None,
         seq_lens_np: np.ndarray | None = None,
         cudagraph: bool = False,
+        slot_mappings: torch.Tensor | None = None,
+        padding_written: bool = False,
     ) -> dict[str, Any]:
         """Attention metadata of one draft forward, described by the draft's own buffers.
 
@@ -209,6 +244,9 @@ class Speculator:
         advanced past the target's upper bound: the AR step index, or Q for a block drafter.
         `seq_lens_np` are the exact draft lengths on the host (the runner knows them after its
         one transfer per step); planners read them instead of syncing on the device buffer.
+        `slot_mappings`: the caller already wrote the slots of this batch (block drafters'
+        fused input write), so they are not computed again; `padding_written`: it also zeroed
+        the padding rows' seq_lens. The rank-local DCP lengths are recomputed here either way.
         """
         if not 0 <= num_reqs <= num_reqs_padded <= self.max_num_reqs:
             raise ValueError(
@@ -239,7 +277,7 @@ class Speculator:
             raise ValueError(
                 f"the draft batch has {int(qsl_np[num_reqs_padded])} query tokens but "
                 f"num_tokens_padded={num_tokens_padded}; pass the padded token count.")
-        if num_reqs_padded > num_reqs:
+        if num_reqs_padded > num_reqs and not padding_written:
             buffers.seq_lens[num_reqs:num_reqs_padded].zero_()
 
         # Host upper bound of the draft lengths: each step adds at most `step` tokens past the
@@ -270,9 +308,11 @@ class Speculator:
         cp_size = self.dcp_size
         dcp_local_cpu = None
         if cp_size > 1 and seq_lens_cpu is not None:
-            from vllm.v1.worker.gpu.cp_utils import get_dcp_local_seq_lens
-            dcp_local_cpu = get_dcp_local_seq_lens(seq_lens_cpu, cp_size, self.dcp_rank,
-                                                   self.dcp_interleave)
+            # numpy into the persistent host twin (torch ops on host tensors cost microseconds
+            # each; planners read these lengths, the device reads the recomputed buffer below)
+            dcp_local_seq_lens_np(seq_lens_cpu.numpy(), cp_size, self.dcp_rank,
+                                  self.dcp_interleave, out=self._dcp_local_cpu_np)
+            dcp_local_cpu = self._dcp_local_cpu[:num_reqs_padded]
         if dcp_local_seq_lens is None and cp_size > 1:
             # Recompute from the draft's OWN seq_lens into the persistent buffer (DESIGN §6);
             # the target's local lengths would be stale after the draft advanced or rolled back.
@@ -280,8 +320,10 @@ class Speculator:
                                        cp_size, self.dcp_rank, self.dcp_interleave)
             dcp_local_seq_lens = buffers.dcp_local_seq_lens[:num_reqs_padded]
 
-        slot_mappings = self.block_tables.compute_slot_mappings(
-            buffers.query_start_loc[: num_reqs_padded + 1], buffers.positions[:num_tokens_padded])
+        if slot_mappings is None:
+            slot_mappings = self.block_tables.compute_slot_mappings(
+                buffers.query_start_loc[: num_reqs_padded + 1],
+                buffers.positions[:num_tokens_padded])
 
         # A bool applies to every built group, and only the drafter's own groups are built.
         return build_attn_metadata(

@@ -46,16 +46,17 @@ class EagleSpeculator(Speculator):
         accepted = inputs.accepted_on_device(self.device)
         accepted_np = np.asarray(inputs.num_computed_new, dtype=np.int64)
         for step in range(1, self.num_speculative_tokens):
-            buffers.input_ids[:num_reqs].copy_(drafts[:, step - 1])
-            # Drafts past max_model_len are dropped by the scheduler; clamping keeps their
-            # (useless) forward inside the rope table and the block table.
-            buffers.positions[:num_reqs].copy_(
-                (accepted + step - 1).clamp(max=self.max_model_len - 1))
-            buffers.seq_lens[:num_reqs].copy_((accepted + step).clamp(max=self.max_model_len))
+            # One fused write (a uniform row of one token): id = the previous draft, position
+            # num_computed_new + step - 1, the draft's seq_len num_computed_new + step, and the
+            # drafter groups' slots. Drafts past max_model_len are dropped by the scheduler; the
+            # clamped position keeps their (useless) forward inside the rope and block tables.
+            slot_mappings = self._write_uniform_rows(num_reqs, num_reqs, 1, accepted,
+                                                     drafts[:, step - 1], start_offset=step - 1)
             attn_metadata = self._build_draft_attn_metadata(
                 num_reqs, num_reqs, num_reqs, inputs.target_seq_lens_cpu, step=step,
                 num_query_per_req=1, causal=True,
-                seq_lens_np=np.minimum(accepted_np + step, self.max_model_len))
+                seq_lens_np=np.minimum(accepted_np + step, self.max_model_len),
+                slot_mappings=slot_mappings)
             hidden_for_logits, hidden = self._run_forward(
                 attn_metadata, self.model, buffers.input_ids[:num_reqs],
                 buffers.positions[:num_reqs], hidden)

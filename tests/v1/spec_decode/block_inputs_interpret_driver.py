@@ -1,0 +1,32 @@
+"""Runs the block drafters' fused-input Triton kernel on CPU tensors under TRITON_INTERPRET=1 and
+compares it with the brute-force oracle and the torch twin (launched in a subprocess by
+test_block_inputs.py: the interpreter is chosen when triton is imported)."""
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+from tests.utils.block_inputs_cases import (expected_writes, observed_writes,  # noqa: E402
+                                            random_case, untouched_tails)
+from vllm.v1.worker.gpu.spec_decode import block_inputs  # noqa: E402
+
+
+def _run(case, fn):
+    fn(case["tables"], case["buffers"], case["num_reqs"], case["padded"], case["q"],
+       case["accepted"], case["next_token_ids"], case["max_model_len"],
+       case["start_offset"])
+
+
+if __name__ == "__main__":
+    if not block_inputs.HAS_TRITON:
+        print("NO_TRITON")
+        sys.exit(0)
+    for seed in range(40):
+        kernel_case, twin_case = random_case(seed), random_case(seed)
+        _run(kernel_case, block_inputs.write_block_inputs_triton)
+        _run(twin_case, block_inputs.write_block_inputs_torch)
+        got = observed_writes(kernel_case)
+        assert got == expected_writes(kernel_case), (seed, got, expected_writes(kernel_case))
+        assert got == observed_writes(twin_case), seed
+        assert untouched_tails(kernel_case), seed
+    print("TRITON_INTERPRET_OK")
