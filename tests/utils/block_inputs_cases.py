@@ -2,7 +2,7 @@
 write (per row and token, from the DCP placement rule of DESIGN §2, no torch vectorisation).
 
 Shared by tests/v1/spec_decode/test_block_inputs.py (torch twin) and the Triton-interpreter driver
-tests/v1/spec_decode/block_inputs_interpret_driver.py (kernel)."""
+tests/utils/triton_block_inputs_interpret_driver.py (kernel)."""
 from __future__ import annotations
 
 import random

@@ -64,7 +64,7 @@ def test_dispatcher_returns_the_slot_view_and_checks_sizes():
 
 @pytest.mark.slow
 def test_triton_kernel_equals_brute_force_under_interpreter():
-    run_interpreter_driver(Path(__file__).with_name("block_inputs_interpret_driver.py"))
+    run_interpreter_driver(Path(__file__).parents[2].joinpath("utils", "triton_block_inputs_interpret_driver.py"))
 
 
 @pytest.mark.parametrize("cp_size,cp_rank,interleave", [(1, 0, 1), (2, 1, 4), (4, 3, 1)])
