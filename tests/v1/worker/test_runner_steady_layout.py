@@ -117,3 +117,98 @@ def test_steady_layout_declines_drafts():
     runner = _bare_runner(max_model_len=64)
     so = _random_step(runner, random.Random(0), ["decode", "draft"])
     assert runner._steady_decode_layout(so) is None
+
+
+K = 4
+
+
+def _spec_runner(max_model_len: int) -> GPUModelRunner:
+    runner = _bare_runner(max_model_len)
+    runner.num_spec_tokens = K
+    runner.requests = RequestStates(MAX_REQS, "cpu", K)
+    runner._forced = CpuGpuBuffer(MAX_REQS, K, dtype=torch.int64, device="cpu")
+    return runner
+
+
+def _random_verify_step(runner: GPUModelRunner, rng: random.Random, kinds: list[str]):
+    """Started requests verifying drafts, plus rows the fast verify layout must decline: forced
+    (scheduler-provided) draft ids, a count that does not match the drafts, more drafts than k,
+    a prefill chunk, an admission, a row past max_model_len."""
+    num_scheduled, spec, new_reqs = {}, {}, []
+    for i, kind in enumerate(kinds):
+        req_id = f"r{i}"
+        prompt = [rng.randrange(100) for _ in range(rng.randint(2, 12))]
+        if kind == "new":
+            new_reqs.append(NewRequestData(req_id, prompt, [0], 0))
+            runner.requests.add(req_id, prompt, 0, None)
+            num_scheduled[req_id] = len(prompt)
+            continue
+        state = runner.requests.add(req_id, prompt, 0, None)
+        state.token_ids.extend(rng.randrange(100) for _ in range(rng.randint(1, 5)))
+        runner.requests.set_num_computed(state, len(state.token_ids) - 1)
+        n = rng.randint(0, K)
+        drafts = [-1] * n
+        count = 1 + n
+        if kind == "forced":
+            n = max(n, 1)
+            drafts = [rng.randrange(100) for _ in range(n)]
+            count = 1 + n
+        elif kind == "bad_count":
+            count = 1 + n + rng.choice([-1, 1]) if n else 2
+        elif kind == "too_many":
+            drafts, count = [-1] * (K + 1), K + 2
+        elif kind == "chunk":
+            state.token_ids[:] = prompt
+            runner.requests.set_num_computed(state, 1)
+            drafts, count = [], rng.randint(1, len(prompt) - 1)
+        elif kind == "too_long":
+            runner.max_model_len = len(state.token_ids) - 1
+        if drafts or rng.random() < 0.5:  # a row without drafts may also be absent from spec
+            spec[req_id] = drafts
+        num_scheduled[req_id] = count
+    cached = CachedRequestData(req_ids=[r for r in num_scheduled if r not in
+                                        {n.req_id for n in new_reqs}])
+    return SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
+                           num_scheduled_tokens=num_scheduled,
+                           total_num_scheduled_tokens=sum(num_scheduled.values()),
+                           scheduled_spec_decode_tokens=spec)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_steady_verify_layout_equals_general_layout(seed):
+    rng = random.Random(seed)
+    taken = declined = 0
+    for _ in range(150):
+        runner = _spec_runner(max_model_len=64)
+        n = rng.randint(1, MAX_REQS)
+        if rng.random() < 0.5:
+            kinds = ["draft"] * n
+        else:
+            kinds = [rng.choice(["draft", "draft", "draft", "forced", "bad_count", "too_many",
+                                 "chunk", "new", "too_long"]) for _ in range(n)]
+        so = _random_verify_step(runner, rng, kinds)
+        fast = runner._steady_verify_layout(so)
+        steady = all(k == "draft" for k in kinds)
+        if fast is None:
+            declined += 1
+            assert not steady, "a step of placeholder-draft decodes must take the fast layout"
+            continue
+        taken += 1
+        assert steady
+        general = runner._general_layout(so)
+        rows, counts, drafts, samples, host_ids = fast
+        g_rows, g_counts, g_drafts, g_samples, g_host_ids = general
+        assert all(a is b for a, b in zip(rows, g_rows)) and len(rows) == len(g_rows)
+        assert (counts, drafts, samples, host_ids) == (g_counts, g_drafts, g_samples, g_host_ids)
+    assert taken > 20 and declined > 20
+
+
+def test_steady_verify_layout_leaves_errors_to_the_general_layout():
+    """Rows the general layout rejects are declined, so the error is still raised there."""
+    for kind, match in (("bad_count", "num_scheduled_tokens must be"),
+                        ("too_long", "max_model_len")):
+        runner = _spec_runner(max_model_len=64)
+        so = _random_verify_step(runner, random.Random(1), ["draft", kind])
+        assert runner._steady_verify_layout(so) is None
+        with pytest.raises(ValueError, match=match):
+            runner._general_layout(so)

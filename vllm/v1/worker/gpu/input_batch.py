@@ -118,6 +118,9 @@ class InputBatch:
     dcp_local_seq_lens_np: np.ndarray | None = None
     uniform_query_len: int = 0           # Q when every row is a decode row of Q tokens, else 0
     draft_tokens: torch.Tensor | None = None  # [num_reqs_padded, k] drafts being verified
+    # [num_reqs + 1] int32 device twin of cu_num_logits_np (a view of the staging buffer: valid
+    # until the next build); the eager greedy verification reads each row's logits range there
+    cu_num_logits: torch.Tensor | None = None
     attn_metadata: dict = field(default_factory=dict)
     cudagraph: bool = False              # replays a captured graph (padded, fixed bounds)
 
@@ -393,7 +396,8 @@ class InputBatchBuilder:
             positions=positions, block_tables=tables, slot_mappings=slot_mappings,
             logits_indices=logits_indices, cu_num_logits_np=cu_np,
             dcp_local_seq_lens=dcp_local, dcp_local_seq_lens_np=dcp_local_np,
-            uniform_query_len=uniform, draft_tokens=requests.draft_tokens)
+            uniform_query_len=uniform, draft_tokens=requests.draft_tokens,
+            cu_num_logits=self.cu_num_logits.gpu)
 
     def _prepare_torch(self, prep, B, B_pad, T_pad, num_logits_total, num_patches) -> None:
         """The CPU path: the fused kernel's torch twin (a method so host-cost benchmarks can

@@ -23,6 +23,8 @@ from vllm.forward_context import set_forward_context
 from vllm.v1.core.kv_cache_utils import num_virtual_blocks
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.sample.metadata import RequestGenerators, SamplingMetadata, is_greedy
+from vllm.v1.sample.ops.greedy_verify import (HAS_TRITON, greedy_verify_torch,
+                                              greedy_verify_triton)
 from vllm.v1.sample.rejection_sampler import RejectionSampler, verification_layout
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.gpu.async_utils import (AsyncModelRunnerOutput, LaunchedStep,
@@ -103,6 +105,10 @@ class GPUModelRunner:
         self._greedy_np = np.ones(self.max_num_reqs, dtype=bool)
         # num_sampled of a step that verifies no drafts: one token per row (read-only)
         self._ones = torch.ones(self.max_num_reqs, dtype=torch.int64, device=self.device)
+        # Sampling row j is batch row j when every row samples (read-only; no per-step copy).
+        self._row_arange = torch.arange(self.max_num_reqs, dtype=torch.int64, device=self.device)
+        self._greedy_verify = (greedy_verify_triton if self.device.type == "cuda" and HAS_TRITON
+                               else greedy_verify_torch)
         self._forced = CpuGpuBuffer(self.max_num_reqs, max(self.num_spec_tokens, 1),
                                     dtype=torch.int64, device=self.device)
         self._num_computed_new = CpuGpuBuffer(self.max_num_reqs, dtype=torch.int64,
@@ -616,6 +622,14 @@ class GPUModelRunner:
             # exactly the sampler's (tests/v1/sample: zero-draft equivalence); without one the
             # general path below makes the same sampler call and the same last_sampled update.
             return self._sample_plain(batch, logits, metadata, rows, num_draft)
+        if metadata.all_greedy and self.rejection_sampler is not None:
+            rows_info = self._batch_rows(batch, rows, num_draft, None)
+            if not self.sampling_states.any_active(rows_info):
+                # Greedy with raw logits: the verification is a function of the argmax and the
+                # device drafts; one launch packs the step output and sets the next anchors
+                # (the rejection sampler's exact result; tests/v1/sample/test_greedy_verify.py).
+                self._verify_greedy(batch, logits, rows)
+                return None, None, num_draft, rows, rows_info
         # One host layout of the verified drafts serves the draft gather, q and verification.
         layout = verification_layout(num_draft)
         draft_slots = batch.idx_mapping_np[rows][layout["draft_req"]] if rows else \
@@ -641,6 +655,16 @@ class GPUModelRunner:
             emitted = sampled.gather(1, (num_sampled - 1).unsqueeze(1)).squeeze(1)
             self.requests.last_sampled[slots] = emitted
         return sampled, num_sampled, num_draft, rows, rows_info
+
+    def _verify_greedy(self, batch: InputBatch, logits: torch.Tensor, rows: list[int]) -> None:
+        """Greedy verification of an eager step (ragged rows): writes the packed step output
+        (`_step_buffers.gpu`, as the captured graph does) and last_sampled of every sampling row."""
+        n = len(rows)
+        row_index = (self._row_arange if n == batch.num_reqs
+                     else self._pinned_index(rows, "verify_rows"))
+        self._greedy_verify(logits.argmax(dim=-1), batch.cu_num_logits, batch.idx_mapping,
+                            row_index, self.requests.draft_tokens, self.requests.last_sampled,
+                            self._step_buffers.gpu, n)
 
     def _batch_rows(self, batch: InputBatch, rows: list[int], num_draft: np.ndarray,
                     drafts) -> BatchRows:
@@ -785,6 +809,8 @@ class GPUModelRunner:
     def _prepare_inputs(self, scheduler_output: Any) -> InputBatch:
         """Lay out the step (host), build the InputBatch (device prep) and its metadata."""
         layout = self._steady_decode_layout(scheduler_output)
+        if layout is None and scheduler_output.scheduled_spec_decode_tokens:
+            layout = self._steady_verify_layout(scheduler_output)
         if layout is None:
             layout = self._general_layout(scheduler_output)
         rows, counts, _, samples, host_ids = layout
@@ -820,6 +846,40 @@ class GPUModelRunner:
             rows.append(state)
         n = len(rows)
         return rows, [1] * n, [0] * n, [True] * n, [None] * n
+
+    def _steady_verify_layout(self, scheduler_output: Any):
+        """The layout of a step in which every row is a decode of a started request verifying
+        its own device drafts (the scheduler's placeholders, -1) or none, in one lean pass; None
+        when any row is not (a prefill, an admission, scheduler-provided draft ids, a count that
+        does not match the drafts), and `_general_layout` lays the step out (and raises what it
+        raises). For such a step the general layout keeps the scheduler's order and gives every
+        row (1 + drafts tokens, its drafts, samples, ids from the device state), no forced
+        drafts: what this returns."""
+        if scheduler_output.scheduled_new_reqs:
+            return None
+        by_id = self.requests.by_id
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        threshold = 1 + self.num_spec_tokens
+        max_model_len = self.max_model_len
+        rows, counts, num_drafts = [], [], []
+        for req_id, count in scheduler_output.num_scheduled_tokens.items():
+            state = by_id.get(req_id)
+            if state is None:
+                return None
+            start = state.num_computed_tokens
+            if start + 1 != len(state.token_ids) or start < state.num_prompt_tokens or start == 0:
+                return None  # a prefill chunk (or a re-admitted request's first token)
+            drafts = spec.get(req_id)
+            n = len(drafts) if drafts else 0
+            # max() runs in C: any draft id >= 0 is a scheduler-provided one (general layout)
+            if count != 1 + n or count > threshold or (n and max(drafts) >= 0) \
+                    or start + count > max_model_len:
+                return None
+            rows.append(state)
+            counts.append(1 + n)
+            num_drafts.append(n)
+        m = len(rows)
+        return rows, counts, num_drafts, [True] * m, [None] * m
 
     def _general_layout(self, scheduler_output: Any):
         """Decode rows first (their anchors and drafts come from the device state), then the
