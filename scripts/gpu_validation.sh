@@ -8,7 +8,8 @@
 #   bash scripts/gpu_validation.sh decode    # benchmarks/engine/benchmark_decode.py (tiny + V3-rank dummy)
 #   bash scripts/gpu_validation.sh hostcuts  # sixth session's host cuts: their GPU tests, B=32 probe, V3 decode
 #   bash scripts/gpu_validation.sh specfp8   # fp8/bf16 paired rounds, DSpark V3 overhead, sampler/model tests
-#   bash scripts/gpu_validation.sh specsteps # spec-step GPU tests, CUDA spec probe, tiny DSpark tok/s, async eager
+#   bash scripts/gpu_validation.sh specsteps # spec-step GPU tests + CUDA spec-step probe (~7 min)
+#   bash scripts/gpu_validation.sh specbench # tiny DSpark vs async none, async graphs vs eager, DSpark V3
 #   bash scripts/gpu_validation.sh policy    # speculation policy GPU tests + policy benchmark (~9 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
 set -uo pipefail
@@ -98,14 +99,20 @@ for what in "$@"; do
       timeout 90 python3 scripts/probe_spec_step.py --device cuda --dtype bfloat16 \
         --attention-backend FLASHINFER_MLA --batch 1 8 --modes plain draft --steps 120 \
         --count-ops 10 >"$out/probe_spec.log" 2>&1
-      summary+=("probe spec rc=$?"); grep -v "Warn\|warn_once" "$out/probe_spec.log" | tail -n 40
+      summary+=("probe spec rc=$?"); grep -v "Warn\|warn_once" "$out/probe_spec.log" | tail -n 40 ;;
+    specbench)  # tiny DSpark vs the default (async) engine, async graphs vs async eager, DSpark V3
       timeout 150 python3 benchmarks/engine/benchmark_spec_policy.py --batch-sizes 1 8 \
         --variants none always --repeats 3 --none-async --out "$out/tinyspec" >"$out/tinyspec.log" 2>&1
       summary+=("tiny dspark rc=$?"); grep -v "^{" "$out/tinyspec.log" | tail -n 8
       timeout 100 python3 benchmarks/engine/benchmark_decode.py "${V3[@]}" --batch-sizes 1 \
         --methods none --modes async-graphs async-eager --steps 40 --steps-per-block 20 \
         --profile-steps 3 --out "$out/eager" >"$out/eager.log" 2>&1
-      summary+=("graphs vs eager rc=$?"); grep -v "^{" "$out/eager.log" | tail -n 5 ;;
+      summary+=("graphs vs eager rc=$?"); grep -v "^{" "$out/eager.log" | tail -n 5
+      timeout 150 python3 benchmarks/engine/benchmark_decode.py "${V3[@]}" \
+        --draft-model benchmarks/configs/deepseek_v3_tp8_rank_dspark --num-spec-tokens 4 \
+        --batch-sizes 1 32 --methods none dspark --modes graphs --steps 40 \
+        --steps-per-block 20 --profile-steps 3 --out "$out/dspark" >"$out/dspark.log" 2>&1
+      summary+=("dspark v3 rc=$?"); grep -v "^{" "$out/dspark.log" | tail -n 12 ;;
     policy)  # ~8 s per tiny engine after the first; the test file starts ~40 of them
       PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-330}" run_pytest policy tests/v1/e2e/test_spec_policy_gpu.py
       timeout 240 python3 benchmarks/engine/benchmark_spec_policy.py --batch-sizes 1 8 \
