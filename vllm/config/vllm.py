@@ -26,7 +26,8 @@ class VllmConfig:
     enable_chunked_prefill: bool = True
     # Async scheduling (upstream's --async-scheduling): schedule and prepare step N+1 while the
     # GPU runs step N; the sampled ids of step N reach the scheduler one step later. None (the
-    # default, as upstream): on wherever it is supported (TP=1 in-process, no drafter), else off.
+    # default, as upstream): on wherever it is supported (TP=1 in-process) without a drafter, else
+    # off. With a drafter (explicit True) only the steps that verify no drafts overlap.
     async_scheduling: bool | None = None
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     load_config: LoadConfig = field(default_factory=LoadConfig)
@@ -41,7 +42,10 @@ class VllmConfig:
         # worker that cannot overlap steps (an explicit True is refused there instead).
         self.async_scheduling_auto = self.async_scheduling is None
         if self.async_scheduling is None:
-            self.async_scheduling = self._async_scheduling_unsupported() is None
+            # A speculative engine overlaps only its steps that verify no drafts; it is opt-in
+            # (--async-scheduling) until that is validated on the GPU.
+            self.async_scheduling = (self._async_scheduling_unsupported() is None
+                                     and self.speculative_config is None)
         elif not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling={self.async_scheduling!r} is invalid: pass True, "
                              "False or None (on where supported)")
@@ -71,10 +75,6 @@ class VllmConfig:
 
     def _async_scheduling_unsupported(self) -> str | None:
         """Why async scheduling cannot run with this config (None: it can)."""
-        if self.speculative_config is not None:
-            return ("async_scheduling does not support speculative decoding yet (step N+1 is "
-                    "scheduled before step N's accepted counts are known); drop "
-                    "--async-scheduling or --speculative-config")
         parallel = self.parallel_config
         backend = parallel.distributed_executor_backend
         if parallel.tensor_parallel_size != 1 or backend not in (None, "uni"):

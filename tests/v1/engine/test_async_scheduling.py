@@ -180,10 +180,12 @@ def test_step_n_plus_1_is_launched_before_step_n_is_collected(tiny):
 
 
 def test_refused_combinations_name_the_fix(tiny):
-    with pytest.raises(ValueError, match="speculative"):
-        EngineArgs(model=tiny.target, device="cpu", async_scheduling=True,
-                   speculative_config={"method": "dspark", "model": tiny.dspark,
-                                       "num_speculative_tokens": 4}).create_engine_config()
+    spec = {"method": "dspark", "model": tiny.dspark, "num_speculative_tokens": 4}
+    # A drafter: accepted when asked for (its steps without drafts overlap), off by default.
+    assert EngineArgs(model=tiny.target, device="cpu", async_scheduling=True,
+                      speculative_config=dict(spec)).create_engine_config().async_scheduling
+    assert not EngineArgs(model=tiny.target, device="cpu",
+                          speculative_config=dict(spec)).create_engine_config().async_scheduling
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
         EngineArgs(model=tiny.target, device="cpu", async_scheduling=True,
                    tensor_parallel_size=2).create_engine_config()

@@ -146,6 +146,8 @@ class LLMEngine:
         # time) of the launched step whose output is not collected yet.
         self.async_scheduling = bool(getattr(vllm_config, "async_scheduling", False))
         self._pending = None
+        self._speculative = vllm_config.speculative_config is not None
+        self._last_collected = 0.0  # perf_counter() at the end of the last collected step
         self_ref = weakref.ref(self)
         self._atexit_hook = lambda: (self_ref() is not None and self_ref().shutdown())
         atexit.register(self._atexit_hook)
@@ -304,17 +306,23 @@ class LLMEngine:
 
     def _step_async(self) -> list[RequestOutput]:
         """Async scheduling: schedule and launch step N+1, then collect step N (whose GPU work
-        ran while this host prepared N+1). Outputs trail the launch by one step."""
+        ran while this host prepared N+1). Outputs trail the launch by one step.
+
+        With a drafter only a step that verifies and proposes no drafts is left in flight: a
+        step that verifies (or proposes, or that the runner completed in place) is collected
+        right after its launch, before the next step is scheduled (its accepted counts or
+        drafts shape that plan)."""
         pending, self._pending = self._pending, None
         launched = None
         if self.scheduler.has_unfinished_requests():
+            step_start = time.perf_counter()
             scheduler_output = self.scheduler.schedule()
             num_prompt_tokens = self._mark_scheduled(scheduler_output)
             try:
                 handle = self.executor.execute_model_async(scheduler_output)
             except Exception as error:  # noqa: BLE001 - classified in _recover_async
                 return self._recover_async(pending, scheduler_output, error)
-            launched = (scheduler_output, handle, num_prompt_tokens, time.perf_counter())
+            launched = (scheduler_output, handle, num_prompt_tokens, step_start)
         outputs: list[RequestOutput] = []
         if pending is not None:
             scheduler_output, handle, num_prompt_tokens, started = pending
@@ -329,9 +337,32 @@ class LLMEngine:
                     self.scheduler.requeue_for_recompute(
                         [r for r in launched[0].num_scheduled_tokens if r in self._states])
                 return outputs
+            # An overlapped step's time is its period (from the previous collection), not its
+            # launch-to-collect latency, which also holds the next step's host work.
             outputs = self._process_step(scheduler_output, runner_output, num_prompt_tokens,
-                                         started)
+                                         max(started, self._last_collected))
+            self._last_collected = time.perf_counter()
+        if launched is not None and self._collect_now(launched[0], launched[1]):
+            outputs = outputs + self._collect_launched(launched)
+            # Two steps collected in one call: a request's newest (cumulative) output only.
+            return self._dedupe_parents(outputs) if pending is not None else outputs
         self._pending = launched
+        return outputs
+
+    def _collect_now(self, scheduler_output, handle) -> bool:
+        """A speculative engine's step that must be collected before the next is scheduled:
+        it verifies drafts (not `advanced`), may propose drafts, or completed in place."""
+        return self._speculative and (handle.done or not scheduler_output.advanced
+                                      or scheduler_output.propose_drafts)
+
+    def _collect_launched(self, launched) -> list[RequestOutput]:
+        scheduler_output, handle, num_prompt_tokens, started = launched
+        try:
+            runner_output = handle.get_output()
+        except Exception as error:  # noqa: BLE001 - classified below
+            return self._recover_from_failed_step(scheduler_output, error)
+        outputs = self._process_step(scheduler_output, runner_output, num_prompt_tokens, started)
+        self._last_collected = time.perf_counter()
         return outputs
 
     def _recover_async(self, pending, scheduler_output, error: Exception) -> list:

@@ -59,6 +59,10 @@ class SchedulerOutput:
     this step runs (finished or aborted since the last step / preempted by recompute this step).
     `propose_drafts`: False when the speculation policy lets no request draft after this step,
     so the runner may skip the draft pass (every row's next step is a plain decode).
+    `advanced`: async scheduling advanced the scheduled requests' computed counts (and output
+    placeholders) when this step was scheduled, since it verifies no drafts and its counts are
+    exact; its output is then applied by the async update. False: a synchronous step (a
+    speculative engine's verifying step), applied after it is collected.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -69,6 +73,7 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
     propose_drafts: bool = True
+    advanced: bool = False
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:

@@ -12,8 +12,10 @@ A request that cannot get blocks preempts the newest running request not yet sch
 outputs as its new prompt, to be prefilled again, so a scheduled request's KV is never touched by
 anyone else. This works the same mid-prefill.
 
-Async scheduling (`async_scheduling=True`, plain decoding only): step N+1 is scheduled while step N
-still runs, before its sampled tokens are known. A scheduled request therefore advances
+Async scheduling (`async_scheduling=True`): step N+1 is scheduled while step N still runs, before
+its sampled tokens are known. With a drafter this holds only for steps that verify no drafts
+(`SchedulerOutput.advanced`); a verifying step is scheduled once nothing is in flight and is
+applied synchronously. A scheduled request therefore advances
 `num_computed_tokens` at schedule time (exact without drafts: every scheduled token is computed)
 and, when the step samples, holds one output placeholder until `update_from_output` brings the
 token. A request whose pending token is its last (max_tokens, max_model_len) is not scheduled
@@ -136,11 +138,14 @@ class Scheduler:
                              "an int N (same decision on every rank) or null")
         self.spec_policy = SpeculationPolicy.from_config(spec_config) if spec_config else None
         self.num_preemptions = 0
+        # With a speculative config, only steps that verify no drafts are scheduled ahead
+        # (`SchedulerOutput.advanced`); a verifying step is scheduled after the previous step
+        # was collected and applied synchronously (see `_schedule_general`).
         self.async_scheduling = bool(getattr(vllm_config, "async_scheduling", False))
-        if self.async_scheduling and spec_config is not None:
-            raise ValueError("async_scheduling does not support speculative decoding yet (the "
-                             "accepted counts of step N are needed to schedule step N+1); drop "
-                             "--async-scheduling or the speculative config")
+        # id(SchedulerOutput) -> the policy's timing record of that step, kept while the step
+        # is in flight: async scheduling plans step N+1 before N's time is known, and the
+        # policy remembers only the last plan's record (see record_step_time).
+        self._step_timings: dict[int, object] = {}
 
     # ---- requests in / out -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -241,8 +246,8 @@ class Scheduler:
         scheduled: list[Request] = []
         grow: list[tuple[Request, int]] = []
         new_blocks_total = 0
-        # "auto" decides per request from its context (its token count: a speculative engine
-        # schedules synchronously, so `planned` is exactly num_tokens).
+        # "auto" decides per request from its context (`planned`: its tokens plus the one in
+        # flight under async scheduling; the general path uses the same count).
         candidates: list[Candidate] | None = (
             [] if policy is not None and policy.cost_model is not None else None)
         for request in self.running:
@@ -293,7 +298,8 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=len(req_ids),
             scheduled_spec_decode_tokens={}, finished_req_ids=self.finished_req_ids,
             preempted_req_ids=set(),
-            propose_drafts=plan.propose if plan is not None else True)
+            propose_drafts=plan.propose if plan is not None else True,
+            advanced=check_placeholders)
         self.finished_req_ids = set()
         if check_placeholders:
             # _advance_scheduled: the token counts as computed and the step samples one token.
@@ -311,6 +317,7 @@ class Scheduler:
                 policy.plan_timing_counts(output, plan, n, 0,
                                           sum(c.context_len for c in candidates) // n,
                                           pure_decode=True)
+                self._keep_step_timing(output)
         return output
 
     def _schedule_general(self, plan: StepPlan | None = None) -> SchedulerOutput:
@@ -337,10 +344,16 @@ class Scheduler:
             # Candidates are built only by a policy that decides per request ("auto").
             if plan is None:
                 plan = self.spec_policy.plan(
-                    (Candidate(r.request_id, r.num_tokens) for r in decodes),
+                    (Candidate(r.request_id, self._num_planned_tokens(r)) for r in decodes),
                     num_running=len(self.running))
             keep_drafts = not plan.nobody_drafts
             plan_uniform = not plan.decisions
+        if keep_drafts and self.async_scheduling and self._step_in_flight():
+            # A step scheduled ahead is still running: its drafts (if any) are unknown and this
+            # step must have exact counts, so nobody verifies now. The plan and its counts stay
+            # as they are: the engine leaves only steps that propose nothing in flight, and the
+            # synchronous engine would find no drafts to verify after them either.
+            keep_drafts = False
         for request in order:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
@@ -428,8 +441,11 @@ class Scheduler:
             propose_drafts=plan.propose if plan is not None else True,
         )
         self.finished_req_ids = set()
-        if self.async_scheduling:
+        if self.async_scheduling and not spec_tokens:
+            # Exact counts (nothing to reject): schedule ahead. A verifying step is applied
+            # synchronously instead (nothing is in flight when it is scheduled, see above).
             self._advance_scheduled(num_scheduled)
+            output.advanced = True
         if plan is not None:
             # Without a preemption every decode was scheduled (a decode always fits the budget).
             scheduled_decodes = decodes if not preempted else [
@@ -442,10 +458,13 @@ class Scheduler:
                 # Only decode rows carry drafts (a prefill chunk never does).
                 self.spec_policy.plan_timing_counts(
                     output, plan, len(scheduled_decodes), len(spec_tokens),
-                    sum(r.num_tokens for r in scheduled_decodes) // len(scheduled_decodes),
+                    sum(self._num_planned_tokens(r) for r in scheduled_decodes)
+                    // len(scheduled_decodes),
                     pure_decode=len(scheduled_decodes) == len(num_scheduled))
             elif self.spec_policy.cost_model is not None:
                 self.spec_policy.plan_timing_counts(output, plan, 0, 0, 0, pure_decode=False)
+            if self.spec_policy.cost_model is not None:
+                self._keep_step_timing(output)
         elif self.spec_policy is not None:
             # No policy: every scheduled decode drafts (a count, no per-request work).
             self.spec_policy.num_drafted += len(decodes) if not preempted else sum(
@@ -455,8 +474,28 @@ class Scheduler:
     def record_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
         """The engine's host wall time of the step that ran `scheduler_output` (the cost
         model's measurement; the step already ends in the runner's one device->host copy)."""
-        if self.spec_policy is not None:
-            self.spec_policy.observe_step_time(scheduler_output, seconds)
+        if self.spec_policy is None:
+            return
+        if self.async_scheduling:
+            # Give the policy back this step's own timing record (a later plan replaced it).
+            self.spec_policy._timed = self._step_timings.pop(id(scheduler_output), None)
+        self.spec_policy.observe_step_time(scheduler_output, seconds)
+
+    def _keep_step_timing(self, output: SchedulerOutput) -> None:
+        """Async scheduling: remember the policy's timing record of `output` until its step
+        time arrives (record_step_time). At most the steps in flight plus one are kept; records
+        of steps that never report (a failed step) are dropped by age."""
+        if not self.async_scheduling:
+            return
+        timings = self._step_timings
+        timings[id(output)] = self.spec_policy._timed
+        while len(timings) > 4:
+            del timings[next(iter(timings))]
+
+    def _step_in_flight(self) -> bool:
+        """A step scheduled ahead whose tokens have not arrived (async scheduling): some
+        running request holds an output placeholder."""
+        return any(r.num_output_placeholders for r in self.running)
 
     @staticmethod
     def _num_planned_tokens(request: Request) -> int:
@@ -523,7 +562,7 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         spec_out = runner_output.spec_token_ids
-        if self.async_scheduling:
+        if scheduler_output.advanced:
             return self._update_from_async_output(scheduler_output, runner_output)
         if self.plain_update_fast_path and not scheduler_output.scheduled_spec_decode_tokens:
             # No drafts were verified: the acceptance bookkeeping below (spec stats, the
@@ -635,11 +674,16 @@ class Scheduler:
         check_stop = self._check_stop
         max_model_len = self.max_model_len
         fast_stop_check = self.async_stop_fast_path
+        # A speculative engine's step may have proposed drafts (then the engine collected it
+        # before scheduling the next step): they are kept as after a synchronous plain step.
+        spec_out = runner_output.spec_token_ids
         for row, req_id in enumerate(runner_output.req_ids):
             request = requests.get(req_id)
             if request is None or req_id not in scheduled:
                 continue  # finished or aborted while the step ran: its output is dropped
             sampled = all_sampled[row]
+            if spec_out is not None and request.status == running_status:
+                self._keep_proposed(request, spec_out[row])
             if len(sampled) != 1:
                 if not len(sampled):
                     continue  # an unfinished prefill chunk
@@ -671,6 +715,13 @@ class Scheduler:
             else:
                 outputs.append(EngineCoreOutput(req_id, [token], None, request.stop_reason))
         return outputs
+
+    @staticmethod
+    def _keep_proposed(request: Request, proposed) -> None:
+        if proposed:
+            request.spec_token_ids = list(proposed)  # the runner's lists may be shared
+        elif request.spec_token_ids:
+            request.spec_token_ids = []
 
     def _check_stop(self, request: Request, token: int) -> bool:
         """Append-time stop check of one sampled token (already in output_token_ids); sets the

@@ -363,7 +363,7 @@ class GPUModelRunner:
             return AsyncModelRunnerOutput.ready(ModelRunnerOutput(
                 req_ids=[], sampled_token_ids=[], spec_token_ids=[] if self.speculator else None))
         batch = self._prepare_inputs(scheduler_output)
-        overlap = overlap and self._can_overlap(batch)
+        overlap = overlap and self._can_overlap(batch, scheduler_output)
         if overlap and self._inputs_event is not None:
             # Every pinned host twin of this step has been copied once the GPU gets here; the
             # next step's host writes wait for it (not for the whole step).
@@ -504,13 +504,26 @@ class GPUModelRunner:
         return index, event, host
 
     # ------------------------------------------------------------ async steps
-    def _can_overlap(self, batch: InputBatch) -> bool:
+    def _can_overlap(self, batch: InputBatch, scheduler_output: Any) -> bool:
         """A step may return before its ids reach the host when nothing of the next step needs
-        them there: no drafter (it proposes from the accepted tokens), and no row whose sampling
-        reads host token history or returns logprobs."""
-        if self.speculator is not None:
+        them there: no drafter pass after it (a drafter proposes from the accepted tokens), no
+        drafts verified (the accepted counts are needed), and no row whose sampling reads host
+        token history or returns logprobs."""
+        if self.speculator is not None and not self._plain_step_without_proposal(
+                batch, scheduler_output):
             return False
         return not self.sampling_states.needs_host_tokens(batch.idx_mapping_np[: batch.num_reqs])
+
+    def _plain_step_without_proposal(self, batch: InputBatch, scheduler_output: Any) -> bool:
+        """A speculative step that verifies no drafts and skips the draft pass (the condition
+        `_finish_step` uses): a block drafter whose next step lets nobody draft, or whose rows
+        are all unfinished prefill chunks. EAGLE / MTP run their draft pass every step."""
+        if scheduler_output.scheduled_spec_decode_tokens:
+            return False
+        if not getattr(self.speculator, "can_skip_propose", False):
+            return False
+        nobody_samples = not bool(batch.samples_np[: batch.num_reqs].any())
+        return nobody_samples or not getattr(scheduler_output, "propose_drafts", True)
 
     def _launched(self, batch: InputBatch, sample_rows: list[int], index: int,
                   event) -> AsyncModelRunnerOutput:
@@ -535,6 +548,8 @@ class GPUModelRunner:
         step = LaunchedStep(req_ids=list(batch.req_ids), sample_rows=list(sample_rows),
                             states=states, positions=positions, buffer_index=index,
                             num_rows=len(sample_rows), event=event)
+        if self.speculator is not None:
+            self._last_drafts = None  # an overlapped step proposes nothing (_can_overlap)
         previous = self._inflight
         handle = AsyncModelRunnerOutput(_collect=lambda: self._collect(step, previous))
         self._inflight = handle
@@ -560,8 +575,11 @@ class GPUModelRunner:
             if by_id.get(state.req_id) is state:
                 state.token_ids[position] = token
         zeros = [0] * num_rows
+        # A speculative step collected here proposed nothing: one shared empty list per row,
+        # as `_finish_step` returns for a skipped draft pass.
+        spec_token_ids = [[]] * num_rows if self.speculator is not None else None
         return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=out_tokens,
-                                 spec_token_ids=None, num_draft_tokens=zeros,
+                                 spec_token_ids=spec_token_ids, num_draft_tokens=zeros,
                                  num_accepted_tokens=list(zeros))
 
     def _retire_previous_step(self) -> None:
