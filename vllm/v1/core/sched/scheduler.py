@@ -348,7 +348,8 @@ class Scheduler:
                     num_running=len(self.running))
             keep_drafts = not plan.nobody_drafts
             plan_uniform = not plan.decisions
-        if keep_drafts and self.async_scheduling and self._step_in_flight():
+        if keep_drafts and self.num_spec_tokens and self.async_scheduling \
+                and self._step_in_flight():
             # A step scheduled ahead is still running: its drafts (if any) are unknown and this
             # step must have exact counts, so nobody verifies now. The plan and its counts stay
             # as they are: the engine leaves only steps that propose nothing in flight, and the
