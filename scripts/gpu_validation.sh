@@ -95,7 +95,8 @@ for what in "$@"; do
         tests/model_executor/test_models_gpu.py ;;
     specsteps)  # the seventh session's spec-step host cuts (CPU-tested only when merged)
       PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-300}" run_pytest specsteps tests/v1/worker \
-        tests/v1/spec_decode tests/v1/sample tests/v1/e2e/test_gpu_exactness.py
+        tests/v1/spec_decode tests/v1/sample tests/v1/e2e/test_gpu_exactness.py \
+        tests/v1/engine/test_async_scheduling_gpu.py
       timeout 90 python3 scripts/probe_spec_step.py --device cuda --dtype bfloat16 \
         --attention-backend FLASHINFER_MLA --batch 1 8 --modes plain draft --steps 120 \
         --count-ops 10 >"$out/probe_spec.log" 2>&1
@@ -104,6 +105,10 @@ for what in "$@"; do
       timeout 150 python3 benchmarks/engine/benchmark_spec_policy.py --batch-sizes 1 8 \
         --variants none always --repeats 3 --none-async --out "$out/tinyspec" >"$out/tinyspec.log" 2>&1
       summary+=("tiny dspark rc=$?"); grep -v "^{" "$out/tinyspec.log" | tail -n 8
+      timeout 150 python3 benchmarks/engine/benchmark_spec_policy.py --batch-sizes 1 8 \
+        --variants none never auto-nopay --repeats 3 --none-async --spec-async \
+        --out "$out/specasync" >"$out/specasync.log" 2>&1
+      summary+=("spec async rc=$?"); grep -v "^{" "$out/specasync.log" | tail -n 8
       timeout 100 python3 benchmarks/engine/benchmark_decode.py "${V3[@]}" --batch-sizes 1 \
         --methods none --modes async-graphs async-eager --steps 40 --steps-per-block 20 \
         --profile-steps 3 --out "$out/eager" >"$out/eager.log" 2>&1

@@ -55,6 +55,9 @@ def main() -> None:
                         help="run the 'none' baseline with the engine's default (async) "
                              "scheduling instead of synchronously: the tok/s a user gets without "
                              "drafts (issue #10's DSpark >= 1.5x is taken against it)")
+    parser.add_argument("--spec-async", action="store_true",
+                        help="run the speculative variants with --async-scheduling (block "
+                             "drafters overlap the steps that verify and propose no drafts)")
     parser.add_argument("--out", default="out/spec_policy")
     args = parser.parse_args()
     if "none" not in args.variants:
@@ -71,7 +74,8 @@ def main() -> None:
             enforce_eager=args.enforce_eager,
             # Speculative engines schedule synchronously (no async scheduling with drafters
             # yet): the baseline does too, so the ratios isolate the drafting policy.
-            async_scheduling=False if variant == "none" and not args.none_async else None)
+            async_scheduling=((None if args.none_async else False) if variant == "none"
+                              else (True if args.spec_async else None)))
             for variant in ["none"] + [v for v in args.variants if v != "none"]}
         runs = run_rounds(cases, args.repeats, warmup_rounds=args.warmup_rounds)
         for variant, variant_runs in runs.items():
