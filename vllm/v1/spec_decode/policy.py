@@ -25,6 +25,10 @@ MODE_BATCH = "batch_size"
 MODE_AUTO = "auto"
 
 
+# Timing records kept for steps in flight (async scheduling keeps at most two in flight).
+MAX_PENDING_TIMINGS = 4
+
+
 @dataclass
 class StepPlan:
     """This step's decisions as the scheduler applies them.
@@ -88,7 +92,10 @@ class SpeculationPolicy:
             self.cost_model = cost_model or SpeculationCostModel(self.num_spec_tokens)
         self.num_drafted = 0
         self.num_skipped: Counter[str] = Counter()
-        self._timed: tuple[int, str, int, int] | None = None  # (id(output), kind, batch, ctx)
+        # Steps planned but not timed yet: id(output) -> (kind, batch, ctx). One entry in a
+        # synchronous engine; with async scheduling, one per step in flight (a record whose step
+        # never reports, e.g. a failed one, is dropped by age).
+        self._timed: dict[int, tuple[str, int, int]] = {}
 
     @property
     def active(self) -> bool:
@@ -148,7 +155,7 @@ class SpeculationPolicy:
         """Remember what the step about to run measures: a SPEC step (every row verifies drafts
         and the drafter runs after) or a PLAIN one (no drafts, no draft pass); steps with
         prefills or a mix of both are not timed."""
-        self._timed = None
+        self._timed.pop(id(output), None)
         if self.cost_model is None or not decode_drafts:
             return
         self.plan_timing_counts(output, plan, len(decode_drafts),
@@ -158,7 +165,7 @@ class SpeculationPolicy:
     def plan_timing_counts(self, output, plan: StepPlan, num_decodes: int,
                            num_with_drafts: int, mean_context: int, pure_decode: bool) -> None:
         """plan_timing from counts the scheduler already has (no per-request dict)."""
-        self._timed = None
+        self._timed.pop(id(output), None)  # (an id may be reused by a later output)
         if self.cost_model is None or not pure_decode or num_decodes == 0:
             return
         if plan.propose and num_with_drafts == num_decodes:
@@ -167,14 +174,17 @@ class SpeculationPolicy:
             kind = PLAIN
         else:
             return
-        self._timed = (id(output), kind, num_decodes, mean_context)
+        timed = self._timed
+        timed[id(output)] = (kind, num_decodes, mean_context)
+        while len(timed) > MAX_PENDING_TIMINGS:
+            del timed[next(iter(timed))]
 
     def observe_step_time(self, output, seconds: float) -> None:
         """The engine's host wall time of the step that ran `output`."""
-        timed, self._timed = self._timed, None
-        if timed is None or timed[0] != id(output):
+        timed = self._timed.pop(id(output), None)
+        if timed is None:
             return
-        _, kind, batch, context = timed
+        kind, batch, context = timed
         self.cost_model.observe_step(kind, batch, context, seconds)
 
     def observe_acceptance(self, req_id: str, num_drafts: int, num_accepted: int) -> None:

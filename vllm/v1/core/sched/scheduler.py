@@ -145,7 +145,6 @@ class Scheduler:
         # id(SchedulerOutput) -> the policy's timing record of that step, kept while the step
         # is in flight: async scheduling plans step N+1 before N's time is known, and the
         # policy remembers only the last plan's record (see record_step_time).
-        self._step_timings: dict[int, object] = {}
 
     # ---- requests in / out -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -317,7 +316,6 @@ class Scheduler:
                 policy.plan_timing_counts(output, plan, n, 0,
                                           sum(c.context_len for c in candidates) // n,
                                           pure_decode=True)
-                self._keep_step_timing(output)
         return output
 
     def _schedule_general(self, plan: StepPlan | None = None) -> SchedulerOutput:
@@ -464,8 +462,6 @@ class Scheduler:
                     pure_decode=len(scheduled_decodes) == len(num_scheduled))
             elif self.spec_policy.cost_model is not None:
                 self.spec_policy.plan_timing_counts(output, plan, 0, 0, 0, pure_decode=False)
-            if self.spec_policy.cost_model is not None:
-                self._keep_step_timing(output)
         elif self.spec_policy is not None:
             # No policy: every scheduled decode drafts (a count, no per-request work).
             self.spec_policy.num_drafted += len(decodes) if not preempted else sum(
@@ -474,24 +470,12 @@ class Scheduler:
 
     def record_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
         """The engine's host wall time of the step that ran `scheduler_output` (the cost
-        model's measurement; the step already ends in the runner's one device->host copy)."""
+        model's measurement; the step already ends in the runner's one device->host copy). The
+        policy keys its timing records by output, so a step scheduled ahead (async) finds its
+        own."""
         if self.spec_policy is None:
             return
-        if self.async_scheduling:
-            # Give the policy back this step's own timing record (a later plan replaced it).
-            self.spec_policy._timed = self._step_timings.pop(id(scheduler_output), None)
         self.spec_policy.observe_step_time(scheduler_output, seconds)
-
-    def _keep_step_timing(self, output: SchedulerOutput) -> None:
-        """Async scheduling: remember the policy's timing record of `output` until its step
-        time arrives (record_step_time). At most the steps in flight plus one are kept; records
-        of steps that never report (a failed step) are dropped by age."""
-        if not self.async_scheduling:
-            return
-        timings = self._step_timings
-        timings[id(output)] = self.spec_policy._timed
-        while len(timings) > 4:
-            del timings[next(iter(timings))]
 
     def _step_in_flight(self) -> bool:
         """A step scheduled ahead whose tokens have not arrived (async scheduling): some
