@@ -23,6 +23,8 @@ import numpy as np
 import torch
 
 from vllm.v1.worker.gpu.cp_utils import HAS_TRITON, _check_geometry, _slot_geometry
+if HAS_TRITON:
+    from vllm.v1.worker.gpu.cp_utils import slot_geometry_tl
 
 if HAS_TRITON:
     import triton
@@ -72,7 +74,6 @@ if HAS_TRITON:
             group_cp = tl.load(group_cp_sizes_ptr + group).to(tl.int64)
             group_rank = tl.where(group_cp == 1, 0, cp_rank)
             max_blocks = tl.load(group_max_blocks_ptr + group).to(tl.int64)
-            virtual_block = block_size * group_cp
             table_row_ptr = block_tables_ptr + group * table_group_stride + row * table_row_stride
             start = tl.load(query_start_loc_ptr + row).to(tl.int64)
             end = tl.load(query_start_loc_ptr + row + 1).to(tl.int64)
@@ -80,15 +81,12 @@ if HAS_TRITON:
                 offs = first + tl.arange(0, BLOCK)
                 in_row = offs < end
                 pos = tl.load(positions_ptr + offs, mask=in_row, other=0).to(tl.int64)
-                block_index = pos // virtual_block
-                offset = pos - block_index * virtual_block
-                owned = ((offset // cp_interleave) % group_cp) == group_rank
+                block_index, owned, local_offset = slot_geometry_tl(
+                    pos, block_size, group_cp, group_rank, cp_interleave)
                 # Out-of-table positions (a caller bug; the torch path raises) become PAD rather
                 # than overwriting block 0, which may belong to another request.
                 readable = in_row & (pos >= 0) & (block_index < max_blocks)
                 block_id = tl.load(table_row_ptr + block_index, mask=readable, other=0).to(tl.int64)
-                local_offset = (offset // (cp_interleave * group_cp)) * cp_interleave \
-                    + offset % cp_interleave
                 slot = tl.where(owned & readable, block_id * block_size + local_offset, -1)
                 tl.store(out_ptr + offs, slot, mask=in_row)
 

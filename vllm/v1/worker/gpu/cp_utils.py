@@ -72,6 +72,19 @@ def dcp_local_seq_lens_np(seq_lens: np.ndarray, cp_size: int, cp_rank: int, cp_i
 
 if HAS_TRITON:
 
+    @triton.jit
+    def slot_geometry_tl(pos, block_size, group_cp, group_rank, cp_interleave):
+        """The Triton form of `_slot_geometry` for int64 positions (inlined into the slot-mapping,
+        step-preparation and block-draft kernels, so the three share one slot formula): (virtual
+        block index, owned by `group_rank` of `group_cp`, local offset in the physical block)."""
+        virtual_block = block_size * group_cp
+        block_index = pos // virtual_block
+        offset = pos - block_index * virtual_block
+        owned = ((offset // cp_interleave) % group_cp) == group_rank
+        local_offset = (offset // (cp_interleave * group_cp)) * cp_interleave \
+            + offset % cp_interleave
+        return block_index, owned, local_offset
+
     # Per-step counts are not specialised on (one compiled variant, no JIT mid-serving).
     @triton.jit(do_not_specialize=["num_reqs", "num_rows"])
     def _dcp_local_seq_lens_kernel(out_ptr, seq_lens_ptr, num_reqs, num_rows, cp_size, cp_rank,

@@ -26,6 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from vllm.triton_utils import HAS_TRITON, tl, triton
+from vllm.v1.worker.gpu.cp_utils import _slot_geometry
+
+if HAS_TRITON:
+    from vllm.v1.worker.gpu.cp_utils import slot_geometry_tl
 
 PAD_SLOT_ID = -1
 
@@ -146,10 +150,8 @@ if HAS_TRITON:
                     group_cp = tl.load(group_cp_ptr + g).to(tl.int64)
                     group_rank = tl.where(group_cp == 1, 0, cp_rank)
                     max_blocks = tl.load(group_max_blocks_ptr + g).to(tl.int64)
-                    virtual_block = block_size * group_cp
-                    block_index = pos // virtual_block
-                    offset = pos - block_index * virtual_block
-                    owned = ((offset // cp_interleave) % group_cp) == group_rank
+                    block_index, owned, local = slot_geometry_tl(
+                        pos, block_size, group_cp, group_rank, cp_interleave)
                     readable = live & (block_index < max_blocks)
                     block_id = tl.load(tab_ptr + g * tab_gstride + slot * tab_rstride
                                        + block_index, mask=readable, other=0)
@@ -158,8 +160,6 @@ if HAS_TRITON:
                         block_id = tl.where(block_index + g * table_cols == cell,
                                             tl.load(patch_values_ptr + p), block_id)
                     block_id = block_id.to(tl.int64)
-                    local = (offset // (cp_interleave * group_cp)) * cp_interleave \
-                        + offset % cp_interleave
                     slot_id = tl.where(owned & readable, block_id * block_size + local, -1)
                     tl.store(slot_ptr + g * slot_stride + offs, slot_id, mask=live)
             if row < num_reqs:
@@ -285,13 +285,9 @@ def prepare_step_torch(b: StepPrepBuffers, num_reqs: int, num_rows: int, num_tok
     for g, (block_size, group_cp, max_blocks) in enumerate(zip(
             b.block_sizes_host, b.group_cp_sizes_host, b.group_max_blocks_host)):
         group_rank = 0 if group_cp == 1 else cp_rank
-        virtual_block = block_size * group_cp
-        block_index = torch.div(pos, virtual_block, rounding_mode="floor")
-        off = pos - block_index * virtual_block
-        owned = torch.div(off, cp_interleave, rounding_mode="floor") % group_cp == group_rank
+        block_index, owned, local = _slot_geometry(pos, block_size, group_cp, group_rank,
+                                                   cp_interleave)
         readable = in_batch & (block_index < max_blocks)
         block_id = b.tables[g][slot, block_index.clamp(0, max_blocks - 1)].to(i64)
-        local = (torch.div(off, cp_interleave * group_cp, rounding_mode="floor") * cp_interleave
-                 + off % cp_interleave)
         b.slot_mappings[g, :T].copy_(torch.where(owned & readable, block_id * block_size + local,
                                                  torch.full_like(tok, PAD_SLOT_ID)))

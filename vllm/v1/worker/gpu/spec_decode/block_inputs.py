@@ -28,6 +28,8 @@ import torch
 
 from vllm.v1.worker.gpu.block_table import PAD_SLOT_ID, BlockTables
 from vllm.v1.worker.gpu.cp_utils import HAS_TRITON, _slot_geometry, tl, triton
+if HAS_TRITON:
+    from vllm.v1.worker.gpu.cp_utils import slot_geometry_tl
 
 
 @dataclass
@@ -97,17 +99,13 @@ if HAS_TRITON:
         group_cp = tl.load(group_cp_sizes_ptr + group).to(tl.int64)
         group_rank = tl.where(group_cp == 1, 0, cp_rank)
         max_blocks = tl.load(group_max_blocks_ptr + group).to(tl.int64)
-        virtual_block = block_size * group_cp
-        block_index = pos // virtual_block
-        offset = pos - block_index * virtual_block
-        owned = ((offset // cp_interleave) % group_cp) == group_rank
+        block_index, owned, local_offset = slot_geometry_tl(pos, block_size, group_cp,
+                                                            group_rank, cp_interleave)
         # Out-of-table positions become PAD (as in the slot-mapping kernel) rather than
         # overwriting block 0, which may belong to another request.
         readable = in_block & real & (block_index < max_blocks)
         table_row = tables_ptr + group * table_group_stride + row.to(tl.int64) * table_row_stride
         block_id = tl.load(table_row + block_index, mask=readable, other=0).to(tl.int64)
-        local_offset = (offset // (cp_interleave * group_cp)) * cp_interleave \
-            + offset % cp_interleave
         slot = tl.where(owned & readable, block_id * block_size + local_offset, -1)
         tl.store(slot_mappings_ptr + group * slot_stride + token, slot, mask=in_block)
 
