@@ -12,3 +12,26 @@ def run_to_completion(engine, finals: dict) -> None:
         for out in engine.step():
             if out.finished:
                 finals[out.request_id] = out
+
+
+def run_with_arrivals(engine, requests: dict, arrivals: dict | None = None, *,
+                      max_steps: int = 2000, finish_once: bool = False) -> dict:
+    """Add each request (id -> (prompt, params)) at its arrival step (id -> step, default 0),
+    step to completion and return id -> (token ids, finish reason, text) of the final outputs.
+    `finish_once`: also assert no request reports finished twice."""
+    arrivals = arrivals or {}
+    finals, step = {}, 0
+    pending = dict(requests)
+    while pending or engine.has_unfinished_requests():
+        for rid in [r for r in pending if arrivals.get(r, 0) <= step]:
+            prompt, params = pending.pop(rid)
+            engine.add_request(rid, prompt, params)
+        for out in engine.step():
+            if out.finished:
+                if finish_once:
+                    assert out.request_id not in finals, "a request finished twice"
+                finals[out.request_id] = out
+        step += 1
+        assert step < max_steps, "engine did not finish"
+    return {rid: (list(o.outputs[0].token_ids), o.outputs[0].finish_reason,
+                  o.outputs[0].text) for rid, o in finals.items()}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.utils.engine_steps import run_with_arrivals
 from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.models.tiny import write_tiny_models
 from vllm.sampling_params import SamplingParams
@@ -36,21 +37,7 @@ PROMPTS = {
 
 
 def run(engine, requests, arrivals=None) -> dict:
-    """requests: id -> (prompt, params); arrivals: id -> step at which it is added."""
-    arrivals = arrivals or {}
-    finals, step = {}, 0
-    pending = dict(requests)
-    while pending or engine.has_unfinished_requests():
-        for rid in [r for r in pending if arrivals.get(r, 0) <= step]:
-            prompt, params = pending.pop(rid)
-            engine.add_request(rid, prompt, params)
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        step += 1
-        assert step < 2000, "engine did not finish"
-    return {rid: (list(o.outputs[0].token_ids), o.outputs[0].finish_reason,
-                  o.outputs[0].text) for rid, o in finals.items()}
+    return run_with_arrivals(engine, requests, arrivals)
 
 
 def both(tiny, requests, arrivals=None, **kw):

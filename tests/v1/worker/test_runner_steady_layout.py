@@ -35,6 +35,16 @@ def _bare_runner(max_model_len: int) -> GPUModelRunner:
     return runner
 
 
+def _scheduler_output(new_reqs, num_scheduled: dict, spec: dict) -> SchedulerOutput:
+    """The step's SchedulerOutput: rows not newly admitted are cached requests."""
+    cached = CachedRequestData(req_ids=[r for r in num_scheduled if r not in
+                                        {n.req_id for n in new_reqs}])
+    return SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
+                           num_scheduled_tokens=num_scheduled,
+                           total_num_scheduled_tokens=sum(num_scheduled.values()),
+                           scheduled_spec_decode_tokens=spec)
+
+
 def _random_step(runner: GPUModelRunner, rng: random.Random, kinds: list[str]):
     """Resident requests of the given kinds and the scheduler output that schedules them."""
     num_scheduled, new_reqs = {}, []
@@ -70,12 +80,7 @@ def _random_step(runner: GPUModelRunner, rng: random.Random, kinds: list[str]):
             runner.requests.set_num_computed(state, len(state.token_ids) - 1)
             runner.max_model_len = len(state.token_ids) - 1
             num_scheduled[req_id] = 1
-    cached = CachedRequestData(req_ids=[r for r in num_scheduled if r not in
-                                        {n.req_id for n in new_reqs}])
-    return SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
-                           num_scheduled_tokens=num_scheduled,
-                           total_num_scheduled_tokens=sum(num_scheduled.values()),
-                           scheduled_spec_decode_tokens=spec)
+    return _scheduler_output(new_reqs, num_scheduled, spec)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -166,12 +171,7 @@ def _random_verify_step(runner: GPUModelRunner, rng: random.Random, kinds: list[
         if drafts or rng.random() < 0.5:  # a row without drafts may also be absent from spec
             spec[req_id] = drafts
         num_scheduled[req_id] = count
-    cached = CachedRequestData(req_ids=[r for r in num_scheduled if r not in
-                                        {n.req_id for n in new_reqs}])
-    return SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
-                           num_scheduled_tokens=num_scheduled,
-                           total_num_scheduled_tokens=sum(num_scheduled.values()),
-                           scheduled_spec_decode_tokens=spec)
+    return _scheduler_output(new_reqs, num_scheduled, spec)
 
 
 @pytest.mark.parametrize("seed", range(3))
