@@ -12,11 +12,11 @@ import statistics
 from collections import defaultdict
 
 def set_probe_interval(cost_model, interval: int) -> None:
-    """--probe-interval: the "auto" policy re-probes every `interval` steps (never backing off),
-    so that a short run times many probe steps."""
+    """--probe-interval: the "auto" policy re-probes every `interval` steps (never backing off,
+    no cost-based spacing), so that a short run times many probe steps."""
     from dataclasses import replace
     cost_model.config = replace(cost_model.config, probe_interval=interval,
-                                max_probe_interval=interval)
+                                max_probe_interval=interval, probe_budget=None)
     cost_model._probe_interval = interval
     cost_model._next_probe = min(cost_model._next_probe, cost_model._step + interval)
 

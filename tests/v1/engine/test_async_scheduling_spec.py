@@ -11,6 +11,8 @@ not.
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.utils.engine_steps import run_with_arrivals
@@ -228,3 +230,43 @@ def test_plain_steps_overlap_and_verifying_steps_do_not(tiny, method):
     with make_engine(tiny, None, "always", False) as engine:
         plain = run(engine, {"a": (PROMPTS["a"], long), "b": (PROMPTS["b"], greedy)})
     assert out == {rid: tokens for rid, (tokens, _, _) in plain.items()}
+
+
+def test_cost_model_charges_each_step_its_own_launch(tiny):
+    # The cost model's step times (async, "auto" whose drafts cannot pay, a probe every 4
+    # steps, so plain steps overlap and probe steps do not). Every launch is made 80 ms slower:
+    # each timed step must hold exactly one launch, its own (>= 80 ms, < 120 ms: the tiny
+    # model's work is a few ms). Timing a step over the period between collections charged a
+    # plain step the next step's launch as well, twice a launch where that step was launched
+    # with nothing in flight (after a verify step) or is followed by a proposing one.
+    from vllm.benchmarks.spec_step_kinds import set_probe_interval
+    delay = 0.08
+    with make_engine(tiny, "dspark", "auto_rejected", True) as engine:
+        set_probe_interval(engine.scheduler.spec_policy.cost_model, 4)
+        events = record_launches(engine)
+        recording = engine.executor.execute_model_async
+
+        def slow_launch(so):
+            time.sleep(delay)
+            return recording(so)
+        engine.executor.execute_model_async = slow_launch
+        recorded = []
+        policy = engine.scheduler.spec_policy
+        observe = policy.observe_step_time
+
+        def recording_observe(so, seconds):
+            timed = policy._timed.get(id(so))
+            if timed is not None:
+                recorded.append((timed[0], seconds))
+            observe(so, seconds)
+        policy.observe_step_time = recording_observe
+        engine.add_request("a", PROMPTS["a"],
+                           SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+    launches = [e for e in events if e[0] == "launch" and e[4] > 0]
+    overlapped = [e[1] for e in launches if not _collected_before_next_launch(events, e[1])]
+    kinds = {kind for kind, _ in recorded}
+    assert overlapped and kinds == {"spec", "plain"}, (events, recorded)
+    for kind, seconds in recorded:
+        assert delay <= seconds < 1.5 * delay, (kind, seconds, recorded)

@@ -199,8 +199,9 @@ def test_reprobe_revives_a_request_whose_drafts_started_to_match():
 
 
 def test_probe_interval_backs_off_while_nobody_revives():
-    loop = Loop(auto_policy(probe_interval=16, max_probe_interval=64), {"a": 1.0},
-                t_spec=2.0).run(400)
+    # (probe_budget=None: the interval alone; the cost-based floor has its own test.)
+    loop = Loop(auto_policy(probe_interval=16, max_probe_interval=64, probe_budget=None),
+                {"a": 1.0}, t_spec=2.0).run(400)
     probe_starts = [i for i in range(10, 400) if loop.proposed[i] and not loop.proposed[i - 1]]
     gaps = [b - a for a, b in zip(probe_starts, probe_starts[1:])]
     assert gaps[:3] == [32, 64, 64] or gaps[:2] == [32, 64], gaps
@@ -212,8 +213,8 @@ def test_probes_while_everyone_drafts_do_not_back_off():
     # probe_interval + probe_len steps, not after a backed-off interval.
     acceptance = {"a": lambda step: 4.0 if step < 300 else 1.0,
                   "b": lambda step: 4.0 if step < 300 else 1.0}
-    loop = Loop(auto_policy(probe_interval=16, max_probe_interval=1024), acceptance,
-                t_spec=1.5).run(400)
+    loop = Loop(auto_policy(probe_interval=16, max_probe_interval=1024, probe_budget=None),
+                acceptance, t_spec=1.5).run(400)
     probes = loop.plain_probes(10, 300)
     assert loop.undrafted(10, 300) == sorted(probes + [p + 1 for p in probes])
     assert len(probes) <= 5  # 16 .. 256 steps apart (doubling; the ratio never moves)
@@ -221,6 +222,48 @@ def test_probes_while_everyone_drafts_do_not_back_off():
                    and not loop.proposed[i + 1])
     first_probe = next(i for i in range(stopped, 400) if loop.proposed[i])
     assert first_probe - stopped <= 16 + 2
+
+
+def _loop_time(loop: Loop, since: int, until: int) -> float:
+    """Simulated time of steps [since, until), priced as Loop.one_step prices them."""
+    total = 0.0
+    for proposed, verified in zip(loop.proposed[since:until], loop.log[since:until]):
+        rows = sum(verified.values())
+        if proposed and rows == len(verified):
+            total += loop.t_spec
+        elif not proposed and rows == 0:
+            total += loop.t_plain
+        else:
+            total += (loop.t_spec + loop.t_plain) / 2
+    return total
+
+
+@pytest.mark.parametrize("t_spec", [1.5, 2.0, 4.0])
+def test_probing_where_drafting_cannot_pay_costs_at_most_the_probe_budget(t_spec):
+    # Drafts never accepted: after the start (drafting to measure, exploration) the engine
+    # runs plain steps and re-probes. With the default config the probes' cost stays within
+    # probe_budget (2 %) of all-plain time, whatever a speculative step costs; without the
+    # cost-based spacing (32, doubling) the dear steps of the tiny model at B=8 (t_spec ~4
+    # t_plain) cost far more in the first hundreds of steps.
+    since, until = 20, 2020
+    loop = Loop(auto_policy(), {"a": 1.0, "b": 1.0}, t_spec=t_spec).run(until)
+    budget = CostModelConfig().probe_budget
+    assert any(loop.proposed[since:until])  # it still probes
+    assert _loop_time(loop, since, until) <= (1 + budget) * (until - since)
+    if t_spec == 4.0:
+        loose = Loop(auto_policy(probe_budget=None), {"a": 1.0, "b": 1.0}, t_spec=t_spec)
+        loose.run(600)
+        assert _loop_time(loose, since, 600) > (1 + 2 * budget) * (600 - since)
+
+
+def test_the_probe_budget_spaces_probes_by_their_cost():
+    # Floor = (probe_len + min_acceptance_samples - 1) * (t_spec / t_plain - 1) / budget
+    # = 3 * 1 / 0.02 = 150 steps at t_spec = 2 t_plain: no two probe starts closer.
+    loop = Loop(auto_policy(probe_interval=16, max_probe_interval=64), {"a": 1.0},
+                t_spec=2.0).run(1000)
+    starts = [i for i in range(10, 1000) if loop.proposed[i] and not loop.proposed[i - 1]]
+    assert len(starts) >= 5
+    assert min(b - a for a, b in zip(starts, starts[1:])) >= 150, starts
 
 
 def test_explores_plain_steps_before_trusting_a_bucket():
@@ -325,6 +368,8 @@ def test_cost_model_config_errors_name_the_value():
         CostModelConfig(time_window=0)
     with pytest.raises(ValueError, match=r"acceptance_alpha=1\.5 is invalid"):
         CostModelConfig(acceptance_alpha=1.5)
+    with pytest.raises(ValueError, match=r"probe_budget=0\.0 is invalid"):
+        CostModelConfig(probe_budget=0.0)
     with pytest.raises(ValueError, match="step kind 'draft' is invalid"):
         SpeculationCostModel(K).observe_step("draft", 1, 1, 1.0)
 
@@ -334,7 +379,7 @@ def test_a_revival_resets_the_probe_interval():
     # off while nobody revives; the probe that revives "a" resets the interval to 16 (judged
     # once "a" has its two fresh samples), then "b" alone backs it off again.
     acceptance = {"a": lambda step: 1.0 if step < 100 else 4.0, "b": 1.0}
-    policy = auto_policy(probe_interval=16, max_probe_interval=1024)
+    policy = auto_policy(probe_interval=16, max_probe_interval=1024, probe_budget=None)
     loop = Loop(policy, acceptance, t_spec=1.5)
     intervals = []
     for _ in range(300):

@@ -147,7 +147,6 @@ class LLMEngine:
         self.async_scheduling = bool(getattr(vllm_config, "async_scheduling", False))
         self._pending = None
         self._speculative = vllm_config.speculative_config is not None
-        self._last_collected = 0.0  # perf_counter() at the end of the last collected step
         self_ref = weakref.ref(self)
         self._atexit_hook = lambda: (self_ref() is not None and self_ref().shutdown())
         atexit.register(self._atexit_hook)
@@ -311,7 +310,13 @@ class LLMEngine:
         With a drafter only a step that verifies and proposes no drafts is left in flight: a
         step that verifies (or proposes, or that the runner completed in place) is collected
         right after its launch, before the next step is scheduled (its accepted counts or
-        drafts shape that plan)."""
+        drafts shape that plan).
+
+        Cost model: a step's host time is its own launch plus its own collection (the wait for
+        its copy included). The period between collections is not: it holds the next step's
+        launch, and when that step verifies or proposes (collected right after) it also holds
+        that heavy launch, which then counted for both steps and made plain steps look as dear
+        as speculative ones. In steady overlapped decoding the two agree (launches alike)."""
         pending, self._pending = self._pending, None
         launched = None
         if self.scheduler.has_unfinished_requests():
@@ -322,10 +327,14 @@ class LLMEngine:
                 handle = self.executor.execute_model_async(scheduler_output)
             except Exception as error:  # noqa: BLE001 - classified in _recover_async
                 return self._recover_async(pending, scheduler_output, error)
-            launched = (scheduler_output, handle, num_prompt_tokens, step_start)
+            # The launch's own host time (schedule + launch) rides with the step until it is
+            # collected: the docstring says why.
+            launched = (scheduler_output, handle, num_prompt_tokens,
+                        time.perf_counter() - step_start)
         outputs: list[RequestOutput] = []
         if pending is not None:
-            scheduler_output, handle, num_prompt_tokens, started = pending
+            scheduler_output, handle, num_prompt_tokens, launch_seconds = pending
+            collect_start = time.perf_counter()
             try:
                 runner_output = handle.get_output()
             except Exception as error:  # noqa: BLE001
@@ -337,11 +346,8 @@ class LLMEngine:
                     self.scheduler.requeue_for_recompute(
                         [r for r in launched[0].num_scheduled_tokens if r in self._states])
                 return outputs
-            # An overlapped step's time is its period (from the previous collection), not its
-            # launch-to-collect latency, which also holds the next step's host work.
             outputs = self._process_step(scheduler_output, runner_output, num_prompt_tokens,
-                                         max(started, self._last_collected))
-            self._last_collected = time.perf_counter()
+                                         collect_start - launch_seconds)
         if launched is not None and self._collect_now(launched[0], launched[1]):
             outputs = outputs + self._collect_launched(launched)
             # Two steps collected in one call: a request's newest (cumulative) output only.
@@ -356,24 +362,25 @@ class LLMEngine:
                                       or scheduler_output.propose_drafts)
 
     def _collect_launched(self, launched) -> list[RequestOutput]:
-        scheduler_output, handle, num_prompt_tokens, started = launched
+        scheduler_output, handle, num_prompt_tokens, launch_seconds = launched
+        collect_start = time.perf_counter()
         try:
             runner_output = handle.get_output()
         except Exception as error:  # noqa: BLE001 - classified below
             return self._recover_from_failed_step(scheduler_output, error)
-        outputs = self._process_step(scheduler_output, runner_output, num_prompt_tokens, started)
-        self._last_collected = time.perf_counter()
-        return outputs
+        return self._process_step(scheduler_output, runner_output, num_prompt_tokens,
+                                  collect_start - launch_seconds)
 
     def _recover_async(self, pending, scheduler_output, error: Exception) -> list:
         """A launch failed: collect the step still in flight first (its tokens are good), then
         recover the failed one as a synchronous step would."""
         outputs: list[RequestOutput] = []
         if pending is not None:
-            prev_output, handle, num_prompt_tokens, started = pending
+            prev_output, handle, num_prompt_tokens, launch_seconds = pending
+            collect_start = time.perf_counter()
             try:
                 outputs = self._process_step(prev_output, handle.get_output(),
-                                             num_prompt_tokens, started)
+                                             num_prompt_tokens, collect_start - launch_seconds)
             except Exception:  # noqa: BLE001 - the launch's error is the one reported
                 self.scheduler.requeue_for_recompute(
                     [r for r in prev_output.num_scheduled_tokens if r in self._states])
@@ -382,6 +389,8 @@ class LLMEngine:
     def _process_step(self, scheduler_output, runner_output, num_prompt_tokens: int,
                       step_start: float) -> list[RequestOutput]:
         """Scheduler update, then one output per request that gained tokens (or finished).
+        `step_start`: where the step's host time began, for the cost model (async scheduling
+        passes the collection's start less the launch's own time, see _step_async).
 
         Per request this is O(new tokens), flat in output length: outputs hold read-only
         prefix views of the request's token / logprob lists (output_views.py), the text grows by

@@ -24,7 +24,13 @@ Three rules keep the decisions stable and the model fed:
   together, so the probe steps are pure draft+verify steps that refresh t_spec too); their
   acceptance restarts from what the probe measures (a request keeps drafting until it has
   `min_acceptance_samples` of them). A probe that revives nobody doubles the
-  interval (up to `max_probe_interval`): where drafting cannot pay, probing costs ~nothing;
+  interval (up to `max_probe_interval`). And probes are spaced by what they cost: a probe's
+  probe_len + min_acceptance_samples - 1 speculative steps each cost (t_spec / t_plain - 1)
+  plain steps more than the plain steps they replace, so consecutive probes are at least
+  that many steps over `probe_budget` apart, which holds probing where drafting cannot pay to
+  ~probe_budget of the decode time. (On the tiny model at B=8 a speculative step costs ~4
+  plain ones: 3 probes in 256 steps, every 32 doubling, cost it 25-30 % against no
+  speculation, eighth session; the floor there is ~450 steps.);
 * exploration: until some bucket has both timings, a bucket with too few spec-step timings
   drafts and one with too few plain-step timings then runs `min_samples` plain steps; later, a
   bucket without both borrows the cost ratio of its nearest measured neighbour;
@@ -35,6 +41,7 @@ Three rules keep the decisions stable and the model fed:
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -64,12 +71,18 @@ class CostModelConfig:
     probe_interval: int = 32       # steps between re-probes of requests that stopped
     max_probe_interval: int = 1024
     probe_len: int = 2             # steps per probe (the first proposes, the second verifies)
+    # Probing's share of decode time where drafting cannot pay (None: probes follow the
+    # interval alone); sets the fewest steps between probes from the cost ratio.
+    probe_budget: float | None = 0.02
     min_context_bucket: int = 256  # contexts below this share one bucket
 
     def __post_init__(self):
         if not 0.0 < self.acceptance_alpha <= 1.0:
             raise ValueError(f"acceptance_alpha={self.acceptance_alpha!r} is invalid: it must be "
                              "in (0, 1].")
+        if self.probe_budget is not None and not 0.0 < self.probe_budget <= 1.0:
+            raise ValueError(f"probe_budget={self.probe_budget!r} is invalid: it must be in "
+                             "(0, 1], or None for no cost-based spacing of probes.")
         if not 0.0 <= self.hysteresis < 1.0:
             raise ValueError(f"hysteresis={self.hysteresis!r} is invalid: it must be in [0, 1).")
         for name in ("time_window", "min_samples", "min_acceptance_samples", "probe_interval",
@@ -295,7 +308,7 @@ class SpeculationCostModel:
                                     min(2 * self._plain_interval, cfg.max_probe_interval))
             self._next_plain_probe = self._plain_probe_step + self._plain_interval
             self._plain_probe_ratio = None
-        probing = self._probe_window(step)
+        probing = self._probe_window(step, self._probe_floor(ratio))
         decisions = {}
         requests = self._requests
         override = self.acceptance_override
@@ -353,9 +366,19 @@ class SpeculationCostModel:
             self._next_probe = max(self._probe_start + self._probe_interval, step + 1)
         return decisions
 
-    def _probe_window(self, step: int) -> bool:
-        """True during the probe steps [start, start + probe_len)."""
-        if step >= self._next_probe:
+    def _probe_floor(self, ratio: float) -> int:
+        """The fewest steps from one probe's start to the next (the module doc says why)."""
+        budget = self.config.probe_budget
+        if budget is None or ratio <= 1.0:
+            return 0
+        cfg = self.config
+        return math.ceil((cfg.probe_len + cfg.min_acceptance_samples - 1) * (ratio - 1.0)
+                         / budget)
+
+    def _probe_window(self, step: int, floor: int = 0) -> bool:
+        """True during the probe steps [start, start + probe_len). A probe starts once the
+        interval has passed and at least `floor` steps since the last one began (or step 0)."""
+        if step >= self._next_probe and step >= max(self._probe_start, 0) + floor:
             self._probe_start = step
             self._next_probe = step + self._probe_interval  # provisional, see the review
             self._review_pending = True
