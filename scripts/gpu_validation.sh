@@ -103,10 +103,10 @@ for what in "$@"; do
       summary+=("probe spec rc=$?"); grep -v "Warn\|warn_once" "$out/probe_spec.log" | tail -n 40 ;;
     specbench)  # tiny DSpark vs the default (async) engine, async graphs vs async eager, DSpark V3
       timeout 150 python3 benchmarks/engine/benchmark_spec_policy.py --batch-sizes 1 8 \
-        --variants none always --repeats 3 --none-async --out "$out/tinyspec" >"$out/tinyspec.log" 2>&1
+        --variants none always --repeats 3 --out "$out/tinyspec" >"$out/tinyspec.log" 2>&1
       summary+=("tiny dspark rc=$?"); grep -v "^{" "$out/tinyspec.log" | tail -n 8
       timeout 150 python3 benchmarks/engine/benchmark_spec_policy.py --batch-sizes 1 8 \
-        --variants none never auto-nopay --repeats 3 --none-async --spec-async \
+        --variants none never auto-nopay --repeats 3 \
         --out "$out/specasync" >"$out/specasync.log" 2>&1
       summary+=("spec async rc=$?"); grep -v "^{" "$out/specasync.log" | tail -n 8
       timeout 100 python3 benchmarks/engine/benchmark_decode.py "${V3[@]}" --batch-sizes 1 \
@@ -121,7 +121,7 @@ for what in "$@"; do
     policy)  # ~8 s per tiny engine after the first; the test file starts ~40 of them
       PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-330}" run_pytest policy tests/v1/e2e/test_spec_policy_gpu.py
       timeout 240 python3 benchmarks/engine/benchmark_spec_policy.py --batch-sizes 1 8 \
-        --variants none never auto-nopay --repeats 3 --out "$out/policy" >"$out/policy.log" 2>&1
+        --variants none never auto-nopay --repeats 3 --scheduling sync --out "$out/policy" >"$out/policy.log" 2>&1
       summary+=("policy bench rc=$?"); grep -v "^{" "$out/policy.log" | tail -n 8 ;;
     *) echo "unknown group $what" >&2; exit 2 ;;
   esac

@@ -51,13 +51,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--attention-backend", default="FLASHINFER_MLA")
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--none-async", action="store_true",
-                        help="run the 'none' baseline with the engine's default (async) "
-                             "scheduling instead of synchronously: the tok/s a user gets without "
-                             "drafts (issue #10's DSpark >= 1.5x is taken against it)")
-    parser.add_argument("--spec-async", action="store_true",
-                        help="run the speculative variants with --async-scheduling (block "
-                             "drafters overlap the steps that verify and propose no drafts)")
+    parser.add_argument("--scheduling", choices=("default", "sync"), default="default",
+                        help="default: every engine schedules as the engine does by default "
+                             "(plain decoding and DFlash/DSpark under a policy async, drafting "
+                             "on every step synchronous): the tok/s a user gets. sync: every "
+                             "engine synchronous, which isolates the drafting policy from the "
+                             "scheduling")
     parser.add_argument("--out", default="out/spec_policy")
     args = parser.parse_args()
     if "none" not in args.variants:
@@ -72,10 +71,7 @@ def main() -> None:
             draft_model=args.draft_model, forced_acceptance=args.forced_acceptance,
             device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
-            # Speculative engines schedule synchronously (no async scheduling with drafters
-            # yet): the baseline does too, so the ratios isolate the drafting policy.
-            async_scheduling=((None if args.none_async else False) if variant == "none"
-                              else (True if args.spec_async else None)))
+            async_scheduling=None if args.scheduling == "default" else False)
             for variant in ["none"] + [v for v in args.variants if v != "none"]}
         runs = run_rounds(cases, args.repeats, warmup_rounds=args.warmup_rounds)
         for variant, variant_runs in runs.items():

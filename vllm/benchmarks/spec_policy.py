@@ -36,9 +36,10 @@ class SpecPolicyCase:
     dtype: str = "bfloat16"
     attention_backend: str = "FLASHINFER_MLA"
     enforce_eager: bool = False
-    # None: the engine's default (async scheduling on where supported, i.e. for "none" only).
-    # False: "none" runs synchronously like every speculative variant, so that the comparison
-    # isolates the drafting policy from the scheduling mode.
+    # None: the engine's default (async scheduling where supported: plain decoding, and DSpark /
+    # DFlash under a policy, i.e. "none", "never", "auto", "auto-nopay"; "always" runs
+    # synchronously). False: synchronous, so that a comparison isolates the drafting policy
+    # from the scheduling mode.
     async_scheduling: bool | None = None
 
     def __post_init__(self):

@@ -26,8 +26,9 @@ class VllmConfig:
     enable_chunked_prefill: bool = True
     # Async scheduling (upstream's --async-scheduling): schedule and prepare step N+1 while the
     # GPU runs step N; the sampled ids of step N reach the scheduler one step later. None (the
-    # default, as upstream): on wherever it is supported (TP=1 in-process) without a drafter, else
-    # off. With a drafter (explicit True) only the steps that verify no drafts overlap.
+    # default, as upstream): on wherever it is supported (TP=1 in-process) for plain decoding and
+    # for DFlash/DSpark under a speculation policy, else off (resolve_async_scheduling). With a
+    # drafter only the steps that verify no drafts and propose none overlap.
     async_scheduling: bool | None = None
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     load_config: LoadConfig = field(default_factory=LoadConfig)
@@ -42,10 +43,7 @@ class VllmConfig:
         # worker that cannot overlap steps (an explicit True is refused there instead).
         self.async_scheduling_auto = self.async_scheduling is None
         if self.async_scheduling is None:
-            # A speculative engine overlaps only its steps that verify no drafts; it is opt-in
-            # (--async-scheduling) until that is validated on the GPU.
-            self.async_scheduling = (self._async_scheduling_unsupported() is None
-                                     and self.speculative_config is None)
+            self.async_scheduling = False  # resolve_async_scheduling decides, below
         elif not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling={self.async_scheduling!r} is invalid: pass True, "
                              "False or None (on where supported)")
@@ -72,6 +70,22 @@ class VllmConfig:
                 self.parallel_config.tensor_parallel_size,
                 self.parallel_config.decode_context_parallel_size)
         self.resolve_speculative_config()
+        self.resolve_async_scheduling()
+
+    def resolve_async_scheduling(self) -> None:
+        """The automatic choice (async_scheduling None; the engine calls this again once the
+        drafter's method is known). On where supported for plain decoding, and for the block
+        drafters (DFlash/DSpark) under a speculation policy (disable_by_batch_size set): the
+        steps the policy leaves without drafts overlap, which on the H200 brought a DSpark
+        engine whose drafts cannot pay to within 5 % of plain decoding at B=1 (eighth session,
+        docs/performance.md). Off for EAGLE/MTP (their draft pass writes draft KV every step,
+        so no step overlaps) and for drafting on every step (likewise)."""
+        if not self.async_scheduling_auto:
+            return
+        spec = self.speculative_config
+        overlaps = spec is None or (spec.uses_block_drafter
+                                    and spec.disable_by_batch_size is not None)
+        self.async_scheduling = overlaps and self._async_scheduling_unsupported() is None
 
     def _async_scheduling_unsupported(self) -> str | None:
         """Why async scheduling cannot run with this config (None: it can)."""

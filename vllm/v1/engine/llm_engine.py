@@ -57,6 +57,7 @@ def resolve_model_paths(vllm_config) -> None:
                              "set speculative_config.model to a drafter checkpoint directory")
         spec.model = str(drafter_dir)
     vllm_config.resolve_speculative_config()  # defaults from the now-known drafter config
+    vllm_config.resolve_async_scheduling()  # its automatic choice depends on the method
 
 
 @dataclass
