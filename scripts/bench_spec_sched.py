@@ -8,7 +8,6 @@ steps after a warm-up, best of --repeats runs, in microseconds.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
 

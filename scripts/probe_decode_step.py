@@ -58,7 +58,7 @@ def _instrument(engine) -> None:
     _wrap(flashinfer_mla, "_native_replan", "flashinfer native re-plan")
     _wrap(flashinfer_mla, "_adopt_plan", "flashinfer plan skeleton read-back")
     from vllm.v1.attention.backends.mla import common as mla_common
-    from vllm.v1.worker.gpu import attn_utils, block_table
+    from vllm.v1.worker.gpu import block_table
     _wrap(mla_common.MLACommonMetadataBuilder, "_row_seq_lens", "mla._row_seq_lens (device)")
     _wrap(mla_common.MLACommonMetadataBuilder, "_row_seq_lens_host", "mla._row_seq_lens_host")
     _wrap(block_table.BlockTables, "gather_block_tables", "BlockTables.gather_block_tables")

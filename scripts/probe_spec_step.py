@@ -117,6 +117,18 @@ def _instrument(engine) -> None:
         from vllm.v1.worker.gpu.spec_decode.block_speculator import BlockSpeculator
         from vllm.v1.worker.gpu.spec_decode.speculator import Speculator
         _wrap(Speculator, "_build_draft_attn_metadata", "speculator draft attn metadata")
+        # Inside it: the fused input write comes before; the backends' builders (FlashInfer:
+        # plan / refresh of the draft wrapper) are called from build_attn_metadata.
+        from vllm.v1.worker.gpu.spec_decode import speculator as speculator_module
+        _wrap(speculator_module, "build_attn_metadata",
+              "speculator draft: build_attn_metadata (backend builders)")
+        _wrap(BlockSpeculator, "_write_block", "speculator block inputs write")
+    try:
+        from vllm.v1.attention.backends.mla.flashinfer_mla import FlashInferMLAMetadataBuilder
+    except ImportError:
+        FlashInferMLAMetadataBuilder = None
+    if FlashInferMLAMetadataBuilder is not None:
+        _wrap(FlashInferMLAMetadataBuilder, "build", "FlashInfer MLA builder build (all groups)")
         _wrap(BlockSpeculator, "_block_step", "speculator block forward (draft model)")
         _wrap(BlockSpeculator, "precompute_context", "speculator precompute_context (in fwd)")
 

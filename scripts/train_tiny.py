@@ -116,7 +116,7 @@ def train_target(args, cfg) -> tuple[dict, dict]:
 
 
 def distil(args, configs, target_p) -> tuple[dict, dict]:
-    from vllm.model_executor.models import tiny, tiny_distill, tiny_train as tt
+    from vllm.model_executor.models import tiny_distill, tiny_train as tt
 
     english, code = load_corpus()
     gen = torch.Generator().manual_seed(args.seed + 7)

@@ -134,8 +134,9 @@ class EngineArgs:
         "in chunks (default on, as vLLM V1; --no-enable-chunked-prefill prefills prompts whole)")
     async_scheduling: bool | None = _opt(
         VllmConfig.async_scheduling, "schedule and prepare step N+1 while the GPU runs step N "
-        "(as upstream's --async-scheduling). Default: on wherever supported (TP=1, no "
-        "speculative decoding), off elsewhere; --async-scheduling where unsupported is an error")
+        "(as upstream's --async-scheduling). Default: on wherever supported (TP=1) for plain "
+        "decoding and for DFlash/DSpark under disable_by_batch_size, off elsewhere; "
+        "--async-scheduling where unsupported is an error")
     # ---- speculative decoding / compilation ----
     speculative_config: dict[str, Any] | str | None = _opt(
         None, 'JSON, e.g. \'{"method": "dspark", "model": DIR, "num_speculative_tokens": 4}\', or '

@@ -24,12 +24,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 METHODS = ("dspark", "eagle")
 
 
-def make_llm(method: str | None, disable_by_batch_size=None) -> LLM:
+def make_llm(method: str | None, disable_by_batch_size=None, **kw) -> LLM:
     spec = None
     if method is not None:
         spec = {"method": method, "num_speculative_tokens": K,
                 "disable_by_batch_size": disable_by_batch_size}
-    return LLM(device="cpu", max_model_len=128, max_num_seqs=8, speculative_config=spec)
+    return LLM(device="cpu", max_model_len=128, max_num_seqs=8, speculative_config=spec, **kw)
 
 
 def count_proposes(llm: LLM) -> list[int]:
@@ -205,7 +205,9 @@ def _run_counting_fast_paths(policy, inject, fast_paths: bool):
     """Greedy tokens, policy stats and the number of steps each fast path carried (scheduler
     steady decode, lean update, the runner's no-draft bookkeeping) of one DSpark run."""
     from vllm.v1.core.sched.output import SchedulerOutput
-    with make_llm("dspark", policy) as llm:
+    # Synchronous: the lean update is the synchronous engine's (an async engine, the default
+    # for DSpark under a policy, applies every step through _update_from_async_output).
+    with make_llm("dspark", policy, async_scheduling=False) as llm:
         engine = llm.llm_engine
         sched = engine.scheduler
         if inject is not None:

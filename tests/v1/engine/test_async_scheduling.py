@@ -168,11 +168,22 @@ def test_step_n_plus_1_is_launched_before_step_n_is_collected(tiny):
 
 def test_refused_combinations_name_the_fix(tiny):
     spec = {"method": "dspark", "model": tiny.dspark, "num_speculative_tokens": 4}
-    # A drafter: accepted when asked for (its steps without drafts overlap), off by default.
+    # A drafter: accepted when asked for (its steps without drafts overlap). By default on only
+    # where a step can overlap: a block drafter (DSpark / DFlash) under a policy.
     assert EngineArgs(model=tiny.target, device="cpu", async_scheduling=True,
                       speculative_config=dict(spec)).create_engine_config().async_scheduling
     assert not EngineArgs(model=tiny.target, device="cpu",
                           speculative_config=dict(spec)).create_engine_config().async_scheduling
+    for method, policy, expected in (("dspark", "auto", True), ("dspark", 4, True),
+                                     ("dflash", "auto", True), ("eagle", "auto", False),
+                                     ("mtp", 4, False)):
+        config = EngineArgs(model=tiny.target, device="cpu", speculative_config={
+            "method": method, "model": getattr(tiny, method), "num_speculative_tokens": 3,
+            "disable_by_batch_size": policy}).create_engine_config()
+        assert config.async_scheduling is expected, (method, policy)
+    assert not EngineArgs(model=tiny.target, device="cpu", async_scheduling=False,
+                          speculative_config=dict(spec, disable_by_batch_size="auto")
+                          ).create_engine_config().async_scheduling
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
         EngineArgs(model=tiny.target, device="cpu", async_scheduling=True,
                    tensor_parallel_size=2).create_engine_config()

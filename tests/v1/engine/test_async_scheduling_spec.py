@@ -234,13 +234,14 @@ def test_plain_steps_overlap_and_verifying_steps_do_not(tiny, method):
 
 def test_cost_model_charges_each_step_its_own_launch(tiny):
     # The cost model's step times (async, "auto" whose drafts cannot pay, a probe every 4
-    # steps, so plain steps overlap and probe steps do not). Every launch is made 80 ms slower:
-    # each timed step must hold exactly one launch, its own (>= 80 ms, < 120 ms: the tiny
-    # model's work is a few ms). Timing a step over the period between collections charged a
-    # plain step the next step's launch as well, twice a launch where that step was launched
-    # with nothing in flight (after a verify step) or is followed by a proposing one.
+    # steps, so plain steps overlap and probe steps do not). Every launch is made 100 ms
+    # slower: each timed step must hold exactly one launch, its own (>= 100 ms, < 180 ms: the
+    # tiny model's work is ~10-20 ms on a busy 2-core box). Timing a step over the period
+    # between collections charged a plain step the next step's launch as well, twice a launch
+    # (>= 200 ms) where that step was launched with nothing in flight (after a verify step) or
+    # is followed by a proposing one.
     from vllm.benchmarks.spec_step_kinds import set_probe_interval
-    delay = 0.08
+    delay = 0.1
     with make_engine(tiny, "dspark", "auto_rejected", True) as engine:
         set_probe_interval(engine.scheduler.spec_policy.cost_model, 4)
         events = record_launches(engine)
@@ -269,4 +270,4 @@ def test_cost_model_charges_each_step_its_own_launch(tiny):
     kinds = {kind for kind, _ in recorded}
     assert overlapped and kinds == {"spec", "plain"}, (events, recorded)
     for kind, seconds in recorded:
-        assert delay <= seconds < 1.5 * delay, (kind, seconds, recorded)
+        assert delay <= seconds < 1.8 * delay, (kind, seconds, recorded)

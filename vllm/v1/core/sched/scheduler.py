@@ -331,10 +331,14 @@ class Scheduler:
         # Decodes first (a decode is one request-step of 1 + drafts tokens, and
         # max_num_running_reqs guarantees they all fit), then the unfinished prefills.
         decodes = [r for r in self.running if not self._is_prefilling(r)]
-        order = decodes + [r for r in self.running if self._is_prefilling(r)]
+        prefills = [r for r in self.running if self._is_prefilling(r)]
         if self.async_scheduling:
-            # A request whose in-flight token is its last finishes when that token arrives.
-            order = [r for r in order if not self._finishes_with_placeholders(r)]
+            # A request whose in-flight token is its last finishes when that token arrives: it
+            # is not scheduled, so the policy neither plans nor counts it either (counted, it
+            # added one skipped decode per request to the policy's stats).
+            decodes = [r for r in decodes if not self._finishes_with_placeholders(r)]
+            prefills = [r for r in prefills if not self._finishes_with_placeholders(r)]
+        order = decodes + prefills
         keep_drafts = True  # False: the policy lets nobody draft this step (checked once)
         plan_uniform = True  # one decision for every request (no per-request look-up)
         if self.spec_policy is not None and self.spec_policy.active:
