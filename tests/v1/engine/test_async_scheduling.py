@@ -184,6 +184,10 @@ def test_refused_combinations_name_the_fix(tiny):
     assert not EngineArgs(model=tiny.target, device="cpu", async_scheduling=False,
                           speculative_config=dict(spec, disable_by_batch_size="auto")
                           ).create_engine_config().async_scheduling
+    # The automatic choice never asks for what the config cannot do (an explicit True does).
+    assert not EngineArgs(model=tiny.target, device="cpu", tensor_parallel_size=2,
+                          speculative_config=dict(spec, disable_by_batch_size="auto")
+                          ).create_engine_config().async_scheduling
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
         EngineArgs(model=tiny.target, device="cpu", async_scheduling=True,
                    tensor_parallel_size=2).create_engine_config()
