@@ -35,3 +35,36 @@ def run_with_arrivals(engine, requests: dict, arrivals: dict | None = None, *,
         assert step < max_steps, "engine did not finish"
     return {rid: (list(o.outputs[0].token_ids), o.outputs[0].finish_reason,
                   o.outputs[0].text) for rid, o in finals.items()}
+
+
+def record_launches(engine) -> list:
+    """Wrap the engine's executor launch (async scheduling) to record, in order,
+    ["launch", n, done at launch, drafts verified, tokens] and ("collect", n) events. A launch
+    is recorded when it starts: the runner may collect an earlier step inside it."""
+    events = []
+    executor = engine.executor
+    launch = executor.execute_model_async
+
+    def recording_launch(so):
+        index = sum(1 for e in events if e[0] == "launch")
+        event = ["launch", index, None, bool(so.scheduled_spec_decode_tokens),
+                 so.total_num_scheduled_tokens]
+        events.append(event)
+        handle = launch(so)
+        event[2] = handle.done
+        get = handle.get_output
+
+        def recording_get():
+            events.append(("collect", index))
+            return get()
+        handle.get_output = recording_get
+        return handle
+    executor.execute_model_async = recording_launch
+    return events
+
+
+def collected_before_next_launch(events, n: int) -> bool:
+    """In record_launches' events: step n was collected before step n + 1 was launched."""
+    order = [tuple(e[:2]) for e in events]
+    nxt = ("launch", n + 1)
+    return nxt not in order or order.index(("collect", n)) < order.index(nxt)

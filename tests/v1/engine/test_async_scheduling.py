@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.utils.engine_steps import run_with_arrivals
+from tests.utils.engine_steps import record_launches, run_with_arrivals
 from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.models.tiny import write_tiny_models
 from vllm.sampling_params import SamplingParams
@@ -136,30 +136,16 @@ def test_host_token_features_equal_sync(tiny):
 
 def test_step_n_plus_1_is_launched_before_step_n_is_collected(tiny):
     with make_engine(tiny, True) as engine:
-        events = []
-        executor = engine.executor
-        launch = executor.execute_model_async
-
-        def recording_launch(so):
-            index = sum(1 for e in events if e[0] == "launch")
-            handle = launch(so)
-            events.append(("launch", index, handle.done, so.total_num_scheduled_tokens))
-            get = handle.get_output
-
-            def recording_get():
-                events.append(("collect", index))
-                return get()
-            handle.get_output = recording_get
-            return handle
-        executor.execute_model_async = recording_launch
+        events = record_launches(engine)
         run(engine, {"a": (PROMPTS["a"], SamplingParams(temperature=0.0, max_tokens=8,
                                                         ignore_eos=True))})
     launches = [e for e in events if e[0] == "launch"]
-    # Prefill + 7 decode steps; the in-flight 8th token is known to be the last (max_tokens), so
-    # no further step computes anything (a trailing empty step only hands over finished ids).
-    assert [e[3] for e in launches if e[3] > 0] == [11] + [1] * 7
+    # (record_launches: e[2] = done at launch, e[4] = tokens.) Prefill + 7 decode steps; the
+    # in-flight 8th token is known to be the last (max_tokens), so no further step computes
+    # anything (a trailing empty step only hands over finished ids).
+    assert [e[4] for e in launches if e[4] > 0] == [11] + [1] * 7
     # Steps with tokens return before their ids are on the host ...
-    assert all(not e[2] for e in launches if e[3] > 0)
+    assert all(not e[2] for e in launches if e[4] > 0)
     # ... and every step N is collected after step N+1 was launched (except the last).
     order = [(e[0], e[1]) for e in events]
     for n in range(len(launches) - 1):

@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from tests.utils.engine_steps import run_with_arrivals
+from tests.utils.engine_steps import (collected_before_next_launch, record_launches,
+                                      run_with_arrivals)
 from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.models.tiny import write_tiny_models
 from vllm.sampling_params import SamplingParams
@@ -168,38 +169,6 @@ def test_preemption_greedy_equals_plain_with_auto(tiny, method, policy):
     assert preempting_run(tiny, method, policy, True, requests) == plain
 
 
-def record_launches(engine) -> list:
-    """Wrap the executor's launch: ["launch", n, done at launch, drafts verified, tokens] and
-    ("collect", n) events in order."""
-    events = []
-    executor = engine.executor
-    launch = executor.execute_model_async
-
-    def recording_launch(so):
-        index = sum(1 for e in events if e[0] == "launch")
-        # Recorded when the launch starts: the runner may collect the step before inside it.
-        event = ["launch", index, None, bool(so.scheduled_spec_decode_tokens),
-                 so.total_num_scheduled_tokens]
-        events.append(event)
-        handle = launch(so)
-        event[2] = handle.done
-        get = handle.get_output
-
-        def recording_get():
-            events.append(("collect", index))
-            return get()
-        handle.get_output = recording_get
-        return handle
-    executor.execute_model_async = recording_launch
-    return events
-
-
-def _collected_before_next_launch(events, n: int) -> bool:
-    order = [tuple(e[:2]) for e in events]
-    nxt = ("launch", n + 1)
-    return nxt not in order or order.index(("collect", n)) < order.index(nxt)
-
-
 @pytest.mark.parametrize("method", ("dflash", "dspark"))
 def test_plain_steps_overlap_and_verifying_steps_do_not(tiny, method):
     # disable_by_batch_size=2: drafting while one request runs, none while two do. The plain
@@ -224,9 +193,9 @@ def test_plain_steps_overlap_and_verifying_steps_do_not(tiny, method):
     overlapped = [e[1] for e in launches if not e[2]]
     assert verifying and overlapped, events
     for n in verifying:
-        assert _collected_before_next_launch(events, n)
+        assert collected_before_next_launch(events, n)
     for n in overlapped:
-        assert not _collected_before_next_launch(events, n)
+        assert not collected_before_next_launch(events, n)
     with make_engine(tiny, None, "always", False) as engine:
         plain = run(engine, {"a": (PROMPTS["a"], long), "b": (PROMPTS["b"], greedy)})
     assert out == {rid: tokens for rid, (tokens, _, _) in plain.items()}
@@ -266,7 +235,7 @@ def test_cost_model_charges_each_step_its_own_launch(tiny):
         while engine.has_unfinished_requests():
             engine.step()
     launches = [e for e in events if e[0] == "launch" and e[4] > 0]
-    overlapped = [e[1] for e in launches if not _collected_before_next_launch(events, e[1])]
+    overlapped = [e[1] for e in launches if not collected_before_next_launch(events, e[1])]
     kinds = {kind for kind, _ in recorded}
     assert overlapped and kinds == {"spec", "plain"}, (events, recorded)
     for kind, seconds in recorded:
