@@ -142,9 +142,6 @@ class Scheduler:
         # (`SchedulerOutput.advanced`); a verifying step is scheduled after the previous step
         # was collected and applied synchronously (see `_schedule_general`).
         self.async_scheduling = bool(getattr(vllm_config, "async_scheduling", False))
-        # id(SchedulerOutput) -> the policy's timing record of that step, kept while the step
-        # is in flight: async scheduling plans step N+1 before N's time is known, and the
-        # policy remembers only the last plan's record (see record_step_time).
 
     # ---- requests in / out -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
