@@ -11,7 +11,7 @@
 #   bash scripts/gpu_validation.sh specfp8   # fp8/bf16 paired rounds, DSpark V3 overhead, sampler/model tests
 #   bash scripts/gpu_validation.sh specsteps # spec-step GPU tests + CUDA spec-step probe (~7 min)
 #   bash scripts/gpu_validation.sh specbench # tiny DSpark vs async none, async graphs vs eager, DSpark V3
-#   bash scripts/gpu_validation.sh policy    # "cannot pay" policy GPU tests, sync and async (~6 min)
+#   bash scripts/gpu_validation.sh policy    # "cannot pay" policy GPU tests, sync and async (~1 min)
 #   bash scripts/gpu_validation.sh policymodes # the other policy GPU tests (~3 min)
 #   bash scripts/gpu_validation.sh policybench # policy benchmark, sync and default scheduling (~6 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
@@ -121,7 +121,7 @@ for what in "$@"; do
         --batch-sizes 1 32 --methods none dspark --modes graphs --steps 40 \
         --steps-per-block 20 --profile-steps 3 --out "$out/dspark" >"$out/dspark.log" 2>&1
       summary+=("dspark v3 rc=$?"); grep -v "^{" "$out/dspark.log" | tail -n 12 ;;
-    policy)  # cannot-pay, B=1/8, sync/async: 40 tiny engines at ~8 s (~6 min)
+    policy)  # cannot-pay, B=1/8, sync/async: 4 interleaved engine pairs (~1 min)
       PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-480}" run_pytest policy \
         tests/v1/e2e/test_spec_policy_gpu.py -k cannot_pay ;;
     policymodes)  # the other policy GPU tests: keeps drafting, float32 modes, probe steps (~3 min)

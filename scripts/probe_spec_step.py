@@ -123,14 +123,14 @@ def _instrument(engine) -> None:
         _wrap(speculator_module, "build_attn_metadata",
               "speculator draft: build_attn_metadata (backend builders)")
         _wrap(BlockSpeculator, "_write_block", "speculator block inputs write")
+        _wrap(BlockSpeculator, "_block_step", "speculator block forward (draft model)")
+        _wrap(BlockSpeculator, "precompute_context", "speculator precompute_context (in fwd)")
     try:
         from vllm.v1.attention.backends.mla.flashinfer_mla import FlashInferMLAMetadataBuilder
     except ImportError:
         FlashInferMLAMetadataBuilder = None
     if FlashInferMLAMetadataBuilder is not None:
         _wrap(FlashInferMLAMetadataBuilder, "build", "FlashInfer MLA builder build (all groups)")
-        _wrap(BlockSpeculator, "_block_step", "speculator block forward (draft model)")
-        _wrap(BlockSpeculator, "precompute_context", "speculator precompute_context (in fwd)")
 
 
 def _kinds_table(results: list[dict]) -> str:

@@ -42,3 +42,26 @@ def test_policy_rounds_pair_tok_s_within_a_round():
     assert calls == ["none", "never", "never", "none", "none", "never"]
     ratio, ratios = paired_ratio(runs["never"], runs["none"])
     assert ratios == pytest.approx([0.96 / 0.9, 0.96 * 0.9]) and ratio == pytest.approx(0.96)
+
+
+def test_interleaved_blocks_are_full_rounds_and_outputs_complete():
+    from vllm.benchmarks.spec_policy import run_interleaved
+    common = dict(context=16, output_len=64, warmup_steps=8, num_spec_tokens=3, device="cpu",
+                  dtype="float32", attention_backend="TORCH_MLA", enforce_eager=True)
+    runs = run_interleaved({"none": SpecPolicyCase("none", 2, **common),
+                            "auto-nopay": SpecPolicyCase("auto-nopay", 2, **common)},
+                           steps_per_block=8)
+    rounds = runs["_rounds"]
+    # 56 steps after the warm-up: 7 full blocks of 8 while both engines run.
+    assert 1 <= rounds <= 7
+    for name in ("none", "auto-nopay"):
+        run = runs[name]
+        assert len(run["blocks"]) == len(run["block_tok_s"]) == rounds
+        assert all(t > 0 and s > 0 for t, s in run["blocks"])
+        tokens = sum(t for t, _ in run["blocks"])
+        assert run["tok_s"] == pytest.approx(tokens / sum(s for _, s in run["blocks"]))
+        # The untimed rest ran too: every request has its full output.
+        assert [len(t) for t in run["tokens"]] == [64, 64]
+    assert runs["auto-nopay"]["tokens"] == runs["none"]["tokens"]
+    with pytest.raises(ValueError, match="steps_per_block=0 is invalid"):
+        run_interleaved({"none": SpecPolicyCase("none", 1, **common)}, steps_per_block=0)

@@ -103,6 +103,12 @@ def check_kv_cache(gen):
                                  cos_cache=cos, sin_cache=sin, interleaved=interleaved,
                                  q_pe=q_pe[:, :0], q_out=q_out[:, :0], k_out=k_only)
             assert torch.equal(k_only, k_out)
+            # context write (write_latent_kv: no query heads, no k_out): the same cache rows
+            ctx = torch.full((blocks, bs, 576), 7.0).to(dtype)
+            mla_kv_cache._launch(tokens, kv_c=kv_c, k_pe=k_pe, kv_cache=ctx, slot_mapping=slots,
+                                 positions=pos, cos_cache=cos, sin_cache=sin,
+                                 interleaved=interleaved, q_pe=q_pe[:, :0], q_out=q_out[:, :0])
+            assert torch.equal(ctx, got), "write_latent_kv cache rows"
 
 
 def _experts_float64(x, w13, w2, weights, ids):

@@ -8,6 +8,7 @@ draft counted as rejected: drafting cannot pay, so the engine must stop drafting
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -41,6 +42,9 @@ class SpecPolicyCase:
     # synchronously). False: synchronous, so that a comparison isolates the drafting policy
     # from the scheduling mode.
     async_scheduling: bool | None = None
+    # None: gpu_memory_utilization sizes the KV cache. run_interleaved sets 1 GiB, so that
+    # several engines fit on one GPU at once.
+    kv_cache_memory_bytes: int | None = None
 
     def __post_init__(self):
         if self.context is None:
@@ -58,8 +62,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_case(case: SpecPolicyCase) -> dict:
-    """Greedy decode of `batch` requests; tok/s over the steps after the warm-up."""
+def build_engine(case: SpecPolicyCase):
+    """The case's engine, with its `batch` greedy requests added (run_case and
+    scripts/trace_policy_steps.py share it)."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.llm_engine import LLMEngine
@@ -77,7 +82,8 @@ def run_case(case: SpecPolicyCase) -> dict:
         attention_backend=case.attention_backend, speculative_config=spec,
         max_num_seqs=max(case.batch, 1),
         max_num_batched_tokens=max(4096, case.batch * (case.context + 1)),
-        enforce_eager=case.enforce_eager, seed=0, async_scheduling=case.async_scheduling, **extra)
+        enforce_eager=case.enforce_eager, seed=0, async_scheduling=case.async_scheduling,
+        kv_cache_memory_bytes=case.kv_cache_memory_bytes, **extra)
     engine = LLMEngine.from_engine_args(engine_args)
     try:
         if case.variant == "auto-nopay":
@@ -86,6 +92,16 @@ def run_case(case: SpecPolicyCase) -> dict:
         for i in range(case.batch):
             prompt = [(7 * i + 13 * j) % 200 + 20 for j in range(case.context)]
             engine.add_request(f"r{i}", prompt, params)
+    except BaseException:
+        engine.shutdown()
+        raise
+    return engine
+
+
+def run_case(case: SpecPolicyCase) -> dict:
+    """Greedy decode of `batch` requests; tok/s over the steps after the warm-up."""
+    engine = build_engine(case)
+    try:
         outputs: dict[str, list[int]] = {}
 
         def step() -> None:
@@ -133,3 +149,79 @@ def run_rounds(cases: dict[str, SpecPolicyCase], rounds: int, run=None,
 def paired_ratio(runs: list[dict], base_runs: list[dict]) -> tuple[float, list[float]]:
     """tok/s of `runs` over `base_runs`, paired within rounds (geometric mean, per round)."""
     return paired_tok_ratio([r["tok_s"] for r in runs], [b["tok_s"] for b in base_runs])
+
+
+def run_interleaved(cases: dict[str, SpecPolicyCase], steps_per_block: int = 16) -> dict:
+    """Every case's engine alive at once, stepped in turn in blocks of `steps_per_block` engine
+    steps (the order reversed every other round), after each one's warm-up.
+
+    Why: on the GPU node the same engine's per-step time moves by up to 2x between processes
+    and minutes apart (medians 0.47-0.78 ms for one plain B=1 engine, ninth session), far
+    more than the 5 % a policy test asks about. Blocks of ~16 ms taken in turn see the same
+    machine. Every block is timed whole (device synced at its ends), so probes, exploration
+    and stalls count; only blocks of rounds in which every engine still ran a full block are
+    kept. Returns {name: {"tok_s": tokens / seconds over the kept blocks, "block_tok_s",
+    "blocks", "tokens" (every request's full greedy output), "policy"}} and, under "_rounds",
+    the number of kept rounds."""
+    if steps_per_block < 1:
+        raise ValueError(f"steps_per_block={steps_per_block} is invalid: it must be >= 1")
+    names = list(cases)
+    engines: dict = {}
+    try:
+        for name in names:
+            case = cases[name]
+            if case.kv_cache_memory_bytes is None:  # every engine at once on one GPU
+                case = dataclasses.replace(case, kv_cache_memory_bytes=1 << 30)
+            engines[name] = build_engine(case)
+        outputs: dict[str, dict[str, list[int]]] = {name: {} for name in names}
+
+        def step(name: str) -> None:
+            for o in engines[name].step():
+                outputs[name][o.request_id] = list(o.outputs[0].token_ids)
+
+        for name in names:
+            for _ in range(cases[name].warmup_steps):
+                if engines[name].has_unfinished_requests():
+                    step(name)
+        blocks: dict[str, list[tuple[int, float]]] = {name: [] for name in names}
+        order = names
+        while True:
+            round_blocks, full = {}, True
+            for name in order:
+                engine, device = engines[name], cases[name].device
+                before, done = engine._num_generation_tokens, 0
+                _sync(device)
+                start = time.perf_counter()
+                while done < steps_per_block and engine.has_unfinished_requests():
+                    step(name)
+                    done += 1
+                _sync(device)
+                round_blocks[name] = (engine._num_generation_tokens - before,
+                                      time.perf_counter() - start)
+                full &= done == steps_per_block
+            if not full:
+                break
+            for name in names:
+                blocks[name].append(round_blocks[name])
+            order = order[::-1]
+        if not blocks[names[0]]:
+            raise ValueError(f"no full round of {steps_per_block}-step blocks after the warm-up: "
+                             "raise output_len or lower steps_per_block / warmup_steps")
+        for name in names:  # the rest untimed, for the full outputs
+            while engines[name].has_unfinished_requests():
+                step(name)
+        result: dict = {"_rounds": len(blocks[names[0]])}
+        for name in names:
+            case = cases[name]
+            spec_stats = engines[name].scheduler.get_stats().get("spec_decode") or {}
+            tokens = sum(t for t, _ in blocks[name])
+            seconds = sum(s for _, s in blocks[name])
+            result[name] = {
+                "variant": case.variant, "batch": case.batch, "tok_s": tokens / seconds,
+                "block_tok_s": [t / s for t, s in blocks[name]], "blocks": blocks[name],
+                "policy": spec_stats.get("policy"),
+                "tokens": [outputs[name][f"r{i}"] for i in range(case.batch)]}
+        return result
+    finally:
+        for engine in engines.values():
+            engine.shutdown()

@@ -45,8 +45,12 @@ def test_mla_cache_write_kernel_compiles_for_sm90():
                 mkc._launch(tokens, kv_c=kv_c, k_pe=k_pe, kv_cache=None, slot_mapping=None,
                             positions=positions, cos_cache=cos, sin_cache=cos.clone(),
                             interleaved=interleaved, q_pe=empty_q, q_out=empty_q, k_out=k_out)
-    # per dtype: concat + 2 layouts x (write with k_out, write, rotate only)
-    compile_recorded(rec, expect_at_least=len(_DTYPES) * 7)
+                # write_latent_kv (block drafters' context KV): zero query heads, cache, no k_out
+                mkc._launch(tokens, kv_c=kv_c, k_pe=k_pe, kv_cache=cache, slot_mapping=slots,
+                            positions=positions, cos_cache=cos, sin_cache=cos.clone(),
+                            interleaved=interleaved, q_pe=empty_q, q_out=empty_q)
+    # per dtype: concat + 2 layouts x (write with k_out, write, rotate only, context write)
+    compile_recorded(rec, expect_at_least=len(_DTYPES) * 9)
 
 
 def test_dcp_output_correction_kernel_compiles_for_sm90():

@@ -107,6 +107,21 @@ def test_mla_forward_stores_rotated_latent_kv():
     assert not torch.equal(k_pe, torch.zeros_like(k_pe))
 
 
+def test_write_latent_kv_stores_what_forward_stores():
+    # The block drafters' context-KV write (one fused rope + write) against the layer's own
+    # forward, bit for bit, with a PAD slot and a mapping shorter than the tokens.
+    layer = _mla_layer("cpu", torch.float32)
+    positions = torch.tensor([0, 1, 2, 40, 41, 7])
+    x = torch.randn(6, layer.hidden_size)
+    slots = torch.tensor([0, 1, -1, 9, 31])
+    with torch.no_grad():
+        expected = _forward_with_cache(layer, positions, x, slots).clone()
+        layer.kv_cache = torch.zeros_like(expected)
+        layer.write_latent_kv(positions, x, slots)
+    assert torch.equal(layer.kv_cache, expected)
+    assert expected.abs().sum() > 0
+
+
 @pytest.mark.slow
 def test_kv_cache_kernel_under_interpreter():
     """The Triton rope + KV-write kernel, run by Triton's CPU interpreter, equals the torch path:

@@ -3,7 +3,7 @@ speculation, and where it pays (the tiny DSpark drafter's real acceptance) it ke
 greedy tokens equal no speculation in every mode. CUDA graphs on, bf16, FlashInfer MLA."""
 import pytest
 
-from vllm.benchmarks.spec_policy import SpecPolicyCase, paired_ratio, run_case, run_rounds
+from vllm.benchmarks.spec_policy import SpecPolicyCase, run_case, run_interleaved
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -17,19 +17,29 @@ def best_of(case: SpecPolicyCase, repeats: int = 2) -> dict:
 def test_speculation_that_cannot_pay_costs_at_most_5_percent(batch, scheduling):
     # Against plain decoding scheduled the same way. "async": both as the engine schedules
     # them by default (async; a DSpark engine under a policy overlaps the steps the policy
-    # leaves without drafts). "sync": both synchronous. Rounds in alternating order, ratios
-    # paired within a round (run-to-run noise on the node is ~10 %, more than the 5 % asked;
-    # docs/performance.md, fifth session).
+    # leaves without drafts). "sync": both synchronous. Both engines are alive at once and
+    # stepped in turn in blocks of 16 steps (run_interleaved says why: one engine's step time
+    # moves by up to 2x between processes on the node, the 5 % asked is far below that);
+    # every block is timed whole, so exploration, probes and stalls count.
     overlap = None if scheduling == "async" else False
-    runs = run_rounds({"none": SpecPolicyCase("none", batch, async_scheduling=overlap),
-                       "auto-nopay": SpecPolicyCase("auto-nopay", batch,
-                                                    async_scheduling=overlap)},
-                      4, warmup_rounds=1)
-    ratio, ratios = paired_ratio(runs["auto-nopay"], runs["none"])
-    for base, nopay in zip(runs["none"], runs["auto-nopay"]):
-        assert nopay["tokens"] == base["tokens"]
-        assert nopay["policy"]["num_skipped"].get("cost", 0) > nopay["policy"]["num_drafted"]
-    assert ratio >= 0.95, ratios
+    common = dict(output_len=768, warmup_steps=32, async_scheduling=overlap)
+    runs = run_interleaved({"none": SpecPolicyCase("none", batch, **common),
+                            "auto-nopay": SpecPolicyCase("auto-nopay", batch, **common)})
+    base, nopay = runs["none"], runs["auto-nopay"]
+    # bf16: the first 256 tokens, as this test checked with 256-token runs (equal in every
+    # run of sessions 5-8 but one, the eighth session's AD, a near-tie at B=8). Later the tiny
+    # model settles into runs of one byte where a near-tie between the Q = 1 + k verify GEMMs
+    # and the Q = 1 ones flips a token more often: one request at B=8 differed in the
+    # 768-token runs of the ninth session (where first was not recorded; the message now
+    # says). Token identity in every mode is the float32 test's (below).
+    first = [next((j for j, (p, q) in enumerate(zip(x, y)) if p != q), None)
+             for x, y in zip(base["tokens"], nopay["tokens"])]
+    assert [t[:256] for t in nopay["tokens"]] == [t[:256] for t in base["tokens"]], first
+    assert nopay["policy"]["num_skipped"].get("cost", 0) > nopay["policy"]["num_drafted"]
+    ratio = nopay["tok_s"] / base["tok_s"]
+    rounds = sorted(a / b for a, b in zip(nopay["block_tok_s"], base["block_tok_s"]))
+    assert ratio >= 0.95, (ratio, runs["_rounds"], "median block ratio",
+                           rounds[len(rounds) // 2], nopay["policy"])
 
 
 def test_auto_keeps_drafting_where_it_pays():

@@ -24,9 +24,12 @@ class Loop:
     """Requests with fixed contexts and a per-request acceptance length (callable of step)."""
 
     def __init__(self, policy: SpeculationPolicy, acceptance: dict, t_spec=2.0, t_plain=1.0,
-                 context=1000):
+                 context=1000, t_switch_plain=None):
         self.policy, self.acceptance = policy, acceptance
         self.t_spec, self.t_plain, self.context = t_spec, t_plain, context
+        # A plain step right after a step that was not plain (the switch; None: t_plain).
+        self.t_switch_plain = t_switch_plain
+        self.last_plain = False
         self.has_drafts = {r: False for r in acceptance}
         self.step = 0
         self.log: list[dict[str, bool]] = []   # per step: request -> verified drafts
@@ -53,9 +56,12 @@ class Loop:
             seconds = self.t_spec
         elif not plan.propose and spec_rows == 0:
             seconds = t_plain  # t_plain may be a callable of the plain-step count
+            if self.t_switch_plain is not None and not self.last_plain:
+                seconds = max(seconds, self.t_switch_plain)
             self.num_plain += 1
         else:
             seconds = (self.t_spec + t_plain) / 2
+        self.last_plain = not plan.propose and spec_rows == 0
         policy.observe_step_time(output, seconds)
         for r in reqs:
             if verified[r]:
@@ -70,10 +76,22 @@ class Loop:
     def drafted_steps(self, req: str, since: int = 0) -> int:
         return sum(entry[req] for entry in self.log[since:])
 
-    def plain_probes(self, since: int, until: int) -> list[int]:
-        """Steps in [since, until) where nobody proposed (while everyone drafts: the plain
-        re-probes; each costs that step and the next, which proposes with nothing to verify)."""
-        return [i for i in range(since, until) if not self.proposed[i]]
+    def plain_runs(self, since: int, until: int) -> list[list[int]]:
+        """Runs of consecutive steps in [since, until) where nobody proposed (while everyone
+        drafts: the plain re-probes; each costs its steps and the next, which proposes with
+        nothing to verify)."""
+        runs: list[list[int]] = []
+        for i in range(since, until):
+            if not self.proposed[i]:
+                if runs and runs[-1][-1] == i - 1:
+                    runs[-1].append(i)
+                else:
+                    runs.append([i])
+        return runs
+
+    def undrafted_by_plain_runs(self, runs: list[list[int]], until: int) -> list[int]:
+        """The steps a plain run leaves without verified drafts: its own and the next."""
+        return sorted(i for run in runs for i in run + [run[-1] + 1] if i < until)
 
     def undrafted(self, since: int, until: int) -> list[int]:
         return [i for i in range(since, until) if not all(self.log[i].values())]
@@ -102,7 +120,9 @@ def test_stops_drafting_where_it_cannot_pay():
     assert 0 < late <= 5 * 3
     stats = loop.policy.stats()
     assert stats["num_skipped"][REASON_COST] > 1000
-    assert stats["num_skipped"][REASON_EXPLORE] == 2 * 2  # min_samples plain steps, 2 requests
+    # One exploration run of plain steps (max(min_samples, plain_run_len)), 2 requests.
+    cfg = CostModelConfig()
+    assert stats["num_skipped"][REASON_EXPLORE] == max(cfg.min_samples, cfg.plain_run_len) * 2
 
 
 def test_keeps_drafting_where_it_pays():
@@ -111,24 +131,48 @@ def test_keeps_drafting_where_it_pays():
     assert loop.policy.stats()["num_skipped"].get(REASON_COST, 0) == 0
     # Only the exploration's plain steps, the plain re-probes, and the step after each (it
     # proposes but has nothing to verify) go without drafts.
-    probes = loop.plain_probes(10, 300)
-    assert loop.undrafted(10, 300) == sorted(probes + [p + 1 for p in probes])
+    runs = loop.plain_runs(10, 300)
+    assert loop.undrafted(10, 300) == loop.undrafted_by_plain_runs(runs, 300)
+    # Each re-probe is a run of plain_run_len plain steps (the first after drafting pays the
+    # switch; the module doc says why).
+    assert [len(run) for run in runs] == [CostModelConfig().plain_run_len] * len(runs)
     # The ratio never moves, so the re-probe interval doubles: 32, 64, 128 steps.
-    assert [b - a for a, b in zip(probes, probes[1:])] == [64, 128]
-    assert loop.drafted_steps("a") >= 300 - 4 - 2 * len(probes)
+    starts = [run[0] for run in runs]
+    assert [b - a for a, b in zip(starts, starts[1:])] == [64, 128]
+    assert loop.drafted_steps("a") >= 300 - 6 - sum(len(run) + 1 for run in runs)
 
 
 def test_plain_reprobes_correct_a_plain_time_that_exploration_measured_too_high():
-    # The two exploration plain steps pay a one-time cost (10x); drafting cannot pay
+    # Every exploration plain step pays a one-time cost (10x); drafting cannot pay
     # (acceptance 1, a spec step costs 1.5 plain steps). With t_plain = 10 the model would
     # draft forever; the first plain re-probe while everyone drafts brings it down to 1.
+    run = CostModelConfig().plain_run_len
     loop = Loop(auto_policy(), {"a": 1.0, "b": 1.0}, t_spec=1.5,
-                t_plain=lambda n: 10.0 if n < 2 else 1.0).run(600)
+                t_plain=lambda n: 10.0 if n < run else 1.0).run(600)
     assert all(loop.log[i]["a"] for i in range(10, 30))  # drafting on the bad estimate
     stopped = next(i for i in range(10, 600) if not any(loop.proposed[i:i + 20]))
-    # The re-probe at step ~32 measures 1: the bucket's time is the minimum of [10, 10, 1].
+    # The re-probe at step ~32 measures 1: the bucket's time is the minimum of [10, .., 1].
     assert stopped <= 40
     assert loop.drafted_steps("a", stopped) <= 5 * 3  # then only the spec re-probes draft
+
+
+@pytest.mark.parametrize("plain_run_len", [1, 3])
+def test_plain_runs_outlast_the_switch_from_drafting(plain_run_len):
+    # As on the H200 (ninth session): the exploration's plain steps pay one-time costs, and the
+    # first plain step after a verify step pays the switch (1.6 against 1.0, dearer than a
+    # spec step of 1.5). A re-probe of one step then measures 1.6: ratio 1.5 / 1.6 < 1, and an
+    # engine whose drafts cannot pay (acceptance 1) drafts on. A run of 3 measures the steady
+    # steps after the switch too, and it stops.
+    loop = Loop(auto_policy(plain_run_len=plain_run_len), {"a": 1.0, "b": 1.0}, t_spec=1.5,
+                t_plain=lambda n: 10.0 if n < max(2, plain_run_len) else 1.0,
+                t_switch_plain=1.6).run(600)
+    stopped = next((i for i in range(10, 580) if not any(loop.proposed[i:i + 20])), None)
+    if plain_run_len == 1:
+        assert stopped is None
+        assert loop.drafted_steps("a", 100) > 400
+    else:
+        assert stopped is not None and stopped <= 40
+        assert loop.drafted_steps("a", stopped) <= 5 * 3  # then only the spec re-probes draft
 
 
 def test_per_request_decisions_in_one_batch():
@@ -193,9 +237,9 @@ def test_reprobe_revives_a_request_whose_drafts_started_to_match():
     revived = next(i for i in range(150, 600) if all(loop.log[j]["a"] for j in range(i, i + 30)))
     assert revived <= 150 + 256 + 3
     # From then on it drafts but for the plain re-probes (and the step after each).
-    probes = loop.plain_probes(revived, 600)
-    assert loop.undrafted(revived, 600) == sorted(probes + [p + 1 for p in probes if p + 1 < 600])
-    assert len(probes) <= 4
+    runs = loop.plain_runs(revived, 600)
+    assert loop.undrafted(revived, 600) == loop.undrafted_by_plain_runs(runs, 600)
+    assert len(runs) <= 4
 
 
 def test_probe_interval_backs_off_while_nobody_revives():
@@ -215,9 +259,9 @@ def test_probes_while_everyone_drafts_do_not_back_off():
                   "b": lambda step: 4.0 if step < 300 else 1.0}
     loop = Loop(auto_policy(probe_interval=16, max_probe_interval=1024, probe_budget=None),
                 acceptance, t_spec=1.5).run(400)
-    probes = loop.plain_probes(10, 300)
-    assert loop.undrafted(10, 300) == sorted(probes + [p + 1 for p in probes])
-    assert len(probes) <= 5  # 16 .. 256 steps apart (doubling; the ratio never moves)
+    runs = loop.plain_runs(10, 300)
+    assert loop.undrafted(10, 300) == loop.undrafted_by_plain_runs(runs, 300)
+    assert len(runs) <= 5  # 16 .. 256 steps apart (doubling; the ratio never moves)
     stopped = next(i for i in range(300, 400) if not loop.proposed[i]
                    and not loop.proposed[i + 1])
     first_probe = next(i for i in range(stopped, 400) if loop.proposed[i])

@@ -81,8 +81,7 @@ class DFlashMLAForCausalLM(TargetSharingDrafter):
             if metadata is None:
                 raise RuntimeError(f"precompute_context_kv needs attention metadata (slot mapping) for "
                                    f"{attn.layer_name!r} in the forward context")
-            kv_c, k_pe = attn.rotated_latent_kv(positions, features)
-            attn.write_kv(kv_c, k_pe, metadata.slot_mapping)
+            attn.write_latent_kv(positions, features, metadata.slot_mapping)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed(input_ids), None

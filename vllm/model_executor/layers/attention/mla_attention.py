@@ -150,6 +150,21 @@ class MLAAttention(nn.Module):
         n = min(kv_c.shape[0], slot_mapping.shape[0])
         concat_and_cache_mla(kv_c[:n], k_pe[:n], kv_cache, slot_mapping[:n])
 
+    def write_latent_kv(self, positions: torch.Tensor, x: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> None:
+        """Project, rotate and store the latent KV of tokens `x` at `positions` in one fused
+        rope + write (no rotated copy, no query heads): what rotated_latent_kv + write_kv
+        store, with one launch and one buffer fewer. The block drafters' context-KV write runs
+        this for every draft layer inside every target step, drafting or not."""
+        from vllm.v1.attention.ops.mla_kv_cache import rope_concat_and_cache_mla
+        kv_cache = self._need_kv_cache()
+        kv_c, k_pe = self.project_latent_kv(positions, x)
+        n = min(kv_c.shape[0], slot_mapping.shape[0])
+        no_heads = k_pe.new_empty(n, 0, self.qk_rope_head_dim)
+        rope = self.rotary_emb
+        rope_concat_and_cache_mla(positions[:n], no_heads, k_pe[:n], kv_c[:n], rope.cos_cache,
+                                  rope.sin_cache, rope.interleaved, kv_cache, slot_mapping[:n])
+
     def rope_and_write_kv(self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor,
                           kv_c: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One launch on CUDA: rope(q_pe), rope(k_pe), and [kv_c | rope(k_pe)] into the cache.

@@ -1,0 +1,1 @@
+"""Process-level helpers (upstream keeps them under vllm/utils too)."""
