@@ -13,6 +13,7 @@
 #   bash scripts/gpu_validation.sh specbench # tiny DSpark vs async none, async graphs vs eager, DSpark V3
 #   bash scripts/gpu_validation.sh policy    # "cannot pay" policy GPU tests, sync and async (~1 min)
 #   bash scripts/gpu_validation.sh policymodes # the other policy GPU tests (~3 min)
+#   bash scripts/gpu_validation.sh deferral  # deferred context-KV writes: graphs, cannot-pay (~4 min)
 #   bash scripts/gpu_validation.sh policybench # policy benchmark, sync and default scheduling (~6 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
 set -uo pipefail
@@ -124,6 +125,10 @@ for what in "$@"; do
     policy)  # cannot-pay, B=1/8, sync/async: 4 interleaved engine pairs (~1 min)
       PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-480}" run_pytest policy \
         tests/v1/e2e/test_spec_policy_gpu.py -k cannot_pay ;;
+    deferral)  # deferred context-KV writes: graphs + ring, then cannot-pay with and without
+      PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-400}" run_pytest deferral \
+        tests/v1/spec_decode/test_context_kv_ring_gpu.py \
+        tests/v1/e2e/test_spec_policy_gpu.py -k "context_kv_ring or cannot_pay" ;;
     policymodes)  # the other policy GPU tests: keeps drafting, float32 modes, probe steps (~3 min)
       PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-420}" run_pytest policymodes \
         tests/v1/e2e/test_spec_policy_gpu.py -k "not cannot_pay" ;;

@@ -9,6 +9,7 @@ draft counted as rejected: drafting cannot pay, so the engine must stop drafting
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 
@@ -45,6 +46,9 @@ class SpecPolicyCase:
     # None: gpu_memory_utilization sizes the KV cache. run_interleaved sets 1 GiB, so that
     # several engines fit on one GPU at once.
     kv_cache_memory_bytes: int | None = None
+    # Block drafters' deferred context-KV writes (VLLM_DEFER_DRAFT_CONTEXT_KV, read when the
+    # engine is built): None = the environment's setting.
+    defer_context_kv: bool | None = None
 
     def __post_init__(self):
         if self.context is None:
@@ -60,6 +64,22 @@ def _sync(device: str) -> None:
     if device.startswith("cuda"):
         import torch
         torch.cuda.synchronize()
+
+
+def _with_deferral(defer: bool | None, fn, *args):
+    """fn(*args) with VLLM_DEFER_DRAFT_CONTEXT_KV set as `defer` says (None: as it is)."""
+    from vllm.v1.worker.gpu.spec_decode.context_kv_ring import ENV_FLAG
+    if defer is None:
+        return fn(*args)
+    before = os.environ.get(ENV_FLAG)
+    os.environ[ENV_FLAG] = "1" if defer else "0"
+    try:
+        return fn(*args)
+    finally:
+        if before is None:
+            os.environ.pop(ENV_FLAG, None)
+        else:
+            os.environ[ENV_FLAG] = before
 
 
 def build_engine(case: SpecPolicyCase):
@@ -84,7 +104,7 @@ def build_engine(case: SpecPolicyCase):
         max_num_batched_tokens=max(4096, case.batch * (case.context + 1)),
         enforce_eager=case.enforce_eager, seed=0, async_scheduling=case.async_scheduling,
         kv_cache_memory_bytes=case.kv_cache_memory_bytes, **extra)
-    engine = LLMEngine.from_engine_args(engine_args)
+    engine = _with_deferral(case.defer_context_kv, LLMEngine.from_engine_args, engine_args)
     try:
         if case.variant == "auto-nopay":
             engine.scheduler.spec_policy.cost_model.acceptance_override = case.forced_acceptance

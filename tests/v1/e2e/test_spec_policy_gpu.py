@@ -12,17 +12,21 @@ def best_of(case: SpecPolicyCase, repeats: int = 2) -> dict:
     return max((run_case(case) for _ in range(repeats)), key=lambda r: r["tok_s"])
 
 
+@pytest.mark.parametrize("context_kv", ["write", "defer"])
 @pytest.mark.parametrize("scheduling", ["sync", "async"])
 @pytest.mark.parametrize("batch", [1, 8])
-def test_speculation_that_cannot_pay_costs_at_most_5_percent(batch, scheduling):
+def test_speculation_that_cannot_pay_costs_at_most_5_percent(batch, scheduling, context_kv):
     # Against plain decoding scheduled the same way. "async": both as the engine schedules
     # them by default (async; a DSpark engine under a policy overlaps the steps the policy
     # leaves without drafts). "sync": both synchronous. Both engines are alive at once and
     # stepped in turn in blocks of 16 steps (run_interleaved says why: one engine's step time
     # moves by up to 2x between processes on the node, the 5 % asked is far below that);
-    # every block is timed whole, so exploration, probes and stalls count.
+    # every block is timed whole, so exploration, probes and stalls count. "defer": the
+    # drafter's context KV of Q=1 steps is queued and written in batches
+    # (VLLM_DEFER_DRAFT_CONTEXT_KV=1, context_kv_ring.py); "write": written in every step.
     overlap = None if scheduling == "async" else False
-    common = dict(output_len=768, warmup_steps=32, async_scheduling=overlap)
+    common = dict(output_len=768, warmup_steps=32, async_scheduling=overlap,
+                  defer_context_kv=context_kv == "defer")
     runs = run_interleaved({"none": SpecPolicyCase("none", batch, **common),
                             "auto-nopay": SpecPolicyCase("auto-nopay", batch, **common)})
     base, nopay = runs["none"], runs["auto-nopay"]

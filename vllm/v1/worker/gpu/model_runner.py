@@ -276,6 +276,8 @@ class GPUModelRunner:
             manager.capture_all(lambda size, q=q: self._dummy_graph_batch(size, q), self._forward)
         # The dummy batches wrote into slots' host state; hand every slot back clean.
         self.requests.num_computed.np[:] = 0
+        if self.speculator is not None and self.speculator.defers_context:
+            self.speculator.reset_context()  # the dummy steps queued context rows
         spec = self.speculator
         if (spec is not None and hasattr(spec, "capture_graphs")
                 and spec.draft_sample_method == "greedy"):
@@ -287,6 +289,9 @@ class GPUModelRunner:
         """A uniform decode batch of num_reqs_padded rows of q tokens over slots 0.. (block 0,
         KV empty)."""
         from vllm.v1.worker.gpu.request_states import RequestState
+        if self.speculator is not None and self.speculator.defers_context:
+            # Warm-up + replay of each size append to the ring; start every size empty.
+            self.speculator.reset_context()
         rows = []
         for slot in range(num_reqs_padded):
             rows.append(RequestState(f"_graph_{slot}", slot, [], 1))
@@ -363,6 +368,7 @@ class GPUModelRunner:
             return AsyncModelRunnerOutput.ready(ModelRunnerOutput(
                 req_ids=[], sampled_token_ids=[], spec_token_ids=[] if self.speculator else None))
         batch = self._prepare_inputs(scheduler_output)
+        deferred = self._before_context_write(batch, scheduler_output)
         overlap = overlap and self._can_overlap(batch, scheduler_output)
         if overlap and self._inputs_event is not None:
             # Every pinned host twin of this step has been copied once the GPU gets here; the
@@ -378,6 +384,8 @@ class GPUModelRunner:
         else:
             hidden, aux_hidden, logits_all = self._forward(batch)
             logits = logits_all
+        if deferred:
+            self.speculator.note_context_appended(batch.num_tokens_padded)
 
         prompt_logprobs = None
         # Prompt rows (never in a graph) may ask for prompt logprobs, also chunk by chunk; while
@@ -449,6 +457,7 @@ class GPUModelRunner:
         nobody_samples = not bool(batch.samples_np[:batch.num_reqs].any())
         if self.speculator is not None and not (skippable and nobody_samples) and (
                 getattr(scheduler_output, "propose_drafts", True) or not skippable):
+            self.speculator.flush_context()  # the draft pass reads the context KV
             spec_token_ids = self._propose(batch, hidden, aux_hidden, sample_rows,
                                            num_computed_new, out_tokens)
         elif self.speculator is not None:
@@ -476,8 +485,9 @@ class GPUModelRunner:
                 hidden = self.model(input_ids, positions)
             if self.speculator is not None:
                 # Block drafters store context KV of the processed tokens through the draft
-                # group's slot mapping of this very step.
-                self.speculator.precompute_context(aux_hidden, positions)
+                # group's slot mapping of this very step (or queue it: _defers_context).
+                self.speculator.precompute_context(aux_hidden, positions,
+                                                   defer=self._defers_context(batch))
         if batch.cudagraph:
             logits = self.model.compute_logits(hidden)
             # Captured with the forward: the greedy verification of the uniform batch
@@ -490,6 +500,27 @@ class GPUModelRunner:
         else:
             logits = self.model.compute_logits(hidden[batch.logits_indices])
         return hidden, aux_hidden, logits
+
+    def _defers_context(self, batch: InputBatch) -> bool:
+        """Q=1 decode steps queue a block drafter's context KV when deferral is on
+        (context_kv_ring.py); the same rule at capture and at replay."""
+        return bool(self.speculator is not None and self.speculator.defers_context
+                    and batch.uniform_query_len == 1)
+
+    def _before_context_write(self, batch: InputBatch, scheduler_output: Any) -> bool:
+        """Flush queued context KV where it must be written first: this step writes context KV
+        directly (not a Q=1 decode), blocks were freed since (finished / preempted requests: a
+        block may have a new owner whose writes must come after the stale ones), or this step's
+        rows would not fit. Returns whether this step queues its own."""
+        spec = self.speculator
+        if spec is None or not spec.defers_context:
+            return False
+        defer = self._defers_context(batch)
+        freed = bool(scheduler_output.finished_req_ids) or bool(
+            getattr(scheduler_output, "preempted_req_ids", None))
+        if not defer or freed or not spec.context_fits(batch.num_tokens_padded):
+            spec.flush_context()
+        return defer
 
     def _copy_step_output(self, sampled: torch.Tensor, num_sampled: torch.Tensor, rows: int,
                           wait: bool = True):

@@ -12,6 +12,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vllm.forward_context import set_forward_context
+from vllm.model_executor.layers.attention.mla_attention import current_attn_metadata
+from vllm.v1.worker.gpu.attn_utils import KVWriteOnlyMetadata
+from vllm.v1.worker.gpu.spec_decode.context_kv_ring import (DEFAULT_STEPS, DeferredContextKV,
+                                                            deferral_enabled)
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftInputs, Speculator
 
 
@@ -38,11 +43,66 @@ class BlockSpeculator(Speculator):
         return tuple(int(i) for i in self.model.config.target_layer_ids)
 
     def precompute_context(self, aux_hidden_states: torch.Tensor | None,
-                           positions: torch.Tensor) -> None:
+                           positions: torch.Tensor, defer: bool = False) -> None:
         if aux_hidden_states is None:
             raise ValueError(f"{type(self).__name__} needs the target's hidden states at layers "
                              f"{self.aux_hidden_state_layers}; run the target with them.")
+        if defer:
+            # Queue the rows; the KV is written by flush_context (context_kv_ring.py).
+            self._context_ring().append(
+                aux_hidden_states, positions,
+                [current_attn_metadata(name).slot_mapping for name in self._draft_layer_names()])
+            return
         self.model.precompute_context_kv(aux_hidden_states, positions)
+
+    # ---- deferred context KV (opt-in, context_kv_ring.py) ------------------------------------
+    @property
+    def defers_context(self) -> bool:
+        flag = self.__dict__.get("_defers_context")
+        if flag is None:
+            flag = self.__dict__["_defers_context"] = deferral_enabled()
+        return flag
+
+    def _draft_layer_names(self) -> list[str]:
+        names = self.__dict__.get("_draft_layer_name_list")
+        if names is None:
+            names = self.__dict__["_draft_layer_name_list"] = [
+                layer.self_attn.layer_name for layer in self.model.model.layers]
+        return names
+
+    def _context_ring(self) -> DeferredContextKV:
+        ring = self.__dict__.get("_ring")
+        if ring is None:
+            fc = self.model.model.fc.weight  # [hidden, num_tapped_layers * target_hidden]
+            ring = self.__dict__["_ring"] = DeferredContextKV(
+                DEFAULT_STEPS * self.max_num_reqs, fc.shape[1], len(self._draft_layer_names()),
+                fc.dtype, self.device)
+        return ring
+
+    def context_fits(self, num_tokens: int) -> bool:
+        return self._context_ring().fits(num_tokens)
+
+    def note_context_appended(self, num_tokens: int) -> None:
+        self._context_ring().note_appended(num_tokens)
+
+    def reset_context(self) -> None:
+        """Forget queued rows (graph capture and profiling append dummy ones)."""
+        ring = self.__dict__.get("_ring")
+        if ring is not None:
+            ring.reset()
+
+    def flush_context(self) -> bool:
+        ring = self.__dict__.get("_ring")
+        if ring is None or ring.pending == 0:
+            return False
+        names = self._draft_layer_names()
+
+        def write(aux: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+            entries = {name: KVWriteOnlyMetadata(slot_mapping=slots[i])
+                       for i, name in enumerate(names)}
+            with set_forward_context(entries, self.vllm_config):
+                self.model.precompute_context_kv(aux, positions)
+        return ring.flush(write)
 
     def _propose(self, inputs: DraftInputs) -> torch.Tensor:
         num_reqs, q = inputs.num_reqs, self.query_len

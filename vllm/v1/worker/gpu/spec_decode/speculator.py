@@ -139,8 +139,16 @@ class Speculator:
         return ()
 
     def precompute_context(self, aux_hidden_states: torch.Tensor | None,
-                           positions: torch.Tensor) -> None:
-        """Hook run inside the target step's forward context (block drafters store context KV)."""
+                           positions: torch.Tensor, defer: bool = False) -> None:
+        """Hook run inside the target step's forward context (block drafters store context KV;
+        `defer`: only queue it, see context_kv_ring.py)."""
+
+    # Deferred context KV (block drafters with VLLM_DEFER_DRAFT_CONTEXT_KV=1; context_kv_ring.py).
+    defers_context = False
+
+    def flush_context(self) -> bool:
+        """Write the queued context KV now (nothing queued: False)."""
+        return False
 
     def propose(self, inputs: DraftInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (drafts [num_reqs, k], the slot-indexed q buffer or None for greedy drafts)."""

@@ -1,0 +1,69 @@
+"""Engines of the deferred context-KV tests (CPU and GPU): a DSpark / DFlash engine whose drafting
+switches off while 2+ requests run (disable_by_batch_size=2) and back on when one finishes, so
+Q=1 plain steps queue context rows and the resumed draft passes read them. "late" arrives after
+"short" finished and takes over freed blocks."""
+from __future__ import annotations
+
+from tests.utils.engine_steps import greedy, run_with_arrivals
+
+REQUESTS = {"long": ([7, 19, 31, 43, 55, 67, 79, 91], greedy(72)),
+            "short": ([200, 3, 9, 27], greedy(20)),
+            "late": ([11, 22, 33, 44, 55], greedy(30))}
+ARRIVALS = {"late": 40}
+
+
+def run_switching_engine(monkeypatch, defer: bool, *, method: str = "dspark",
+                         async_scheduling=False, drop_flush: bool = False, device: str = "cpu",
+                         dtype: str = "float32", attention_backend: str = "TORCH_MLA",
+                         enforce_eager: bool = True) -> dict:
+    """Run REQUESTS; -> tokens per request, every draft pass's drafts, acceptance counts and
+    the sizes of the non-empty flushes. `drop_flush`: queued rows are discarded instead of
+    written (what a missing flush would leave)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.worker.gpu.spec_decode.context_kv_ring import ENV_FLAG
+
+    monkeypatch.setenv(ENV_FLAG, "1" if defer else "0")
+    spec = {"method": method, "num_speculative_tokens": 3, "disable_by_batch_size": 2}
+    extra = {} if device == "cuda" else {"device": device}
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=None, dtype=dtype, attention_backend=attention_backend,
+        enforce_eager=enforce_eager, max_model_len=192, max_num_seqs=4,
+        speculative_config=spec, async_scheduling=async_scheduling, seed=0, **extra))
+    try:
+        speculator = engine.executor.worker.model_runner.speculator
+        flushed, drafts = [], []
+        propose = speculator.propose
+
+        def recording_propose(inputs):
+            out = propose(inputs)
+            drafts.append(out[0].tolist())
+            return out
+        speculator.propose = recording_propose
+        if defer:
+            inner = speculator.flush_context
+
+            def flush():
+                pending = speculator._context_ring().pending
+                if drop_flush:
+                    speculator.reset_context()
+                    return False
+                flushed.append(pending)
+                return inner()
+            speculator.flush_context = flush
+        outputs = run_with_arrivals(engine, REQUESTS, ARRIVALS)
+        stats = engine.scheduler.get_stats()["spec_decode"]
+        return {"tokens": {r: o[0] for r, o in outputs.items()},
+                "accepted": stats["num_accepted_tokens"], "num_drafts": stats["num_drafts"],
+                "drafts": drafts, "flushed": [n for n in flushed if n]}
+    finally:
+        engine.shutdown()
+
+
+def draft_agreement(a: list, b: list) -> float:
+    """Share of draft positions equal between two runs' draft passes (same passes in order)."""
+    flat_a = [t for step in a for row in step for t in row]
+    flat_b = [t for step in b for row in step for t in row]
+    if not flat_a or len(flat_a) != len(flat_b):
+        return 0.0
+    return sum(x == y for x, y in zip(flat_a, flat_b)) / len(flat_a)
