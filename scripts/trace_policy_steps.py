@@ -54,13 +54,13 @@ def _hook(engine, log: list) -> None:
         model.decide = recording_decide
 
 
-def trace(case: SpecPolicyCase, unfreeze_gc: bool = False) -> dict:
-    import gc
-
+def trace(case: SpecPolicyCase, freeze_gc: bool = False) -> dict:
     import torch
+
+    from vllm.utils.gc_utils import freeze_gc_heap, unfreeze_gc_heap
     engine = build_engine(case)
-    if unfreeze_gc:  # as before the engine froze its start-up heap (A/B of gc_utils.py)
-        gc.unfreeze()
+    if freeze_gc:  # as the API server does before it serves (A/B of gc_utils.py)
+        freeze_gc_heap()
     cuda = case.device.startswith("cuda")
     try:
         for _ in range(case.warmup_steps):
@@ -83,6 +83,8 @@ def trace(case: SpecPolicyCase, unfreeze_gc: bool = False) -> dict:
         tokens = engine._num_generation_tokens - tokens_before
     finally:
         engine.shutdown()
+        if freeze_gc:
+            unfreeze_gc_heap()
     ms = [s["ms"] for s in log]
     ordered = sorted(ms)
     slowest = sorted(range(len(log)), key=lambda i: -ms[i])[:6]
@@ -106,8 +108,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--attention-backend", default="FLASHINFER_MLA")
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--unfreeze-gc", action="store_true",
-                        help="undo the engine's gc.freeze of its start-up heap (an A/B)")
+    parser.add_argument("--freeze-gc", action="store_true",
+                        help="gc.freeze the start-up heap after the build, as the API server "
+                             "does (an A/B)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     results = []
@@ -119,7 +122,7 @@ def main() -> None:
                     device=args.device, dtype=args.dtype,
                     attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                     async_scheduling=None if args.scheduling == "default" else False)
-                results.append(trace(case, args.unfreeze_gc))
+                results.append(trace(case, args.freeze_gc))
     print(f"{'variant':11} {'B':>3} {'tok/s':>8} {'steps':>5} {'total ms':>9} {'median':>7} "
           f"{'p90':>7} {'max':>7} {'>3x med':>8}")
     for r in results:

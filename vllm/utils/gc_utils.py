@@ -11,21 +11,19 @@ import gc
 
 
 def freeze_gc_heap() -> int:
-    """Collect the young generations, then move every object alive now into the permanent
-    generation. Call once the engine is built (weights loaded, KV cache allocated, graphs
-    captured). Returns how many objects were frozen.
+    """Collect, then move every object alive now into the permanent generation. The API server
+    calls it once its engine is built and its app is ready, just before it serves (a process
+    that lives for one engine). Returns how many objects were frozen.
 
-    Young generations only: a full collection costs ~0.35 s per engine in a long test process
-    (CPU CI builds hundreds of engines), and the start-up garbage that matters, the memory
-    profile's device tensors, is already collected by the GPU worker (`gc.collect()` around
-    profiling). What survives into the old generation stays frozen until shutdown."""
-    gc.collect(1)
+    Not in every LLMEngine: a process that builds and drops many engines (tests, notebooks)
+    would keep a dropped engine's reference cycles, and with them its worker processes and
+    device memory, out of the collector's reach until some shutdown unfroze them."""
+    gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
 
 
 def unfreeze_gc_heap() -> None:
-    """Undo freeze_gc_heap: an engine that shuts down inside a longer-lived process (tests,
-    notebooks, several engines in one benchmark) returns its frozen objects to the collector,
-    so that its reference cycles (and the device memory they hold) can be freed."""
+    """Undo freeze_gc_heap when serving ends (the server may run inside a longer-lived
+    process), so that the engine's reference cycles can be collected after its shutdown."""
     gc.unfreeze()

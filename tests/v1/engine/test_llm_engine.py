@@ -170,15 +170,3 @@ def test_worker_failure_at_startup_names_the_rank(model_dir):
     with pytest.raises(RuntimeError, match=r"worker rank \d raised during `start-up`"):
         make_engine(model_dir, tp=2, worker="tests.utils.fake_model.NoSuchWorker")
 
-
-def test_engine_freezes_its_start_up_heap_and_returns_it_on_shutdown(model_dir):
-    import gc
-    gc.unfreeze()
-    engine = make_engine(model_dir)
-    try:
-        # Built, the engine froze the start-up heap (its own objects included).
-        assert gc.get_freeze_count() > 0
-    finally:
-        engine.shutdown()
-    # Shut down, the engine hands its objects back, so that its cycles can be collected.
-    assert gc.get_freeze_count() == 0

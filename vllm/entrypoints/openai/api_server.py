@@ -332,6 +332,7 @@ def run_server(llm: AsyncLLM, args: argparse.Namespace, model_dir: str, tokenize
     the server instead of finding a zombie that answers 500 to everything)."""
     import uvicorn
 
+    from vllm.utils.gc_utils import freeze_gc_heap, unfreeze_gc_heap
     from vllm.v1.metrics.loggers import LoggingStatLogger
 
     configure_logging()
@@ -359,9 +360,14 @@ def run_server(llm: AsyncLLM, args: argparse.Namespace, model_dir: str, tokenize
     llm.add_dead_callback(_on_engine_dead)
     print(f"vllm serve: model `{names[0]}` on http://{args.host}:{args.port}/v1 "
           f"(health: /health, metrics: /metrics)", flush=True)
+    # Start-up is done (engine built, app ready): keep the collector off the start-up heap
+    # for as long as this process serves (vllm/utils/gc_utils.py says why).
+    num_frozen = freeze_gc_heap()
+    logger.info("froze %d start-up objects out of the garbage collector's reach", num_frozen)
     try:
         server.run()
     finally:
+        unfreeze_gc_heap()
         dead = llm.dead_error is not None
         llm.shutdown(timeout=2.0 if dead else 10.0)
     if dead or not server.started:

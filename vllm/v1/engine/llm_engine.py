@@ -19,7 +19,6 @@ from vllm.inputs import parse_prompt
 from vllm.logprobs import logprobs_row_to_dict
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
-from vllm.utils.gc_utils import freeze_gc_heap, unfreeze_gc_heap
 from vllm.v1.core.sched.request import Request, RequestStatus
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
@@ -152,9 +151,6 @@ class LLMEngine:
         self_ref = weakref.ref(self)
         self._atexit_hook = lambda: (self_ref() is not None and self_ref().shutdown())
         atexit.register(self._atexit_hook)
-        # Start-up is done: keep the collector off the start-up heap (gc_utils.py says why).
-        num_frozen = freeze_gc_heap()
-        logger.info("froze %d start-up objects out of the garbage collector's reach", num_frozen)
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -652,11 +648,8 @@ class LLMEngine:
             return
         self._shut_down = True
         atexit.unregister(self._atexit_hook)
-        try:
-            if self.executor is not None:
-                self.executor.shutdown()
-        finally:
-            unfreeze_gc_heap()
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def __enter__(self) -> LLMEngine:
         return self
