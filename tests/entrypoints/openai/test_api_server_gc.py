@@ -21,6 +21,9 @@ def test_server_serves_with_a_frozen_start_up_heap(monkeypatch):
 
     import uvicorn
     monkeypatch.setattr(uvicorn, "Server", RecordingServer)
+    # The server's stdout logging config is process-wide (it stops "vllm" loggers propagating,
+    # which later caplog tests read): not part of what this test checks.
+    monkeypatch.setattr(api_server, "configure_logging", lambda: None)
     gc.unfreeze()
     llm = AsyncLLM(FakeEngine(max_model_len=64), model_name="fake", max_model_len=64)
     args = argparse.Namespace(host="127.0.0.1", port=0, uvicorn_log_level="warning",
