@@ -196,7 +196,7 @@ class SpeculationCostModel:
         self._review_pending = False
         self._revived = False
         self._probed_any = False
-        self._explore_left: dict[tuple[int, int], int] = {}  # exploration runs left per bucket
+        self._explored: set[tuple[int, int]] = set()  # buckets whose plain run has started
         self._plain_interval = self.config.probe_interval
         self._next_plain_probe = self._plain_interval
         self._plain_probe_ratio: float | None = None  # the ratio before the last plain probe
@@ -309,12 +309,12 @@ class SpeculationCostModel:
             return dict.fromkeys((c.req_id for c in candidates), _DRAFT)
         if ratio is None:
             # Measure plain steps now: a run of them, the whole batch at once.
-            if self._explore_left.setdefault(bucket, 1) > 0:
-                self._explore_left[bucket] = 0
+            if bucket not in self._explored:
+                self._explored.add(bucket)
                 self._plain_run_left = self._plain_run - 1
                 return dict.fromkeys((c.req_id for c in candidates), _SKIP_EXPLORE)
             # Explored but the samples were lost (steps with prefills are not timed): go again.
-            self._explore_left[bucket] = 1
+            self._explored.discard(bucket)
             return dict.fromkeys((c.req_id for c in candidates), _DRAFT)
 
         if self._plain_probe_ratio is not None:

@@ -276,9 +276,9 @@ class GPUModelRunner:
             manager.capture_all(lambda size, q=q: self._dummy_graph_batch(size, q), self._forward)
         # The dummy batches wrote into slots' host state; hand every slot back clean.
         self.requests.num_computed.np[:] = 0
-        if self.speculator is not None and self.speculator.defers_context:
-            self.speculator.reset_context()  # the dummy steps queued context rows
         spec = self.speculator
+        if spec is not None and spec.defers_context:
+            spec.reset_context()  # the dummy steps queued context rows
         if (spec is not None and hasattr(spec, "capture_graphs")
                 and spec.draft_sample_method == "greedy"):
             from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
