@@ -15,6 +15,8 @@
 #   bash scripts/gpu_validation.sh policymodes # the other policy GPU tests (~3 min)
 #   bash scripts/gpu_validation.sh deferral  # deferred context-KV writes: graphs, cannot-pay (~4 min)
 #   bash scripts/gpu_validation.sh policybench # policy benchmark, sync and default scheduling (~6 min)
+#   bash scripts/gpu_validation.sh tinyspec  # tiny DSpark vs none (shipped drafter; also $OLD_DRAFTER)
+#   bash scripts/gpu_validation.sh hostprofile # spec-step phases + cProfile of plain / draft steps
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
 set -uo pipefail
 out="${OUT:-out}"; mkdir -p "$out"; out="$(cd "$out" && pwd)"
@@ -124,7 +126,7 @@ for what in "$@"; do
       summary+=("dspark v3 rc=$?"); grep -v "^{" "$out/dspark.log" | tail -n 12 ;;
     policy)  # cannot-pay, B=1/8, sync/async: 4 interleaved engine pairs (~1 min)
       PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-480}" run_pytest policy \
-        tests/v1/e2e/test_spec_policy_gpu.py -k cannot_pay ;;
+        tests/v1/e2e/test_spec_policy_gpu.py -k "${POLICY_K:-cannot_pay}" ;;
     deferral)  # deferred context-KV writes: graphs + ring, then cannot-pay with and without
       PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-400}" run_pytest deferral \
         tests/v1/spec_decode/test_context_kv_ring_gpu.py \
@@ -139,6 +141,20 @@ for what in "$@"; do
           --out "$out/policy_$sched" >"$out/policy_$sched.log" 2>&1
         summary+=("policy bench $sched rc=$?"); grep -v "^{" "$out/policy_$sched.log" | tail -n 8
       done ;;
+    tinyspec)  # tiny DSpark (every step drafts) vs no speculation, paired rounds (~2 min each)
+      for drafter in shipped ${OLD_DRAFTER:+"$OLD_DRAFTER"}; do
+        name="$(basename "$drafter")"
+        draft=(); [ "$drafter" = shipped ] || draft=(--draft-model "$drafter")
+        timeout 200 python3 benchmarks/engine/benchmark_spec_policy.py --batch-sizes 1 8 \
+          --variants none always --repeats "${REPEATS:-3}" "${draft[@]}" \
+          --out "$out/tinyspec_$name" >"$out/tinyspec_$name.log" 2>&1
+        summary+=("tiny dspark ($name) rc=$?"); grep -v "^{" "$out/tinyspec_$name.log" | tail -n 8
+      done ;;
+    hostprofile)  # where a speculative step's host time goes, by phase and by function
+      timeout 200 python3 scripts/probe_spec_step.py --device cuda --dtype bfloat16 \
+        --attention-backend FLASHINFER_MLA --batch 1 8 --modes plain draft --steps 100 \
+        --cprofile 60 --cprofile-top 45 >"$out/hostprofile.log" 2>&1
+      summary+=("host profile rc=$?"); grep -v "Warn\|warn_once\|^####\|^ " "$out/hostprofile.log" | tail -n 40 ;;
     *) echo "unknown group $what" >&2; exit 2 ;;
   esac
 done

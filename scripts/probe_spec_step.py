@@ -131,16 +131,30 @@ def _instrument(engine) -> None:
         FlashInferMLAMetadataBuilder = None
     if FlashInferMLAMetadataBuilder is not None:
         _wrap(FlashInferMLAMetadataBuilder, "build", "FlashInfer MLA builder build (all groups)")
+        from vllm.v1.attention.backends.mla import flashinfer_mla
+        from vllm.v1.attention.backends.mla.common import MLACommonMetadataBuilder
+        # Inside build: the common MLA metadata, the host CSR, and the plan (one of: refresh,
+        # native re-plan, FlashInfer's full plan; the skeleton read-back after a real plan).
+        _wrap(MLACommonMetadataBuilder, "build", "  MLA common build (in FI build)")
+        _wrap(flashinfer_mla, "plan_hopper_decode", "  FI host CSR plan_hopper_decode")
+        _wrap(flashinfer_mla, "_plan", "  FI _plan (refresh / re-plan / full)")
+        _wrap(flashinfer_mla, "_refresh", "    FI refresh try (incl. CSR upload)")
+        _wrap(flashinfer_mla, "_native_replan", "    FI native re-plan (incl. CSR upload)")
+        _wrap(flashinfer_mla, "_adopt_plan", "    FI skeleton read-back after a plan")
 
 
 def _kinds_table(results: list[dict]) -> str:
     lines = ["| mode B | step kind | steps | median ms | mean ms | max ms | full FlashInfer plans "
-             "/ step | native re-plans / step |", "|---|---|---|---|---|---|---|---|"]
+             "/ step | native re-plans / step | per group: refresh / native / full per step |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for kind, k in sorted(r.get("step_kinds", {}).items()):
             lines.append(f"| {r['mode']} B={r['batch']} | {kind} | {k['steps']} | "
                          f"{k['median_ms']:.3f} | {k['mean_ms']:.3f} | {k['max_ms']:.3f} | "
-                         f"{k['full_plans_per_step']:.2f} | {k['native_replans_per_step']:.2f} |")
+                         f"{k['full_plans_per_step']:.2f} | {k['native_replans_per_step']:.2f} | "
+                         + "; ".join(f"g{g} {p['refresh']:.2f}/{p['native']:.2f}/{p['full']:.2f}"
+                                     for g, p in enumerate(k.get("plans_per_step_by_group", [])))
+                         + " |")
     return "\n".join(lines)
 
 
@@ -214,6 +228,8 @@ def probe(mode: str, batch: int, args) -> dict:
                 n for label, n in ops.items() if label not in _FORWARD_LABELS)
         _unwrap()
         gc.callbacks.remove(_gc_callback)
+        if args.cprofile:
+            _cprofile_steps(engine, args.cprofile, f"{mode} B={batch}", args.cprofile_top)
         labels = sorted({k for s in _STEPS for k in s})
         phases = {label: statistics.median(s.get(label, 0.0) for s in _STEPS) * 1e3
                   for label in labels if not label.startswith("python gc")}
@@ -239,6 +255,27 @@ def probe(mode: str, batch: int, args) -> dict:
         if _gc_callback in gc.callbacks:
             gc.callbacks.remove(_gc_callback)
         engine.shutdown()
+
+
+def _cprofile_steps(engine, steps: int, title: str, top: int) -> None:
+    """--cprofile: where the host time of `steps` more steps goes, by function (own time and
+    cumulative time; cProfile roughly doubles Python's cost, so read shares, not ms)."""
+    import cProfile
+    import io
+    import pstats
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    profiler.disable()
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        stats = pstats.Stats(profiler, stream=buf)
+        stats.sort_stats(key).print_stats(top)
+        text = buf.getvalue()
+        body = text[text.find("   ncalls"):]
+        print(f"\n#### cProfile {title}, {steps} steps, by {key} (per-call times in s)\n{body}",
+              flush=True)
 
 
 def _table(results: list[dict]) -> str:
@@ -285,6 +322,10 @@ def main() -> None:
                         help="nopay: the policy re-probes every STEPS timed steps (0: its own "
                              "schedule, 32 doubling to 1024); the step-kind table then times "
                              "many probe steps against the plain ones")
+    parser.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
+                        help="after the timed steps, cProfile STEPS more steps and print the top "
+                             "functions by own and cumulative time")
+    parser.add_argument("--cprofile-top", type=int, default=40)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()

@@ -124,15 +124,17 @@ def distil(args, configs, target_p) -> tuple[dict, dict]:
                torch.frombuffer(bytearray(code), dtype=torch.uint8)]
     prompts = sample_batch(sources, args.distill_seqs, args.prompt_len, gen)
     weights = {"target": target_p}
-    for k, name in enumerate(("eagle", "mtp", "dflash", "dspark")):
+    for k, name in enumerate(tiny_distill.DRAFTERS):
         cfg, shapes = configs[name]
+        # every drafter's init is drawn (a subset run then starts where the full run starts)
         weights[name] = tt.init_std_weights(shapes(cfg), args.seed + 1 + k)
     report: dict = {}
     start = time.time()
     steps = {"eagle": args.distill_steps, "mtp": args.distill_steps, "dflash": args.distill_steps,
              "dspark": args.dspark_steps}
     out = tiny_distill.distill_drafters(configs, weights, train_steps=steps, seed=args.seed,
-                                        report=report, prompts=prompts, num_new=args.gen_len, progress=True)
+                                        report=report, prompts=prompts, num_new=args.gen_len, progress=True,
+                                        methods=tuple(args.drafters), batch=args.distill_batch)
     report["distill_wall_s"] = round(time.time() - start, 1)
     return out, report
 
@@ -147,6 +149,10 @@ def main(argv=None) -> int:
     parser.add_argument("--distill-steps", type=int, default=120, help="optimiser steps per drafter")
     parser.add_argument("--dspark-steps", type=int, default=240, help="optimiser steps of DSpark")
     parser.add_argument("--distill-seqs", type=int, default=256, help="target continuations to distil on")
+    parser.add_argument("--distill-batch", type=int, default=16, help="sequences per drafter optimiser step")
+    parser.add_argument("--drafters", nargs="+", default=["eagle", "mtp", "dflash", "dspark"],
+                        choices=["eagle", "mtp", "dflash", "dspark"],
+                        help="drafters to distil; the others keep their weights (and log entries) in --out")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--gen-len", type=int, default=96)
     parser.add_argument("--threads", type=int, default=1)
@@ -154,7 +160,8 @@ def main(argv=None) -> int:
                         help="reuse target.safetensors from --out and only distil the drafters")
     parser.add_argument("--out", default=None, help="output dir (default: the package's tiny_weights/)")
     args = parser.parse_args(argv)
-    for field in ("steps", "batch", "seq_len", "distill_steps", "dspark_steps", "distill_seqs", "prompt_len", "gen_len", "threads"):
+    for field in ("steps", "batch", "seq_len", "distill_steps", "dspark_steps", "distill_seqs", "distill_batch",
+                  "prompt_len", "gen_len", "threads"):
         if getattr(args, field) < 1:
             raise SystemExit(f"--{field.replace('_', '-')} must be >= 1, got {getattr(args, field)}")
 
@@ -171,11 +178,20 @@ def main(argv=None) -> int:
     log = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "seed": args.seed,
            "python": sys.version.split()[0], "torch": torch.__version__,
            "data": f"pydoc_data/topics.py + stdlib *.py except {HELD_OUT}"}
+    previous = json.load(open(log_path)) if os.path.isfile(log_path) else {}
+    keep = [n for n in ("eagle", "mtp", "dflash", "dspark") if n not in args.drafters]
+    if keep and not args.skip_target:
+        raise SystemExit(f"--drafters {' '.join(args.drafters)} keeps {', '.join(keep)} from {out_dir}, "
+                         "whose target it was distilled from: add --skip-target (or distil every drafter)")
+    missing = [n for n in keep if not os.path.isfile(os.path.join(out_dir, f"{n}.safetensors"))]
+    if missing:
+        raise SystemExit(f"--drafters keeps {', '.join(missing)}, but {out_dir} has no "
+                         f"{', '.join(m + '.safetensors' for m in missing)}: distil them too")
     if args.skip_target:
         target_p = {k: v.float() for k, v in load_file(os.path.join(out_dir, "target.safetensors")).items()}
-        if os.path.isfile(log_path):
-            previous = json.load(open(log_path))
-            log["target"], log["target_command"] = previous["target"], previous["command"]
+        if previous:
+            log["target"] = previous["target"]
+            log["target_command"] = previous.get("target_command", previous["command"])
     else:
         target_p, log["target"] = train_target(args, target_cfg)
         save_file({k: v.to(torch.float16) for k, v in target_p.items()}, os.path.join(out_dir, "target.safetensors"))
@@ -183,7 +199,11 @@ def main(argv=None) -> int:
             json.dump(log, f, indent=2)
         print(json.dumps(log["target"]))
     weights, log["drafters"] = distil(args, configs, target_p)
-    for name in ("eagle", "mtp", "dflash", "dspark"):
+    for name in keep:  # not distilled here: their weights stay, and so does what made them
+        log["drafters"][name] = dict(previous.get("drafters", {}).get(name, {}),
+                                     command=previous.get("drafters", {}).get(name, {}).get(
+                                         "command", previous.get("command")))
+    for name in args.drafters:
         save_file({k: v.to(torch.float16) for k, v in weights[name].items()},
                   os.path.join(out_dir, f"{name}.safetensors"))
     with open(log_path, "w", encoding="utf-8") as f:

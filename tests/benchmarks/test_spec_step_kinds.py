@@ -22,3 +22,42 @@ def test_auto_probes_show_as_propose_only_verify_and_plain_after_verify():
 def test_drafting_every_step_is_all_verify():
     kinds = measure_step_kinds(None, 2, steps=8, warmup=4, **CPU)
     assert set(kinds) == {"verify"} and kinds["verify"]["steps"] == 8
+
+
+def test_plan_counts_are_split_by_kv_cache_group():
+    """StepKinds charges each step the FlashInfer plans, re-plans and refreshes its builders
+    made, per KV cache group (stand-in builders whose slot counters a fake step advances)."""
+    from types import SimpleNamespace
+
+    from vllm.benchmarks.spec_step_kinds import StepKinds, flashinfer_plan_counts
+
+    def slot():
+        return SimpleNamespace(full_plans=0, native_replans=0, refreshes=0)
+
+    target, draft = slot(), slot()
+    builders = [SimpleNamespace(_slots={}, _graph_slots={(1, "q1"): target}),
+                SimpleNamespace(_slots={"block": draft}, _graph_slots={}), SimpleNamespace()]
+    runner = SimpleNamespace(attn_metadata_builders=builders, speculator=None)
+    moves = iter([(target, "refreshes"), (draft, "native_replans"), (draft, "full_plans")])
+
+    class Scheduler:
+        def schedule(self):
+            return SimpleNamespace(scheduled_spec_decode_tokens={}, propose_drafts=False)
+
+    engine = SimpleNamespace(executor=SimpleNamespace(worker=SimpleNamespace(model_runner=runner)),
+                             scheduler=Scheduler())
+    kinds = StepKinds(engine)
+    for _ in range(2):
+        kinds.before()
+        engine.scheduler.schedule()
+        owner, counter = next(moves)
+        setattr(owner, counter, getattr(owner, counter) + 1)
+        kinds.after(1.0, {})
+    kinds.restore()
+    row = kinds.summary()["plain"]
+    assert row["steps"] == 2 and row["native_replans_per_step"] == 0.5
+    assert row["full_plans_per_step"] == 0
+    assert row["plans_per_step_by_group"] == [
+        {"full": 0.0, "native": 0.0, "refresh": 0.5}, {"full": 0.0, "native": 0.5, "refresh": 0.0},
+        {"full": 0.0, "native": 0.0, "refresh": 0.0}]
+    assert flashinfer_plan_counts(runner) == (0, 1)

@@ -21,17 +21,26 @@ def set_probe_interval(cost_model, interval: int) -> None:
     cost_model._next_probe = min(cost_model._next_probe, cost_model._step + interval)
 
 
-def flashinfer_plan_counts(runner) -> tuple[int, int]:
-    """(full FlashInfer plans, native re-plans) made so far by every metadata builder's wrapper
-    slots (0, 0 for backends without FlashInfer wrappers). A full plan is FlashInfer's Python
-    plan(): ~1 ms of host time plus pinned allocations; a native re-plan ~0.2 ms."""
-    full = native = 0
+def flashinfer_plan_counts_by_group(runner) -> list[tuple[int, int, int]]:
+    """Per KV cache group (the runner's builder order): (full FlashInfer plans, native
+    re-plans, plan refreshes) made so far by that builder's wrapper slots (zeros for backends
+    without FlashInfer wrappers). A full plan is FlashInfer's Python plan(): ~1 ms of host time
+    plus pinned allocations; a native re-plan ~0.2 ms; a refresh (flashinfer_plan_refresh.py)
+    rewrites three work arrays."""
+    counts = []
     for builder in runner.attn_metadata_builders:
         slots = list(getattr(builder, "_slots", {}).values())
         slots += list(getattr(builder, "_graph_slots", {}).values())
-        full += sum(getattr(s, "full_plans", 0) for s in slots)
-        native += sum(getattr(s, "native_replans", 0) for s in slots)
-    return full, native
+        counts.append((sum(getattr(s, "full_plans", 0) for s in slots),
+                       sum(getattr(s, "native_replans", 0) for s in slots),
+                       sum(getattr(s, "refreshes", 0) for s in slots)))
+    return counts
+
+
+def flashinfer_plan_counts(runner) -> tuple[int, int]:
+    """(full FlashInfer plans, native re-plans) made so far over every group's builder."""
+    by_group = flashinfer_plan_counts_by_group(runner)
+    return sum(c[0] for c in by_group), sum(c[1] for c in by_group)
 
 
 class StepKinds:
@@ -51,11 +60,14 @@ class StepKinds:
             return self.last
         self.sched.schedule = schedule
         self.rows: dict[str, list[tuple[float, int, int, dict]]] = defaultdict(list)
+        # per kind: per step, per group (full, native, refresh) deltas
+        self.group_rows: dict[str, list[list[tuple[int, int, int]]]] = defaultdict(list)
         self._previous = "plain"
 
     def before(self) -> None:
         self.last = None
-        self._counts = flashinfer_plan_counts(self.runner)
+        self._by_group = flashinfer_plan_counts_by_group(self.runner)
+        self._counts = (sum(c[0] for c in self._by_group), sum(c[1] for c in self._by_group))
 
     def after(self, ms: float, phases: dict) -> None:
         so = self.last
@@ -70,8 +82,11 @@ class StepKinds:
         else:
             kind = "plain"
         self._previous = kind
-        full, native = flashinfer_plan_counts(self.runner)
+        by_group = flashinfer_plan_counts_by_group(self.runner)
+        full, native = sum(c[0] for c in by_group), sum(c[1] for c in by_group)
         self.rows[kind].append((ms, full - self._counts[0], native - self._counts[1], phases))
+        self.group_rows[kind].append([tuple(a - b for a, b in zip(now, then))
+                                      for now, then in zip(by_group, self._by_group)])
 
     def restore(self) -> None:
         self.sched.__dict__.pop("schedule", None)
@@ -86,6 +101,13 @@ class StepKinds:
                 "mean_ms": statistics.fmean(ms), "max_ms": max(ms),
                 "full_plans_per_step": sum(r[1] for r in rows) / len(rows),
                 "native_replans_per_step": sum(r[2] for r in rows) / len(rows),
+                # [group] -> {"full", "native", "refresh"} per step
+                "plans_per_step_by_group": [
+                    dict(zip(("full", "native", "refresh"),
+                             (sum(step[g][i] for step in self.group_rows[kind]) / len(rows)
+                              for i in range(3))))
+                    for g in range(len(self.group_rows[kind][0]) if self.group_rows[kind]
+                                   else 0)],
                 "phases_mean_ms": {label: statistics.fmean(r[3].get(label, 0.0) for r in rows)
                                    * 1e3 for label in labels},
             }

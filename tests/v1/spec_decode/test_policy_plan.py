@@ -36,10 +36,12 @@ def test_auto_plan_equals_the_cost_model_decisions():
         want = Counter(d.reason for d in raw.values() if not d.draft)
         assert counted.num_drafted == sum(d.draft for d in raw.values())
         assert counted.num_skipped == want
-        # Feed the model: timings of both kinds, and acceptance that sometimes pays.
+        # Feed the model: timings of both kinds, and acceptance that pays for some requests
+        # (odd ids) and not for others (a request stops only on consistent evidence).
         kind = SPEC if plan.propose else PLAIN
         model.observe_step(kind, len(cands), 64, 2.0 if kind == SPEC else 1.0)
         for c in cands:
             if plan.drafts(c.req_id):
-                model.observe_acceptance(c.req_id, rng.choice([1.0, 1.5, 3.5, 4.0]))
+                pays = int(c.req_id[1:]) % 2 == 1
+                model.observe_acceptance(c.req_id, rng.choice([3.5, 4.0] if pays else [1.0, 1.5]))
     assert uniform_seen > 20 and mixed_seen > 20, (uniform_seen, mixed_seen)

@@ -143,15 +143,24 @@ def train_drafter(method, weights, cfg, target_p, data, *, steps: int, gen, batc
     return {k: v.detach().contiguous() for k, v in p.items()}
 
 
+DRAFTERS = ("eagle", "mtp", "dflash", "dspark")
+
+
 def distill_drafters(configs: dict, weights: dict, *, train_steps: int | dict, seed: int, report: dict | None = None,
-                     prompts: torch.Tensor | None = None, num_new: int = 96, progress: bool = False) -> dict:
-    """Return `weights` with the four drafters' tensors replaced by ones distilled from the target.
+                     prompts: torch.Tensor | None = None, num_new: int = 96, progress: bool = False,
+                     methods: tuple[str, ...] = DRAFTERS, batch: int = 16) -> dict:
+    """Return `weights` with the drafters' tensors (those named in `methods`; the others are
+    returned as given) replaced by ones distilled from the target.
 
     configs: name -> (config dict, shapes fn or None) for target/eagle/mtp/dflash/dspark; weights:
     name -> checkpoint tensors. train_steps: steps for every drafter, or a dict method -> steps.
     prompts [N, P] byte ids (default: 64 random-byte prompts of 16).
     A quarter of the sequences is held out to measure top-1 agreement before/after; a drafter
-    that got worse keeps its input weights (report[name]["kept"] says which happened)."""
+    that got worse keeps its input weights (report[name]["kept"] says which happened).
+    batch: sequences per optimiser step."""
+    unknown = [m for m in methods if m not in DRAFTERS]
+    if unknown or not methods:
+        raise ValueError(f"methods={methods!r}: choose one or more of {DRAFTERS}")
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(min(previous_threads, 2))  # tiny matrices: more threads only contend
     gen = torch.Generator().manual_seed(seed + 1234)
@@ -170,14 +179,14 @@ def distill_drafters(configs: dict, weights: dict, *, train_steps: int | dict, s
         held = {k: v[:n_held] for k, v in data.items()}
         train = {k: v[n_held:] for k, v in data.items()}
         out = dict(weights)
-        for method in ("eagle", "mtp", "dflash", "dspark"):
+        for method in methods:
             cfg = configs[method][0]
             tables = tt.rope_tables(cfg, seqs.shape[1] + 16)
             before = draft_accuracy(method, weights[method], cfg, target_p, held, tables, gen)
             log: list[float] = []
             steps = train_steps[method] if isinstance(train_steps, dict) else train_steps
             new = train_drafter(method, weights[method], cfg, target_p, train, steps=steps, gen=gen,
-                                progress=progress, log=log)
+                                progress=progress, log=log, batch=batch)
             after = draft_accuracy(method, new, cfg, target_p, held, tables, gen)
             kept = after >= before
             if report is not None:

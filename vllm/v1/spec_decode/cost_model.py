@@ -24,13 +24,23 @@ Three rules keep the decisions stable and the model fed:
   together, so the probe steps are pure draft+verify steps that refresh t_spec too); their
   acceptance restarts from what the probe measures (a request keeps drafting until it has
   `min_acceptance_samples` of them). A probe that revives nobody doubles the
-  interval (up to `max_probe_interval`). And probes are spaced by what they cost: a probe's
+  interval (up to `max_probe_interval`). And probes are paid for from a budget: a probe's
   probe_len + min_acceptance_samples - 1 speculative steps each cost (t_spec / t_plain - 1)
-  plain steps more than the plain steps they replace, so consecutive probes are at least
-  that many steps over `probe_budget` apart, which holds probing where drafting cannot pay to
-  ~probe_budget of the decode time. (On the tiny model at B=8 a speculative step costs ~4
-  plain ones: 3 probes in 256 steps, every 32 doubling, cost it 25-30 % against no
-  speculation, eighth session; the floor there is ~450 steps.);
+  plain steps more than the plain steps they replace; every step adds `probe_budget` plain
+  steps of credit, and a probe starts only when the credit covers it, which holds probing
+  where drafting cannot pay to ~probe_budget of the decode time. (On the tiny model at B=8 a
+  speculative step costs ~4 plain ones: 3 probes in 256 steps, every 32 doubling, cost it
+  25-30 % against no speculation, eighth session; the budget spaces them ~450 steps apart
+  there.) The credit starts full and is held to one probe: a request judged on its first
+  verify steps, right after its prompt, where drafts can be much worse than later on (the
+  tiny DSpark drafter accepted 1.3 tokens per step there and 3.0 over 256 tokens, on the
+  CPU, tenth session), gets its second look at the next probe interval, not a budget's
+  worth of steps later;
+* judging: a request is judged once it has `min_acceptance_samples` acceptance samples
+  (averaged evenly up to 1/acceptance_alpha samples, then exponentially), and a drafting
+  request stops only when its estimate plus `stop_confidence` standard errors would not pay:
+  a verify step gains anything from 1 to k+1 tokens, and with a mean of 3 a run of 1s and 2s
+  is common (the estimate restarts drafting on its own);
 * exploration: until some bucket has both timings, a bucket with too few spec-step timings
   drafts and one with too few plain-step timings then runs max(`min_samples`, `plain_run_len`)
   plain steps; later, a bucket without both borrows the cost ratio of its nearest measured
@@ -75,10 +85,14 @@ def pow2_bucket(n: int) -> int:
 @dataclass
 class CostModelConfig:
     time_window: int = 8           # a bucket's step time: lower quartile of its last this-many
-    acceptance_alpha: float = 0.2  # weight of a new acceptance sample in a request's EMA
+    acceptance_alpha: float = 0.1  # weight of a new acceptance sample in a request's EMA
     hysteresis: float = 0.05       # h: stop below 1 - h, restart above 1 + h
     min_samples: int = 2           # timings a bucket needs before they are trusted
-    min_acceptance_samples: int = 2  # verify steps a request needs before it is judged
+    min_acceptance_samples: int = 4  # verify steps a request needs before it is judged
+    # A drafting request stops only when even its acceptance plus this many standard errors
+    # would not pay (a verify step gains 1..k+1 tokens: a short unlucky run is not evidence);
+    # a stopped one restarts on its estimate alone. 0: judge on the estimate both ways.
+    stop_confidence: float = 2.0
     probe_interval: int = 32       # steps between re-probes of requests that stopped
     max_probe_interval: int = 1024
     probe_len: int = 2             # steps per probe (the first proposes, the second verifies)
@@ -95,6 +109,9 @@ class CostModelConfig:
         if self.probe_budget is not None and not 0.0 < self.probe_budget <= 1.0:
             raise ValueError(f"probe_budget={self.probe_budget!r} is invalid: it must be in "
                              "(0, 1], or None for no cost-based spacing of probes.")
+        if not self.stop_confidence >= 0.0:
+            raise ValueError(f"stop_confidence={self.stop_confidence!r} is invalid: it must be "
+                             ">= 0 (standard errors).")
         if not 0.0 <= self.hysteresis < 1.0:
             raise ValueError(f"hysteresis={self.hysteresis!r} is invalid: it must be in [0, 1).")
         for name in ("time_window", "min_samples", "min_acceptance_samples", "probe_interval",
@@ -112,13 +129,24 @@ class CostModelConfig:
 
 @dataclass
 class _Ema:
-    """A request's running acceptance length."""
+    """A request's running acceptance length and how sure of it we are. The first 1/alpha
+    samples are averaged evenly (an EMA that starts at its first sample judges a request on
+    that one step), later ones exponentially; the variance is kept alike (Welford's update),
+    so `stderr` is the spread of the estimate over the ~(2 - alpha) / alpha samples it rests on."""
     value: float = 0.0
     count: int = 0
+    var: float = 0.0
 
     def add(self, sample: float, alpha: float) -> None:
-        self.value = sample if self.count == 0 else (1 - alpha) * self.value + alpha * sample
         self.count += 1
+        weight = max(alpha, 1.0 / self.count)
+        delta = sample - self.value
+        self.value += weight * delta
+        self.var = (1.0 - weight) * (self.var + weight * delta * delta)
+
+    def stderr(self, alpha: float) -> float:
+        effective = min(float(self.count), (2.0 - alpha) / alpha)
+        return math.sqrt(self.var / effective) if self.count else 0.0
 
 
 @dataclass
@@ -193,6 +221,7 @@ class SpeculationCostModel:
         self._probe_interval = self.config.probe_interval
         self._next_probe = self._probe_interval
         self._probe_start = -self.config.probe_len - 1  # no probe yet
+        self._probe_credit = math.inf  # plain steps probing may still spend (held to one probe)
         self._review_pending = False
         self._revived = False
         self._probed_any = False
@@ -325,12 +354,14 @@ class SpeculationCostModel:
                                     min(2 * self._plain_interval, cfg.max_probe_interval))
             self._next_plain_probe = self._plain_probe_step + self._plain_interval
             self._plain_probe_ratio = None
-        probing = self._probe_window(step, self._probe_floor(ratio))
+        self._accrue_probe_credit(ratio)
+        probing = self._probe_window(step, ratio)
         decisions = {}
         requests = self._requests
         override = self.acceptance_override
         min_acceptance = cfg.min_acceptance_samples
         stop_below, restart_above = 1.0 - cfg.hysteresis, 1.0 + cfg.hysteresis
+        confidence, alpha = cfg.stop_confidence, cfg.acceptance_alpha
         probe_start = step == self._probe_start
         unjudged = False  # some request drafts to measure its acceptance, not on its merit
         for c in candidates:
@@ -339,6 +370,7 @@ class SpeculationCostModel:
             state = requests.get(req_id)
             if state is None:
                 state = requests[req_id] = _RequestState()
+            margin = 0.0
             if override is not None:
                 a = float(override)
             elif state.acceptance.count < min_acceptance:
@@ -347,9 +379,11 @@ class SpeculationCostModel:
                 continue
             else:
                 a = state.acceptance.value
+                if confidence and state.drafting:
+                    margin = confidence * state.acceptance.stderr(alpha)
             speedup = a / ratio
             if state.drafting:
-                if speedup < stop_below:
+                if (a + margin) / ratio < stop_below:
                     state.drafting = False
             elif speedup > restart_above:
                 state.drafting = True
@@ -389,24 +423,32 @@ class SpeculationCostModel:
         """Plain steps an exploration runs in a row."""
         return max(self.config.min_samples, self.config.plain_run_len)
 
-    def _probe_floor(self, ratio: float) -> int:
-        """The fewest steps from one probe's start to the next (the module doc says why)."""
-        budget = self.config.probe_budget
-        if budget is None or ratio <= 1.0:
-            return 0
+    def _probe_cost(self, ratio: float) -> float:
+        """What one probe costs, in plain steps, where drafting cannot pay: its probe_len +
+        min_acceptance_samples - 1 speculative steps, each (ratio - 1) plain steps dearer."""
         cfg = self.config
-        return math.ceil((cfg.probe_len + cfg.min_acceptance_samples - 1) * (ratio - 1.0)
-                         / budget)
+        return (cfg.probe_len + cfg.min_acceptance_samples - 1) * max(ratio - 1.0, 0.0)
 
-    def _probe_window(self, step: int, floor: int = 0) -> bool:
+    def _accrue_probe_credit(self, ratio: float) -> None:
+        """Once per step: probe_budget plain steps of credit, held to at most one probe's cost
+        (the module doc says why a full credit at the start)."""
+        budget = self.config.probe_budget
+        if budget is not None:
+            self._probe_credit = min(self._probe_credit + budget, self._probe_cost(ratio))
+
+    def _probe_window(self, step: int, ratio: float) -> bool:
         """True during the probe steps [start, start + probe_len). A probe starts once the
-        interval has passed and at least `floor` steps since the last one began (or step 0)."""
-        if step >= self._next_probe and step >= max(self._probe_start, 0) + floor:
-            self._probe_start = step
-            self._next_probe = step + self._probe_interval  # provisional, see the review
-            self._review_pending = True
-            self._revived = False
-            self._probed_any = False
+        interval has passed and the credit pays for it (or probe_budget is None)."""
+        if step >= self._next_probe:
+            cost = self._probe_cost(ratio)
+            if self.config.probe_budget is None or self._probe_credit >= cost - 1e-12:
+                if self.config.probe_budget is not None:
+                    self._probe_credit -= cost
+                self._probe_start = step
+                self._next_probe = step + self._probe_interval  # provisional, see the review
+                self._review_pending = True
+                self._revived = False
+                self._probed_any = False
         return self._probe_start <= step < self._probe_start + self.config.probe_len
 
     # ---- introspection -----------------------------------------------------------------------
