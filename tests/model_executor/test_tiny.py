@@ -3,6 +3,7 @@ missing/unexpected keys, and with non-degenerate next-token distributions."""
 import json
 import os
 
+import pytest
 import torch
 
 from vllm.config import ModelConfig, VllmConfig
@@ -92,3 +93,22 @@ def test_distillation_runs_and_exports_loadable_weights(tmp_path):
                                                                     device="cpu"), speculative_config=spec), target)
         loaded = dict(draft.named_parameters())
         assert loaded  # the distilled tensors load under the engine's own names
+
+
+def test_distilling_a_subset_leaves_the_other_drafters_alone(tmp_path):
+    from safetensors.torch import load_file
+
+    from vllm.model_executor.models import tiny, tiny_distill
+
+    report = {}
+    paths = write_tiny_models(cache_dir=str(tmp_path / "untrained"), train_steps=0)
+    configs = tiny.tiny_family_configs(shipped=False)
+    weights = {n: load_file(os.path.join(getattr(paths, n), "model.safetensors")) for n in configs}
+    prompts = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(0))
+    out = tiny_distill.distill_drafters(configs, weights, train_steps=2, seed=0, report=report,
+                                        prompts=prompts, num_new=12, methods=("dspark",), batch=4)
+    assert set(report) == {"dspark"}
+    for name in ("eagle", "mtp", "dflash"):
+        assert out[name] is weights[name]
+    with pytest.raises(ValueError, match=r"methods=\('medusa',\).*choose one or more of"):
+        tiny_distill.distill_drafters(configs, weights, train_steps=1, seed=0, methods=("medusa",))
