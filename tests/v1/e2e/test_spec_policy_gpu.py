@@ -1,6 +1,8 @@
 """GPU (H200): where drafting cannot pay, the "auto" policy brings tok/s back to within 5% of no
 speculation, and where it pays (the tiny DSpark drafter's real acceptance) it keeps drafting;
 greedy tokens equal no speculation in every mode. CUDA graphs on, bf16, FlashInfer MLA."""
+import json
+
 import pytest
 
 from vllm.benchmarks.spec_policy import SpecPolicyCase, run_case, run_interleaved
@@ -84,6 +86,8 @@ def test_probe_steps_cost_what_steady_spec_steps_cost(batch):
     steady = measure_step_kinds(None, batch, steps=60, warmup=16)
     summary = {k: {f: round(v, 3) for f, v in d.items() if isinstance(v, (int, float))}
                for k, d in probes.items()}
+    # the whole per-kind summary (plans per group, phases) for a failure report
+    print(json.dumps({"probes": probes, "steady": steady}, default=str))
     assert probes["verify"]["steps"] >= 10, summary
     for kind, row in probes.items():
         assert row["full_plans_per_step"] == 0, (kind, summary)
