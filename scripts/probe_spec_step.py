@@ -135,7 +135,8 @@ def _instrument(engine) -> None:
         from vllm.v1.attention.backends.mla.common import MLACommonMetadataBuilder
         # Inside build: the common MLA metadata, the host CSR, and the plan (one of: refresh,
         # native re-plan, FlashInfer's full plan; the skeleton read-back after a real plan).
-        _wrap(MLACommonMetadataBuilder, "build", "  MLA common build (in FI build)")
+        # (The common build is every MLA builder's: with TORCH_MLA it is that builder's whole.)
+        _wrap(MLACommonMetadataBuilder, "build", "  MLA common build (every MLA builder)")
         _wrap(flashinfer_mla, "plan_hopper_decode", "  FI host CSR plan_hopper_decode")
         _wrap(flashinfer_mla, "_plan", "  FI _plan (refresh / re-plan / full)")
         _wrap(flashinfer_mla, "_refresh", "    FI refresh try (incl. CSR upload)")

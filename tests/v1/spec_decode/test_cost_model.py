@@ -454,6 +454,8 @@ def test_cost_model_config_errors_name_the_value():
         CostModelConfig(acceptance_alpha=1.5)
     with pytest.raises(ValueError, match=r"probe_budget=0\.0 is invalid"):
         CostModelConfig(probe_budget=0.0)
+    with pytest.raises(ValueError, match=r"stop_confidence=-1\.0 is invalid: it must be >= 0"):
+        CostModelConfig(stop_confidence=-1.0)
     with pytest.raises(ValueError, match="step kind 'draft' is invalid"):
         SpeculationCostModel(K).observe_step("draft", 1, 1, 1.0)
 
@@ -549,3 +551,38 @@ def test_snapshot_keeps_the_last_raw_timings_of_a_bucket():
     entry = model.snapshot()["step_times"]["b4_c512"][PLAIN]
     assert entry["recent"] == samples[-window:]
     assert entry["samples"] == len(samples)
+
+
+def test_acceptance_estimate_is_an_even_mean_then_an_ema_with_its_spread():
+    """The arithmetic of the estimate, by hand: the first 1/alpha samples weigh alike (mean and
+    population variance), later ones by alpha; stderr = sqrt(var / min(n, (2 - alpha) / alpha))."""
+    import math
+    model = SpeculationCostModel(K, CostModelConfig(acceptance_alpha=0.25,
+                                                    min_acceptance_samples=1))
+    for sample in (1.0, 3.0, 5.0, 3.0):
+        model.observe_acceptance("r", sample)
+    est = model._requests["r"].acceptance
+    assert est.value == pytest.approx(3.0) and est.var == pytest.approx(2.0)  # 4 alike
+    assert est.stderr(0.25) == pytest.approx(math.sqrt(2.0 / 4))
+    model.observe_acceptance("r", 5.0)  # the 5th: weight 0.25
+    assert est.value == pytest.approx(3.5)
+    assert est.var == pytest.approx(0.75 * (2.0 + 0.25 * 4.0))
+    assert est.stderr(0.25) == pytest.approx(math.sqrt(est.var / 5))  # 5 samples < (2 - a) / a = 7
+
+
+def test_a_drafting_request_stops_only_when_even_its_optimistic_estimate_loses():
+    # Cost ratio 2: a = 1.8 loses (0.9x). With a wide spread (samples 1 and 2.6), estimate plus
+    # two standard errors still pays, so it keeps drafting; with stop_confidence 0 it stops.
+    def model_after(samples, confidence):
+        model = SpeculationCostModel(K, CostModelConfig(min_acceptance_samples=2,
+                                                        stop_confidence=confidence))
+        for _ in range(2):
+            model.observe_step(SPEC, 1, 500, 2.0)
+            model.observe_step(PLAIN, 1, 500, 1.0)
+        for sample in samples:
+            model.observe_acceptance("r", sample)
+        return model.decide([Candidate("r", 500)])["r"]
+
+    assert model_after([1.0, 2.6], 2.0).draft        # 1.8 + 2 * 0.8 / sqrt(2) = 2.93 pays
+    assert not model_after([1.0, 2.6], 0.0).draft    # 1.8 / 2 = 0.9 < 0.95
+    assert not model_after([1.8, 1.8], 2.0).draft    # no spread: 1.8 loses either way
