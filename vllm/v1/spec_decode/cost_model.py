@@ -18,7 +18,7 @@ with drafting that could not pay drafted all 77 of its steps (seventh; docs/perf
 The lower quartile is the minimum while a bucket holds <= 4 timings, so one good sample
 corrects a bad start; with 8 it ignores one freak-fast sample too.
 
-Three rules keep the decisions stable and the model fed:
+These rules keep the decisions stable and the model fed:
 * hysteresis: a drafting request stops below 1 - h, an idle one restarts above 1 + h;
 * re-probe: every `probe_interval` steps, requests that stopped draft for `probe_len` steps (all
   together, so the probe steps are pure draft+verify steps that refresh t_spec too); their
@@ -131,7 +131,7 @@ class CostModelConfig:
 class _Ema:
     """A request's running acceptance length and how sure of it we are. The first 1/alpha
     samples are averaged evenly (an EMA that starts at its first sample judges a request on
-    that one step), later ones exponentially; the variance is kept alike (Welford's update),
+    that one step), later ones exponentially; the variance is updated with the same weights,
     so `stderr` is the spread of the estimate over the ~(2 - alpha) / alpha samples it rests on."""
     value: float = 0.0
     count: int = 0
