@@ -241,6 +241,16 @@ def test_noisy_acceptance_that_pays_keeps_drafting(seed):
     assert loop.drafted_steps("a", 10) >= 0.8 * 390, loop.policy.stats()
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_noisy_acceptance_that_loses_a_little_still_stops(seed):
+    # Mean 4/3 (1, 1 or 2) against a cost ratio of 1.5: drafting loses 11 %, inside twice the
+    # hysteresis band of a confident estimate. The stop rule's margin must not keep such a
+    # request drafting: it stops for most of the run (probes and unlucky streaks aside).
+    acceptance = {"a": noisy_acceptance((1, 1, 2), seed)}
+    loop = Loop(auto_policy(), acceptance, t_spec=1.5).run(400)
+    assert loop.drafted_steps("a", 10) <= 0.25 * 390, loop.policy.stats()
+
+
 def test_a_poor_start_gets_a_second_look_at_the_next_probe():
     # Drafts useless for the first 20 steps (right after the prompt), then 3 tokens per step at
     # 2.2x the cost (pays 1.36x). The request stops on its first samples; the first probe
