@@ -64,18 +64,27 @@ def test_shipped_is_default_and_bad_arguments_are_named(tmp_path):
     assert stamp["weights"] == "random" and stamp["format"] == 4
 
 
-def test_distillation_runs_and_exports_loadable_weights(tmp_path):
+def _untrained_family(tmp_path):
+    """(paths, configs, checkpoint weights, prompts) of the random-weights tiny family, the
+    input of a short distillation."""
     from safetensors.torch import load_file
 
+    from vllm.model_executor.models import tiny
+
+    paths = write_tiny_models(cache_dir=str(tmp_path / "untrained"), train_steps=0)
+    configs = tiny.tiny_family_configs(shipped=False)
+    weights = {n: load_file(os.path.join(getattr(paths, n), "model.safetensors")) for n in configs}
+    prompts = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(0))
+    return paths, configs, weights, prompts
+
+
+def test_distillation_runs_and_exports_loadable_weights(tmp_path):
     from vllm.config import SpeculativeConfig
     from vllm.model_executor.model_loader import get_draft_model
     from vllm.model_executor.models import tiny, tiny_distill
 
     report = {}
-    paths = write_tiny_models(cache_dir=str(tmp_path / "untrained"), train_steps=0)
-    configs = tiny.tiny_family_configs(shipped=False)
-    weights = {n: load_file(os.path.join(getattr(paths, n), "model.safetensors")) for n in configs}
-    prompts = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(0))
+    paths, configs, weights, prompts = _untrained_family(tmp_path)
     out = tiny_distill.distill_drafters(configs, weights, train_steps=2, seed=0, report=report,
                                         prompts=prompts, num_new=12)
     assert set(report) == {"eagle", "mtp", "dflash", "dspark"}
@@ -96,15 +105,10 @@ def test_distillation_runs_and_exports_loadable_weights(tmp_path):
 
 
 def test_distilling_a_subset_leaves_the_other_drafters_alone(tmp_path):
-    from safetensors.torch import load_file
-
-    from vllm.model_executor.models import tiny, tiny_distill
+    from vllm.model_executor.models import tiny_distill
 
     report = {}
-    paths = write_tiny_models(cache_dir=str(tmp_path / "untrained"), train_steps=0)
-    configs = tiny.tiny_family_configs(shipped=False)
-    weights = {n: load_file(os.path.join(getattr(paths, n), "model.safetensors")) for n in configs}
-    prompts = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(0))
+    _, configs, weights, prompts = _untrained_family(tmp_path)
     out = tiny_distill.distill_drafters(configs, weights, train_steps=2, seed=0, report=report,
                                         prompts=prompts, num_new=12, methods=("dspark",), batch=4)
     assert set(report) == {"dspark"}

@@ -354,8 +354,9 @@ class SpeculationCostModel:
                                     min(2 * self._plain_interval, cfg.max_probe_interval))
             self._next_plain_probe = self._plain_probe_step + self._plain_interval
             self._plain_probe_ratio = None
-        self._accrue_probe_credit(ratio)
-        probing = self._probe_window(step, ratio)
+        probe_cost = self._probe_cost(ratio)
+        self._accrue_probe_credit(probe_cost)
+        probing = self._probe_window(step, probe_cost)
         decisions = {}
         requests = self._requests
         override = self.acceptance_override
@@ -429,18 +430,17 @@ class SpeculationCostModel:
         cfg = self.config
         return (cfg.probe_len + cfg.min_acceptance_samples - 1) * max(ratio - 1.0, 0.0)
 
-    def _accrue_probe_credit(self, ratio: float) -> None:
-        """Once per step: probe_budget plain steps of credit, held to at most one probe's cost
-        (the module doc says why a full credit at the start)."""
+    def _accrue_probe_credit(self, cost: float) -> None:
+        """Once per step: probe_budget plain steps of credit, held to at most one probe's
+        `cost` (the module doc says why a full credit at the start)."""
         budget = self.config.probe_budget
         if budget is not None:
-            self._probe_credit = min(self._probe_credit + budget, self._probe_cost(ratio))
+            self._probe_credit = min(self._probe_credit + budget, cost)
 
-    def _probe_window(self, step: int, ratio: float) -> bool:
+    def _probe_window(self, step: int, cost: float) -> bool:
         """True during the probe steps [start, start + probe_len). A probe starts once the
-        interval has passed and the credit pays for it (or probe_budget is None)."""
+        interval has passed and the credit pays for its `cost` (or probe_budget is None)."""
         if step >= self._next_probe:
-            cost = self._probe_cost(ratio)
             if self.config.probe_budget is None or self._probe_credit >= cost - 1e-12:
                 if self.config.probe_budget is not None:
                     self._probe_credit -= cost
