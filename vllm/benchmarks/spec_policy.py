@@ -49,8 +49,14 @@ class SpecPolicyCase:
     # Block drafters' deferred context-KV writes (VLLM_DEFER_DRAFT_CONTEXT_KV, read when the
     # engine is built): None = the environment's setting.
     defer_context_kv: bool | None = None
+    # CostModelConfig fields to override for "auto" / "auto-nopay" (e.g. {"probe_interval":
+    # 10**6, "max_probe_interval": 10**6}: no re-probes, to price them), as (name, value) pairs.
+    cost_model_config: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self):
+        if self.cost_model_config and _POLICY.get(self.variant) != "auto":
+            raise ValueError(f"cost_model_config is set but variant={self.variant!r} has no cost "
+                             "model: use 'auto' or 'auto-nopay'")
         if self.context is None:
             self.context = 64 if self.model is None else 1024
         if self.variant not in VARIANTS:
@@ -106,8 +112,13 @@ def build_engine(case: SpecPolicyCase):
         kv_cache_memory_bytes=case.kv_cache_memory_bytes, **extra)
     engine = _with_deferral(case.defer_context_kv, LLMEngine.from_engine_args, engine_args)
     try:
+        policy = engine.scheduler.spec_policy
+        if case.cost_model_config:
+            from vllm.v1.spec_decode.cost_model import CostModelConfig, SpeculationCostModel
+            config = dataclasses.replace(CostModelConfig(), **dict(case.cost_model_config))
+            policy.cost_model = SpeculationCostModel(policy.num_spec_tokens, config)
         if case.variant == "auto-nopay":
-            engine.scheduler.spec_policy.cost_model.acceptance_override = case.forced_acceptance
+            policy.cost_model.acceptance_override = case.forced_acceptance
         params = SamplingParams(temperature=0.0, max_tokens=case.output_len, ignore_eos=True)
         for i in range(case.batch):
             prompt = [(7 * i + 13 * j) % 200 + 20 for j in range(case.context)]
@@ -171,7 +182,8 @@ def paired_ratio(runs: list[dict], base_runs: list[dict]) -> tuple[float, list[f
     return paired_tok_ratio([r["tok_s"] for r in runs], [b["tok_s"] for b in base_runs])
 
 
-def run_interleaved(cases: dict[str, SpecPolicyCase], steps_per_block: int = 16) -> dict:
+def run_interleaved(cases: dict[str, SpecPolicyCase], steps_per_block: int = 16,
+                    on_warm=None) -> dict:
     """Every case's engine alive at once, stepped in turn in blocks of `steps_per_block` engine
     steps (the order reversed every other round), after each one's warm-up.
 
@@ -182,7 +194,10 @@ def run_interleaved(cases: dict[str, SpecPolicyCase], steps_per_block: int = 16)
     and stalls count; only blocks of rounds in which every engine still ran a full block are
     kept. Returns {name: {"tok_s": tokens / seconds over the kept blocks, "block_tok_s",
     "blocks", "tokens" (every request's full greedy output), "policy"}} and, under "_rounds",
-    the number of kept rounds."""
+    the number of kept rounds, and under each name "step_ms": [[ms of each step] per kept
+    block] (host wall time of `engine.step()`; a block's time also holds its end sync).
+    `on_warm(name, engine)`, if given, is called once per engine after its warm-up (tracing
+    hooks, scripts/trace_policy_steps.py)."""
     if steps_per_block < 1:
         raise ValueError(f"steps_per_block={steps_per_block} is invalid: it must be >= 1")
     names = list(cases)
@@ -203,26 +218,34 @@ def run_interleaved(cases: dict[str, SpecPolicyCase], steps_per_block: int = 16)
             for _ in range(cases[name].warmup_steps):
                 if engines[name].has_unfinished_requests():
                     step(name)
+        if on_warm is not None:
+            for name in names:
+                on_warm(name, engines[name])
         blocks: dict[str, list[tuple[int, float]]] = {name: [] for name in names}
+        step_ms: dict[str, list[list[float]]] = {name: [] for name in names}
+        clock = time.perf_counter
         order = names
         while True:
-            round_blocks, full = {}, True
+            round_blocks, round_steps, full = {}, {}, True
             for name in order:
                 engine, device = engines[name], cases[name].device
-                before, done = engine._num_generation_tokens, 0
+                before, done, ms = engine._num_generation_tokens, 0, []
                 _sync(device)
-                start = time.perf_counter()
+                start = clock()
                 while done < steps_per_block and engine.has_unfinished_requests():
+                    t0 = clock()
                     step(name)
+                    ms.append((clock() - t0) * 1e3)
                     done += 1
                 _sync(device)
-                round_blocks[name] = (engine._num_generation_tokens - before,
-                                      time.perf_counter() - start)
+                round_blocks[name] = (engine._num_generation_tokens - before, clock() - start)
+                round_steps[name] = ms
                 full &= done == steps_per_block
             if not full:
                 break
             for name in names:
                 blocks[name].append(round_blocks[name])
+                step_ms[name].append(round_steps[name])
             order = order[::-1]
         if not blocks[names[0]]:
             raise ValueError(f"no full round of {steps_per_block}-step blocks after the warm-up: "
@@ -239,6 +262,7 @@ def run_interleaved(cases: dict[str, SpecPolicyCase], steps_per_block: int = 16)
             result[name] = {
                 "variant": case.variant, "batch": case.batch, "tok_s": tokens / seconds,
                 "block_tok_s": [t / s for t, s in blocks[name]], "blocks": blocks[name],
+                "step_ms": step_ms[name],
                 "policy": spec_stats.get("policy"),
                 "tokens": [outputs[name][f"r{i}"] for i in range(case.batch)]}
         return result

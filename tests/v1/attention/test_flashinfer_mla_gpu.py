@@ -180,12 +180,21 @@ def _graph_step(builder, seq_lens, qlens, causal: bool, seed: int):
     return md, fi, ref
 
 
+@pytest.mark.parametrize("own_copy", [False, True])
 @pytest.mark.parametrize("qlen", [1, 4])
-def test_graph_wrapper_native_replans_with_the_packed_copy_match_torch_mla(qlen):
+def test_graph_wrapper_native_replans_with_the_packed_copy_match_torch_mla(qlen, own_copy,
+                                                                         monkeypatch):
     """One builder over several graph-mode steps of the same padded size: the first plan is a
     full FlashInfer plan, the later ones are native re-plans (or plan refreshes) that move the
     CSR into the graph wrapper's packed buffers in ONE copy; every step must still equal TORCH_MLA on the same
-    metadata (eager run() on the graph wrapper reads exactly those buffers)."""
+    metadata (eager run() on the graph wrapper reads exactly those buffers). `own_copy`: the
+    re-plans copy the planner's workspace bytes themselves (VLLM_MLA_NATIVE_PLAN_OWN_COPY)."""
+    import vllm.v1.attention.backends.mla.flashinfer_mla as fm
+    monkeypatch.setenv(fm.OWN_PLAN_COPY_FLAG, "1" if own_copy else "0")
+    own_copies = []
+    plan_and_stage = fm._plan_and_stage
+    monkeypatch.setattr(fm, "_plan_and_stage",
+                        lambda *a: own_copies.append(1) or plan_and_stage(*a))
     builder = _graph_builder(qlen, non_causal=False, max_model_len=4096)
     for step, seq_lens in enumerate(([700, 2049, 64, 9], [701, 2050, 65, 0],
                                      [1500, 3, 64, 1000], [1501, 4, 65, 1001])):
@@ -198,6 +207,7 @@ def test_graph_wrapper_native_replans_with_the_packed_copy_match_torch_mla(qlen)
             assert md.decode.backend_state.hopper_inputs.packed is not None
     # steps 1 and 3 only grow the lengths by one: refreshed instead of re-planned
     assert slot.native_replans + slot.refreshes >= 3 and slot.full_plans == 1
+    assert slot.native_replans >= 1 and bool(own_copies) == own_copy  # the path under test
 
 
 @pytest.mark.parametrize("qlen,causal", [(1, True), (4, False), (4, True), (5, True)])

@@ -24,16 +24,20 @@ class Loop:
     """Requests with fixed contexts and a per-request acceptance length (callable of step)."""
 
     def __init__(self, policy: SpeculationPolicy, acceptance: dict, t_spec=2.0, t_plain=1.0,
-                 context=1000, t_switch_plain=None):
+                 context=1000, t_switch_plain=None, t_switch_spec=None):
         self.policy, self.acceptance = policy, acceptance
         self.t_spec, self.t_plain, self.context = t_spec, t_plain, context
         # A plain step right after a step that was not plain (the switch; None: t_plain).
         self.t_switch_plain = t_switch_plain
+        # A step that drafts or verifies right after a plain step (a probe's first; None: as
+        # any other).
+        self.t_switch_spec = t_switch_spec
         self.last_plain = False
         self.has_drafts = {r: False for r in acceptance}
         self.step = 0
         self.log: list[dict[str, bool]] = []   # per step: request -> verified drafts
         self.proposed: list[bool] = []
+        self.seconds: list[float] = []  # each step's simulated time
         self.num_plain = 0  # plain steps timed so far
 
     def run(self, steps: int) -> Loop:
@@ -61,7 +65,10 @@ class Loop:
             self.num_plain += 1
         else:
             seconds = (self.t_spec + t_plain) / 2
+        if self.t_switch_spec is not None and self.last_plain and (plan.propose or spec_rows):
+            seconds = max(seconds, self.t_switch_spec)
         self.last_plain = not plan.propose and spec_rows == 0
+        self.seconds.append(seconds)
         policy.observe_step_time(output, seconds)
         for r in reqs:
             if verified[r]:
@@ -350,14 +357,40 @@ def test_probing_where_drafting_cannot_pay_costs_at_most_the_probe_budget(t_spec
         assert _loop_time(loose, since, 600) > (1 + 2 * budget) * (600 - since)
 
 
+@pytest.mark.parametrize("t_switch_spec", [6.0, 12.0])
+def test_probes_are_charged_what_they_cost(t_switch_spec):
+    # On the GPU a probe's first step costs far more than a steady speculative step (it runs
+    # synchronously and re-plans: 3-7 ms against 0.7 ms plain and ~2 ms steady speculative,
+    # tiny model at B=8, twelfth session). Charged what its steps measured, probing where
+    # drafting cannot pay stays within probe_budget of all-plain time plus the first probe
+    # (the credit starts full); charged the estimate from t_spec it cost several times that.
+    since, until = 20, 4020
+    t_spec = 2.0
+    loop = Loop(auto_policy(), {"a": 1.0, "b": 1.0}, t_spec=t_spec,
+                t_switch_spec=t_switch_spec).run(until)
+    cfg = CostModelConfig()
+    # A probe: a propose-only first step (the switch), probe_len + min_acceptance_samples - 2
+    # verify steps, then the plain step back; in plain steps beyond the ones it replaces:
+    one_probe = (t_switch_spec - 1.0) + (cfg.probe_len + cfg.min_acceptance_samples - 2) * (
+        t_spec - 1.0)
+    probes = [i for i in range(since, until) if loop.proposed[i] and not loop.proposed[i - 1]]
+    assert len(probes) >= 2  # it still probes
+    assert sum(loop.seconds[since:until]) <= (1 + cfg.probe_budget) * (until - since) + one_probe
+    charged = loop.policy.cost_model.probe_costs
+    assert charged and all(m == pytest.approx(one_probe) for _, _, m in charged), charged
+
+
 def test_the_probe_budget_spaces_probes_by_their_cost():
-    # Floor = (probe_len + min_acceptance_samples - 1) * (t_spec / t_plain - 1) / budget
-    # = 3 * 1 / 0.02 = 150 steps at t_spec = 2 t_plain: no two probe starts closer.
+    # Floor = a probe's measured cost in plain steps / budget. The probe: a propose-only
+    # first step (priced (t_spec + t_plain) / 2 here: 0.5 plain steps dearer), then
+    # probe_len + min_acceptance_samples - 2 = 2 verify steps (1 dearer each), then the plain
+    # step back: 2.5 / 0.02 = 125 steps at t_spec = 2 t_plain. (The estimate the first probe
+    # is charged, 3 steps of t_spec, would space them 150 apart.)
     loop = Loop(auto_policy(probe_interval=16, max_probe_interval=64, min_acceptance_samples=2),
                 {"a": 1.0}, t_spec=2.0).run(1000)
     starts = [i for i in range(10, 1000) if loop.proposed[i] and not loop.proposed[i - 1]]
     assert len(starts) >= 5
-    assert min(b - a for a, b in zip(starts, starts[1:])) >= 150, starts
+    assert min(b - a for a, b in zip(starts, starts[1:])) >= 125, starts
 
 
 def test_explores_plain_steps_before_trusting_a_bucket():
@@ -596,3 +629,122 @@ def test_a_drafting_request_stops_only_when_even_its_optimistic_estimate_loses()
     assert model_after([1.0, 2.6], 2.0).draft        # 1.8 + 2 * 0.8 / sqrt(2) = 2.93 pays
     assert not model_after([1.0, 2.6], 0.0).draft    # 1.8 / 2 = 0.9 < 0.95
     assert not model_after([1.8, 1.8], 2.0).draft    # no spread: 1.8 loses either way
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_settled_shortcut_decides_what_the_full_loop_decides(seed):
+    """Once every request has stopped, decide() skips its per-request loop until a request
+    comes, goes or verifies drafts, a probe starts, or the ratio could restart the best of
+    them. Oracle: the same model with the shortcut off, fed the same random engine (requests
+    arriving and finishing, acceptances drifting between 1 and 4.5 and reported a step late as
+    the engine reports them, plain steps whose cost jumps between 1x and 2.2x so that the
+    cost ratio can restart a stopped request, the acceptance override switched on and off):
+    identical decisions at every step."""
+    import random
+    rng = random.Random(seed)
+    fast, full = (SpeculationCostModel(K, CostModelConfig(probe_interval=8, probe_budget=0.1))
+                  for _ in range(2))
+    full.settled_fast_path = False
+    models = (fast, full)
+    levels = {f"r{i}": rng.choice([1.0, 1.5, 3.5]) for i in range(4)}
+    next_id, settled_steps, plain_cost, late = len(levels), 0, 1.0, {}
+    for step in range(1500):
+        if rng.random() < 0.03:
+            plain_cost = rng.choice([1.0, 2.2])
+        if rng.random() < 0.02:
+            levels[f"r{next_id}"] = rng.choice([1.0, 1.5, 3.5])
+            next_id += 1
+        if rng.random() < 0.02 and len(levels) > 1:
+            gone = rng.choice(sorted(levels))
+            del levels[gone]
+            for m in models:
+                m.remove_request(gone)
+        if rng.random() < 0.02:  # a request's drafts start (or stop) matching
+            levels[rng.choice(sorted(levels))] = rng.choice([1.0, 1.5, 3.5, 4.5])
+        if step in (300, 500):
+            for m in models:
+                m.acceptance_override = 1.0 if step == 300 else None
+        candidates = [Candidate(r, 200 + 3 * step) for r in levels]
+        settled_steps += fast._settled is not None
+        got, want = fast.decide(candidates), full.decide(candidates)
+        assert got == want, (seed, step)
+        drafting = [r for r, d in got.items() if d.draft]
+        kind = SPEC if len(drafting) == len(got) else PLAIN if not drafting else None
+        seconds = (2.5 if kind == SPEC else plain_cost) * (1.0 + 0.2 * rng.random())
+        for m in models:
+            if kind is not None:
+                m.observe_step(kind, len(got), 200 + 3 * step, seconds)
+            for r, a in late.items():  # the previous step's verified drafts
+                if r in levels:
+                    m.observe_acceptance(r, a)
+        late = {r: min(K + 1, max(1, round(rng.gauss(levels[r], 0.8)))) for r in drafting}
+    assert settled_steps >= 50, settled_steps  # the shortcut was taken, and agreed
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cached_ratios_equal_a_scan_of_every_timing(seed):
+    """cost_ratio keeps the ratios it borrowed and observe_step its last bucket from step to
+    step. Oracle: every observation kept in a list; a bucket's time is the lower quartile of its
+    last time_window timings, trusted from min_samples on; a bucket's ratio is its own, else the
+    nearest bucket's with both (distance in powers of two, ties to the smaller bucket). Random
+    timings over batch sizes and growing contexts, each followed by repeated queries (the
+    second of which reads the caches)."""
+    import random
+    rng = random.Random(seed)
+    cfg = CostModelConfig(min_samples=2, time_window=8)
+    model = SpeculationCostModel(K, cfg)
+    seen: dict[tuple[str, tuple[int, int]], list[float]] = {}
+
+    def bucket(batch, context):
+        return pow2_bucket(batch), pow2_bucket(max(context, cfg.min_context_bucket))
+
+    def oracle(batch, context):
+        value = {}
+        for key, xs in seen.items():
+            if len(xs) >= cfg.min_samples:
+                last = sorted(xs[-cfg.time_window:])
+                value[key] = last[(len(last) - 1) // 4]
+        pairs = {b: value[(SPEC, b)] / value[(PLAIN, b)]
+                 for kind, b in value if kind == SPEC and (PLAIN, b) in value}
+        if not pairs:
+            return None
+        want = bucket(batch, context)
+        if want in pairs:
+            return pairs[want]
+
+        def distance(b):
+            return (abs(b[0].bit_length() - want[0].bit_length())
+                    + abs(b[1].bit_length() - want[1].bit_length()), b)
+        return pairs[min(pairs, key=distance)]
+
+    queries = [(1, 100), (2, 300), (8, 600), (8, 5000), (16, 100), (64, 2000)]
+    for step in range(800):
+        kind = rng.choice([SPEC, PLAIN, PLAIN])
+        batch = rng.choice([1, 2, 3, 8, 8, 8, 16])
+        context = rng.choice([50, 300, 300, 700, 2000]) + step // 2
+        seconds = rng.uniform(0.5, 3.0)
+        model.observe_step(kind, batch, context, seconds)
+        seen.setdefault((kind, bucket(batch, context)), []).append(seconds)
+        for b, c in rng.sample(queries, 3):
+            want = oracle(b, c)
+            for _ in range(2):
+                got = model.cost_ratio(b, c)
+                assert (got is None and want is None) or got == pytest.approx(want), \
+                    (seed, step, b, c, got, want)
+
+
+def test_a_settled_batch_is_judged_again_when_its_context_bucket_changes():
+    """The settled shortcut holds within one context bucket: a request that stopped where
+    drafting costs 3 plain steps restarts as soon as its context enters the bucket where it
+    costs 1.2 (acceptance 2: speedup 2/3, then 2/1.2)."""
+    model = SpeculationCostModel(K, CostModelConfig(min_samples=2), acceptance_override=2.0)
+    for _ in range(2):
+        model.observe_step(SPEC, 1, 100, 3.0)     # bucket (1, 256): ratio 3
+        model.observe_step(PLAIN, 1, 100, 1.0)
+        model.observe_step(SPEC, 1, 300, 1.2)     # bucket (1, 512): ratio 1.2
+        model.observe_step(PLAIN, 1, 300, 1.0)
+    for _ in range(3):
+        assert model.decide([Candidate("r", 100)])["r"] == Decision(False, REASON_COST)
+    assert model._settled is not None  # the next steps in this bucket take the shortcut
+    assert model.decide([Candidate("r", 256)])["r"] == Decision(False, REASON_COST)
+    assert model.decide([Candidate("r", 257)])["r"].draft

@@ -28,7 +28,12 @@ These rules keep the decisions stable and the model fed:
   probe_len + min_acceptance_samples - 1 speculative steps each cost (t_spec / t_plain - 1)
   plain steps more than the plain steps they replace; every step adds `probe_budget` plain
   steps of credit, and a probe starts only when the credit covers it, which holds probing
-  where drafting cannot pay to ~probe_budget of the decode time. (On the tiny model at B=8 a
+  where drafting cannot pay to ~probe_budget of the decode time. The start is charged an
+  estimate; once the probe's steps and the plain step after it are timed, the credit is
+  charged what they measured instead (observe_probe_step): on the H200 a probe's first steps
+  cost 3-7 ms against ~2 ms for a steady speculative step and 0.7 ms plain (they run
+  synchronously and re-plan; tiny model, B=8, twelfth session), so the estimate put probing
+  at 5-7 % of the decode time, not 2 %. (On the tiny model at B=8 a
   speculative step costs ~4 plain ones: 3 probes in 256 steps, every 32 doubling, cost it
   25-30 % against no speculation, eighth session; the budget spaces them ~450 steps apart
   there.) The credit starts full and is held to one probe: a request judged on its first
@@ -49,7 +54,13 @@ These rules keep the decisions stable and the model fed:
   measured too high (a step that paid a one-time cost) would keep drafting on forever. Every
   `probe_interval` steps of all-drafting the batch runs `plain_run_len` plain steps; the
   interval doubles (up to `max_probe_interval`) while the cost ratio stays within the
-  hysteresis band.
+  hysteresis band;
+* settled: once a step has stopped every request for cost, the next steps with the same
+  requests (in the same order), no probe due, the same acceptance override and a cost ratio
+  that still keeps the best of their acceptances below the restart threshold decide the same
+  without the per-request loop (acceptances cannot move while nobody drafts; any acceptance
+  sample or departure clears it). This is the state the engine sits in where drafting cannot
+  pay, so its host cost is the policy's overhead against no speculation.
 
 Plain steps are measured in runs of `plain_run_len` because the first plain step after a
 verify step is not what a plain step costs in plain decoding: under async scheduling it runs
@@ -157,6 +168,8 @@ class _StepTimes:
     recent: deque = field(init=False)
     count: int = 0
     _value: float | None = field(default=None, compare=False, repr=False)  # cache
+    # Both kinds of its bucket have min_samples timings (for good: counts only grow).
+    paired: bool = field(default=False, compare=False, repr=False)
 
     def __post_init__(self):
         self.recent = deque(maxlen=self.window)
@@ -181,7 +194,7 @@ class _RequestState:
     restart_acceptance: bool = False  # set by a probe: the next sample replaces the average
 
 
-@dataclass
+@dataclass(slots=True)
 class Candidate:
     """A running request the scheduler may let draft this step."""
 
@@ -199,9 +212,29 @@ class Decision:
 _DRAFT = Decision(True)
 _SKIP_COST = Decision(False, REASON_COST)
 _SKIP_EXPLORE = Decision(False, REASON_EXPLORE)
+SHARED_DECISIONS = (_SKIP_COST, _DRAFT, _SKIP_EXPLORE)  # the settled engine's first
+
+
+@dataclass(slots=True)
+class _Settled:
+    """What decide_step's settled shortcut compares with (module doc, "settled"): the state
+    after a step that stopped every request for cost."""
+
+    ids: list[str]               # the requests, in order
+    best: float                  # the highest acceptance among them
+    override: float | None       # acceptance_override then
+    sum_lo: int                  # the summed contexts that keep the step in the same bucket
+    sum_hi: int
+    spec: _StepTimes | None      # the bucket's own timings (its ratio, read at every step) ...
+    plain: _StepTimes | None
+    borrowed: float              # ... or, when None, the ratio it borrowed
+    pairs_gen: int               # _pairs_gen then (a borrowed ratio holds while it is unchanged)
 
 
 class SpeculationCostModel:
+
+    # The settled shortcut of decide_step (tests switch it off to compare with the full loop).
+    settled_fast_path = True
 
     def __init__(self, num_spec_tokens: int, config: CostModelConfig | None = None,
                  acceptance_override: float | None = None,
@@ -231,6 +264,22 @@ class SpeculationCostModel:
         self._plain_probe_ratio: float | None = None  # the ratio before the last plain probe
         self._plain_probe_step = 0
         self._plain_run_left = 0  # plain steps still to run in the current run (module doc)
+        # The settled state (module doc, "settled"): (request ids in order, the highest
+        # acceptance among them, acceptance_override then) after a step that stopped them all.
+        self._settled: _Settled | None = None
+        # Ratios borrowed from the nearest measured bucket (_bucket_ratio), by bucket, and the
+        # count of samples that moved a bucket with both timings (any ratio may have moved).
+        self._borrowed: dict[tuple[int, int], float] = {}
+        self._pairs_gen = 0
+        # observe_step's last bucket: (kind, batch, lowest and highest context, its timings).
+        self._observe_memo: tuple | None = None
+        # The probe being timed (observe_probe_step): [first step, end step (exclusive: the
+        # probe's speculative steps and the switch back), t_plain, estimate charged, seconds
+        # so far, steps so far]; and the last probes' (start, estimate, measured) in plain steps.
+        self._probe_audit: list | None = None
+        self.probe_costs: deque = deque(maxlen=8)
+        # decide_step's last step index (the policy keys its timing records by it).
+        self.last_step = -1
 
     # ---- buckets and measurements ------------------------------------------------------------
     def bucket(self, batch_size: int, context_len: int) -> tuple[int, int]:
@@ -246,11 +295,29 @@ class SpeculationCostModel:
             seconds = float(self.step_time_fn(kind, batch_size, context_len))
         if not seconds > 0.0:
             return  # a clock that did not move says nothing
-        key = (kind, *self.bucket(batch_size, context_len))
-        times = self._times.get(key)
-        if times is None:
-            times = self._times[key] = _StepTimes(self.config.time_window)
+        memo = self._observe_memo
+        if (memo is not None and memo[0] == kind and memo[1] == batch_size
+                and memo[2] <= context_len <= memo[3]):
+            times = memo[4]  # the same bucket as the last step's (the steady case)
+        else:
+            key = (kind, *self.bucket(batch_size, context_len))
+            times = self._times.get(key)
+            if times is None:
+                times = self._times[key] = _StepTimes(self.config.time_window)
+            bucket = key[2]
+            lo = 0 if bucket <= self.config.min_context_bucket else bucket // 2 + 1
+            self._observe_memo = (kind, batch_size, lo, bucket, times)
         times.add(float(seconds))
+        if not times.paired and times.count >= self.config.min_samples:
+            other = self._times.get((PLAIN if kind == SPEC else SPEC,
+                                     *self.bucket(batch_size, context_len)))
+            if other is not None and other.count >= self.config.min_samples:
+                times.paired = other.paired = True
+        if times.paired:
+            # A bucket with both timings moved: ratios borrowed from it are stale. (A sample of a
+            # bucket that still lacks the other kind changes no ratio.)
+            self._borrowed.clear()
+            self._pairs_gen += 1
 
     def step_time(self, kind: str, batch_size: int, context_len: int) -> float | None:
         """The bucket's average step time, None until it has min_samples timings."""
@@ -264,6 +331,7 @@ class SpeculationCostModel:
         state = self._requests.get(req_id)
         if state is None:
             state = self._requests[req_id] = _RequestState()
+        self._settled = None  # an acceptance moved: the next step judges everyone again
         if state.restart_acceptance:
             state.acceptance = _Ema()
             state.restart_acceptance = False
@@ -280,18 +348,25 @@ class SpeculationCostModel:
 
     def remove_request(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
+        self._settled = None
 
     # ---- decisions ---------------------------------------------------------------------------
     def cost_ratio(self, batch_size: int, context_len: int) -> float | None:
         """t_spec / t_plain of the bucket; a bucket without both timings borrows the ratio of
         the nearest bucket that has them (a ratio carries over between neighbouring buckets far
         better than absolute times, and it spares every new bucket its own exploration)."""
-        want = self.bucket(batch_size, context_len)
+        return self._bucket_ratio(self.bucket(batch_size, context_len))
+
+    def _bucket_ratio(self, want: tuple[int, int]) -> float | None:
+        """cost_ratio of a bucket."""
         min_samples = self.config.min_samples
         spec, plain = self._times.get((SPEC, *want)), self._times.get((PLAIN, *want))
         if (spec is not None and plain is not None and spec.count >= min_samples
                 and plain.count >= min_samples):
             return spec.value / plain.value  # the bucket's own ratio: no scan (every step)
+        borrowed = self._borrowed.get(want)
+        if borrowed is not None:
+            return borrowed
         known = {}
         for (kind, b, c), times in self._times.items():
             if times.count >= self.config.min_samples:
@@ -306,7 +381,10 @@ class SpeculationCostModel:
             return (abs(key[0].bit_length() - want[0].bit_length())
                     + abs(key[1].bit_length() - want[1].bit_length()), key)
 
-        return pairs[min(pairs, key=distance)]
+        # Kept until a measured pair moves (observe_step): a settled engine sits in a bucket
+        # that only plain steps reach, and this scan ran at every one of its steps.
+        ratio = self._borrowed[want] = pairs[min(pairs, key=distance)]
+        return ratio
 
     def expected_speedup(self, req_id: str, batch_size: int, context_len: int) -> float | None:
         """a * t_plain / t_spec, None while the acceptance or the cost ratio is unknown."""
@@ -319,32 +397,71 @@ class SpeculationCostModel:
     def decide(self, candidates: Iterable[Candidate]) -> dict[str, Decision]:
         """Per request: draft this step or not. Call once per engine step."""
         candidates = list(candidates)
-        step = self._step
-        self._step += 1
-        if not candidates:
-            return {}
+        ids, uniform, decisions = self.decide_step([c.req_id for c in candidates],
+                                                   [c.context_len for c in candidates])
+        return dict.fromkeys(ids, uniform) if uniform is not None else decisions
+
+    def decide_step(self, ids: list[str], contexts: list[int]
+                    ) -> tuple[list[str], Decision | None, dict[str, Decision] | None]:
+        """decide() as the policy uses it, on the decoding requests' ids and contexts (two
+        lists the scheduler fills as it goes: no Candidate per request on its steady path).
+        Returns (ids, one decision for all of them or None, the per-request decisions when
+        they differ or None). A uniform step (everyone plain, everyone drafting, a settled
+        batch) builds no per-request dict."""
+        step = self.last_step = self._step
+        settled = self._settled
+        if settled is not None and ids == settled.ids:
+            # Settled (module doc): the same requests, all stopped for cost, nobody's
+            # acceptance moved since (observe_acceptance and remove_request clear it). This
+            # is the full path below, step for step, for a step that stays in the settled
+            # bucket, starts no probe and restarts nobody; any other step falls through
+            # before anything changed.
+            total = sum(contexts)
+            if (settled.sum_lo <= total <= settled.sum_hi and self.settled_fast_path
+                    and settled.override == self.acceptance_override
+                    and not self._review_pending):
+                if settled.spec is not None:
+                    ratio = settled.spec.value / settled.plain.value
+                elif settled.pairs_gen == self._pairs_gen:
+                    ratio = settled.borrowed
+                else:
+                    ratio = None  # the ratio it borrowed moved
+                cfg = self.config
+                if ratio is not None and settled.best / ratio <= 1.0 + cfg.hysteresis:
+                    cost = self._probe_cost(ratio)
+                    credit = self._probe_credit
+                    if cfg.probe_budget is not None:
+                        credit = min(credit + cfg.probe_budget, cost)
+                    if step < self._next_probe or (cfg.probe_budget is not None
+                                                   and credit < cost - 1e-12):
+                        self._step = step + 1
+                        self._probe_credit = credit
+                        return ids, _SKIP_COST, None
+        self._step = step + 1
+        if not ids:
+            return ids, None, {}
         cfg = self.config
-        batch = len(candidates)
-        context = sum(c.context_len for c in candidates) // batch
+        batch = len(ids)
+        context = sum(contexts) // batch
         bucket = self.bucket(batch, context)
         if self._plain_run_left > 0:
             # Inside a run of plain measurements (exploration or re-probe): all stay plain.
             self._plain_run_left -= 1
-            return dict.fromkeys((c.req_id for c in candidates), _SKIP_EXPLORE)
-        ratio = self.cost_ratio(batch, context)
+            return ids, _SKIP_EXPLORE, None
+        ratio = self._bucket_ratio(bucket)
 
         if ratio is None and self.step_time(SPEC, batch, context) is None:
             # Nothing to compare with yet: draft (what the user configured) and measure.
-            return dict.fromkeys((c.req_id for c in candidates), _DRAFT)
+            return ids, _DRAFT, None
         if ratio is None:
             # Measure plain steps now: a run of them, the whole batch at once.
             if bucket not in self._explored:
                 self._explored.add(bucket)
                 self._plain_run_left = self._plain_run - 1
-                return dict.fromkeys((c.req_id for c in candidates), _SKIP_EXPLORE)
+                return ids, _SKIP_EXPLORE, None
             # Explored but the samples were lost (steps with prefills are not timed): go again.
             self._explored.discard(bucket)
-            return dict.fromkeys((c.req_id for c in candidates), _DRAFT)
+            return ids, _DRAFT, None
 
         if self._plain_probe_ratio is not None:
             # The step after a plain probe's run: back off while the ratio held, else probe as
@@ -356,18 +473,20 @@ class SpeculationCostModel:
             self._plain_probe_ratio = None
         probe_cost = self._probe_cost(ratio)
         self._accrue_probe_credit(probe_cost)
-        probing = self._probe_window(step, probe_cost)
+        probing = self._probe_window(step, probe_cost, bucket)
+        restart_above = 1.0 + cfg.hysteresis
+        override = self.acceptance_override
+        self._settled = None
         decisions = {}
         requests = self._requests
-        override = self.acceptance_override
         min_acceptance = cfg.min_acceptance_samples
-        stop_below, restart_above = 1.0 - cfg.hysteresis, 1.0 + cfg.hysteresis
+        stop_below = 1.0 - cfg.hysteresis
         confidence, alpha = cfg.stop_confidence, cfg.acceptance_alpha
         probe_start = step == self._probe_start
         unjudged = False  # some request drafts to measure its acceptance, not on its merit
-        for c in candidates:
+        num_skipped, best_skipped = 0, 0.0
+        for req_id in ids:
             # Inlined acceptance() (this loop runs for every decoding request every step).
-            req_id = c.req_id
             state = requests.get(req_id)
             if state is None:
                 state = requests[req_id] = _RequestState()
@@ -398,15 +517,46 @@ class SpeculationCostModel:
                 decisions[req_id] = _DRAFT
             else:
                 decisions[req_id] = _SKIP_COST
+                num_skipped += 1
+                best_skipped = max(best_skipped, a)
+        if num_skipped == batch:
+            # Everyone stopped: later steps take the settled path above until a request comes,
+            # goes or verifies drafts, or a probe starts.
+            self._settle(ids, best_skipped, bucket)
+            self._review(step)
+            return ids, _SKIP_COST, None
         if (not probing and not unjudged and step >= self._next_plain_probe
                 and all(d is _DRAFT for d in decisions.values())):
             # Everyone drafts: time a run of plain steps (re-probe t_plain, see the module doc).
             self._plain_probe_ratio, self._plain_probe_step = ratio, step
             self._next_plain_probe = step + self._plain_interval  # provisional, see above
             self._plain_run_left = cfg.plain_run_len - 1
-            return dict.fromkeys(decisions, _SKIP_EXPLORE)
-        # A probed request is judged once it has min_acceptance_samples fresh samples: the
-        # probe's last step gives the first, each further drafting step one more.
+            return ids, _SKIP_EXPLORE, None
+        self._review(step)
+        return ids, None, decisions
+
+    def _settle(self, ids: list[str], best: float, bucket: tuple[int, int]) -> None:
+        """Enter the settled state after a step that stopped all of `ids` (module doc)."""
+        batch, context_bucket = len(ids), bucket[1]
+        # The means (sum // batch) whose bucket is context_bucket: (context_bucket / 2,
+        # context_bucket], or everything up to it for the smallest bucket.
+        lo = 0 if context_bucket <= self.config.min_context_bucket else context_bucket // 2 + 1
+        spec, plain = self._times.get((SPEC, *bucket)), self._times.get((PLAIN, *bucket))
+        min_samples = self.config.min_samples
+        direct = (spec is not None and plain is not None and spec.count >= min_samples
+                  and plain.count >= min_samples)
+        self._settled = _Settled(
+            ids=list(ids),  # a copy: the caller's list may be reused
+            best=best, override=self.acceptance_override,
+            sum_lo=batch * lo, sum_hi=batch * (context_bucket + 1) - 1,
+            spec=spec if direct else None, plain=plain if direct else None,
+            borrowed=0.0 if direct else self._borrowed[bucket], pairs_gen=self._pairs_gen)
+
+    def _review(self, step: int) -> None:
+        """A probed request is judged once it has min_acceptance_samples fresh samples: the
+        probe's last step gives the first, each further drafting step one more. Then the
+        probe interval backs off or resets."""
+        cfg = self.config
         if self._review_pending and step >= (self._probe_start + cfg.probe_len
                                              + cfg.min_acceptance_samples - 1):
             # Nobody revived -> probe half as often (down to max_probe_interval); somebody
@@ -417,7 +567,6 @@ class SpeculationCostModel:
             else:
                 self._probe_interval = min(2 * self._probe_interval, cfg.max_probe_interval)
             self._next_probe = max(self._probe_start + self._probe_interval, step + 1)
-        return decisions
 
     @property
     def _plain_run(self) -> int:
@@ -437,19 +586,46 @@ class SpeculationCostModel:
         if budget is not None:
             self._probe_credit = min(self._probe_credit + budget, cost)
 
-    def _probe_window(self, step: int, cost: float) -> bool:
+    def _probe_window(self, step: int, cost: float, bucket: tuple[int, int]) -> bool:
         """True during the probe steps [start, start + probe_len). A probe starts once the
         interval has passed and the credit pays for its `cost` (or probe_budget is None)."""
         if step >= self._next_probe:
             if self.config.probe_budget is None or self._probe_credit >= cost - 1e-12:
                 if self.config.probe_budget is not None:
                     self._probe_credit -= cost
+                    plain = self._times.get((PLAIN, *bucket))
+                    if plain is not None and plain.count >= self.config.min_samples:
+                        # Its measured cost replaces `cost` once its steps are timed.
+                        cfg = self.config
+                        end = step + cfg.probe_len + cfg.min_acceptance_samples
+                        self._probe_audit = [step, end, plain.value, cost, 0.0, 0]
                 self._probe_start = step
                 self._next_probe = step + self._probe_interval  # provisional, see the review
                 self._review_pending = True
                 self._revived = False
                 self._probed_any = False
         return self._probe_start <= step < self._probe_start + self.config.probe_len
+
+    def observe_probe_step(self, step: int, seconds: float) -> None:
+        """The host time of decode step `step` (the index of its decide_step call), timed or
+        not: a probe's steps and the plain step after it (the switch back) are charged to the
+        probe credit at what they cost, in plain steps of the probe's bucket, in place of the
+        estimate the probe was started on (module doc, "re-probe"). Steps not observed (a
+        prefill joined) are left out; the audit closes at the first step past the window."""
+        audit = self._probe_audit
+        if audit is None or step < audit[0]:
+            return
+        start, end, t_plain, charged = audit[:4]
+        if step < end:
+            audit[4] += seconds
+            audit[5] += 1
+        if step >= end - 1:
+            self._probe_audit = None
+            if not self._probed_any:
+                return  # everyone drafted through it: drafting steps, not a probe's cost
+            measured = audit[4] / t_plain - audit[5]  # plain steps beyond what they replaced
+            self._probe_credit -= measured - charged
+            self.probe_costs.append((start, round(charged, 3), round(measured, 3)))
 
     # ---- introspection -----------------------------------------------------------------------
     def snapshot(self) -> dict:
@@ -459,5 +635,6 @@ class SpeculationCostModel:
             times.setdefault(f"b{batch}_c{context}", {})[kind] = {
                 "seconds": bucket.value, "samples": bucket.count, "recent": list(bucket.recent)}
         return {"step_times": times, "probe_interval": self._probe_interval,
+                "probe_costs": [list(c) for c in self.probe_costs],
                 "plain_probe_interval": self._plain_interval,
                 "num_requests_not_drafting": sum(not s.drafting for s in self._requests.values())}

@@ -17,8 +17,8 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from vllm.v1.spec_decode.cost_model import (PLAIN, REASON_BATCH, SPEC, Candidate, Decision,
-                                            SpeculationCostModel)
+from vllm.v1.spec_decode.cost_model import (PLAIN, REASON_BATCH, SHARED_DECISIONS, SPEC,
+                                            Candidate, Decision, SpeculationCostModel)
 
 MODE_ALWAYS = "always"
 MODE_BATCH = "batch_size"
@@ -69,6 +69,16 @@ _BATCH_ON = Decision(True)
 # disable_by_batch_size N has two plans, made once (plans are never modified).
 _BATCH_OFF_PLAN = StepPlan({}, propose=False, default=_BATCH_OFF)
 _BATCH_ON_PLAN = StepPlan({}, propose=True, default=_BATCH_ON)
+# "auto"'s uniform plans, one per shared decision of the cost model (a step allocates no plan).
+_AUTO_PLANS = tuple((d, StepPlan({}, propose=d.draft, default=d)) for d in SHARED_DECISIONS)
+
+
+def _uniform_plan(decision: Decision) -> StepPlan:
+    """The plan that gives everyone `decision` (by identity: a Decision hashes its fields)."""
+    for shared, plan in _AUTO_PLANS:
+        if decision is shared:
+            return plan
+    return StepPlan({}, propose=decision.draft, default=decision)
 
 
 class SpeculationPolicy:
@@ -112,22 +122,33 @@ class SpeculationPolicy:
         """Decisions for the requests that decode this step; `num_running` is the size of the
         running batch (upstream's disable_by_batch_size compares it with N). Only "auto" reads
         `decoding` (pass a generator: the other modes never build a candidate)."""
+        if self.mode != MODE_AUTO:
+            return self.plan_ids((), (), num_running)
+        decoding = list(decoding)
+        return self.plan_ids([c.req_id for c in decoding], [c.context_len for c in decoding],
+                             num_running)
+
+    def plan_ids(self, req_ids: list[str], contexts: list[int], num_running: int) -> StepPlan:
+        """plan() on the decoding requests' ids and planned token counts in two lists (the
+        scheduler's steady path fills them as it goes; only "auto" reads them)."""
         if self.mode == MODE_ALWAYS:
             return _NO_POLICY_PLAN
         if self.mode == MODE_BATCH:
             return (_BATCH_OFF_PLAN if num_running >= self.disable_by_batch_size
                     else _BATCH_ON_PLAN)
-        decisions = self.cost_model.decide(decoding)
-        if not decisions:
+        ids, uniform, decisions = self.cost_model.decide_step(req_ids, contexts)
+        if not ids:
             # No decoding request yet (only prefills): draft, as the user configured, and measure.
-            return StepPlan({}, propose=True)
+            return _NO_POLICY_PLAN
+        if uniform is not None:
+            return _uniform_plan(uniform)
         values = iter(decisions.values())
         first = next(values)
         if all(d is first for d in values):
             # One decision for the whole batch (the common case: everyone off, everyone
             # drafting, an exploration step): a uniform plan, so the scheduler applies and
             # counts it in O(1) (the cost model shares one frozen Decision per kind).
-            return StepPlan({}, propose=first.draft, default=first)
+            return _uniform_plan(first)
         return StepPlan(decisions, propose=any(d.draft for d in decisions.values()))
 
     def count(self, plan: StepPlan, scheduled_decodes: Iterable[str],
@@ -173,9 +194,9 @@ class SpeculationPolicy:
         elif not plan.propose and num_with_drafts == 0:
             kind = PLAIN
         else:
-            return
+            kind = None  # not a step time of either kind; a probe's cost still counts it
         timed = self._timed
-        timed[id(output)] = (kind, num_decodes, mean_context)
+        timed[id(output)] = (kind, num_decodes, mean_context, self.cost_model.last_step)
         while len(timed) > MAX_PENDING_TIMINGS:
             del timed[next(iter(timed))]
 
@@ -184,8 +205,10 @@ class SpeculationPolicy:
         timed = self._timed.pop(id(output), None)
         if timed is None:
             return
-        kind, batch, context = timed
-        self.cost_model.observe_step(kind, batch, context, seconds)
+        kind, batch, context, step = timed
+        if kind is not None:
+            self.cost_model.observe_step(kind, batch, context, seconds)
+        self.cost_model.observe_probe_step(step, seconds)
 
     def observe_acceptance(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         if self.cost_model is not None and num_drafts > 0:

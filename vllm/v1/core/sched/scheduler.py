@@ -244,7 +244,7 @@ class Scheduler:
         new_blocks_total = 0
         # "auto" decides per request from its context (`planned`: its tokens plus the one in
         # flight under async scheduling; the general path uses the same count).
-        candidates: list[Candidate] | None = (
+        contexts: list[int] | None = (
             [] if policy is not None and policy.cost_model is not None else None)
         for request in self.running:
             num_out = len(request.output_token_ids)
@@ -263,18 +263,19 @@ class Scheduler:
                 new_blocks_total += need
                 grow.append((request, num_tokens))
             scheduled.append(request)
-            if candidates is not None:
-                candidates.append(Candidate(request.request_id, planned))
+            if contexts is not None:
+                contexts.append(planned)
         if len(scheduled) > self.max_num_batched_tokens:
             return None  # cannot happen (max_num_running_reqs); the general path asserts it
         plan = None
+        req_ids = [r.request_id for r in scheduled]
         if policy is not None:
             if not scheduled:
                 return None  # nothing runs: the general path (it asks the policy itself)
-            # The general path's call: the decoding requests in running order (candidates
-            # only for "auto", the one mode that reads them).
-            plan = policy.plan(candidates if candidates is not None else (),
-                               num_running=len(self.running))
+            # The general path's call: the decoding requests in running order (ids and
+            # contexts only for "auto", the one mode that reads them).
+            plan = policy.plan_ids(req_ids if contexts is not None else (), contexts or (),
+                                   num_running=len(self.running))
             if not plan.lets_nobody_draft:
                 return plan  # someone drafts: the general path schedules the drafts
         if new_blocks_total > kv.num_free_blocks:
@@ -282,7 +283,6 @@ class Scheduler:
         grown = {}
         for request, num_tokens in grow:
             grown[request.request_id] = kv.allocate_slots(request.request_id, num_tokens)
-        req_ids = [r.request_id for r in scheduled]
         cached = CachedRequestData(
             req_ids=req_ids,
             new_block_ids=[grown.get(req_id) or [] for req_id in req_ids] if grown
@@ -309,9 +309,8 @@ class Scheduler:
                 policy.count(plan, req_ids)
             else:
                 policy.count(plan, (), n)
-            if candidates is not None:
-                policy.plan_timing_counts(output, plan, n, 0,
-                                          sum(c.context_len for c in candidates) // n,
+            if contexts is not None:
+                policy.plan_timing_counts(output, plan, n, 0, sum(contexts) // n,
                                           pure_decode=True)
         return output
 

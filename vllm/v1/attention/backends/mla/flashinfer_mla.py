@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -443,7 +444,9 @@ def _native_replan(slot: _WrapperSlot, inputs: HopperPlanInputs, plan_args: dict
     module), skipping its Python layers. Those layers validate the (unchanged) layer arguments,
     build a new backend object, allocate an 8 MiB pinned workspace and clone the 8 MiB integer
     workspace for a rollback on every call: ~1.2 ms of host time per step on an H200 node
-    (scripts/probe_decode_step.py), while the native planner takes ~0.2 ms. The workload check
+    (scripts/probe_decode_step.py). The native planner behind it, called through FlashInfer's
+    plan_with_staged_workspace_bytes, still takes 2.2-3.4 ms (scripts/probe_replan.py, twelfth
+    session; see _plan_and_stage for the opt-in that skips its pinned staging). The workload check
     (work-item capacity, the causal tile bound) still runs, as FlashInfer's own function. Any
     FlashInfer layout this does not recognise returns False and the caller makes a full plan."""
     backend = getattr(slot.wrapper, "_planned_backend", None)
@@ -467,15 +470,77 @@ def _native_replan(slot: _WrapperSlot, inputs: HopperPlanInputs, plan_args: dict
     _fa_common._validate_fa_plan_workload(
         inputs.qo_indptr, inputs.kv_len_arr, plan_args["num_heads"], inputs.causal,
         backend.device, "fa3", plan_args["kv_data_type"])
-    plan_info, staged = native(
-        backend._float_workspace_buffer, backend._int_workspace_buffer,
-        backend._pin_memory_int_workspace_buffer, inputs.qo_indptr, inputs.kv_indptr,
-        inputs.kv_len_arr, plan_args["num_heads"], plan_args["head_dim_ckv"], inputs.causal)
+    args = (backend._float_workspace_buffer, backend._int_workspace_buffer,
+            backend._pin_memory_int_workspace_buffer, inputs.qo_indptr, inputs.kv_indptr,
+            inputs.kv_len_arr, plan_args["num_heads"], plan_args["head_dim_ckv"], inputs.causal)
+    raw_plan = getattr(getattr(module, "_module", None), "plan", None)
+    if (raw_plan is not None and own_plan_copy_enabled()
+            and not torch.cuda.is_current_stream_capturing()):
+        plan_info, staged = _plan_and_stage(raw_plan, args)
+    else:
+        plan_info, staged = native(*args)
     _upload_csr(slot, backend, inputs, graph)
     backend._plan_info = plan_info
     backend._staged_int_workspace_bytes = staged
     slot.wrapper._plan_info = plan_info
     return True
+
+
+OWN_PLAN_COPY_FLAG = "VLLM_MLA_NATIVE_PLAN_OWN_COPY"
+
+
+def own_plan_copy_enabled() -> bool:
+    """Opt-in (measured on the CPU only so far, see _plan_and_stage): native re-plans copy the
+    planner's workspace bytes without FlashInfer's per-call pinned staging buffer."""
+    value = os.environ.get(OWN_PLAN_COPY_FLAG, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{OWN_PLAN_COPY_FLAG}={value!r} is invalid: use 1 (copy the native "
+                         "planner's workspace bytes without a new pinned buffer) or 0 "
+                         "(FlashInfer's own staging)")
+    return value == "1"
+
+
+# Per page-locked int workspace (by address): the event after the last copy out of it. The
+# planner rewrites that workspace on the host, so it waits for the copy first (in steady
+# decode the copy ran a step ago and the event has long completed).
+_PINNED_COPY_EVENTS: dict[int, Any] = {}
+
+
+def _wait_pinned_copy(pinned: torch.Tensor) -> None:
+    event = _PINNED_COPY_EVENTS.get(pinned.data_ptr())
+    if event is not None and not event.query():
+        event.synchronize()
+
+
+def _plan_and_stage(raw_plan, args: tuple) -> tuple[Any, int]:
+    """FlashInfer's plan_with_staged_workspace_bytes without its per-call pinned buffer: the
+    JIT planner writes the plan into the page-locked int workspace, whose used bytes are then
+    copied to the device int workspace (non-blocking, as FlashInfer copies them). FlashInfer
+    first copies them into a freshly allocated pinned buffer, so that its next plan may
+    rewrite the workspace at once; that allocation made a native re-plan cost 2-3 ms of host
+    time on the H200 (scripts/probe_replan.py, twelfth session; that the allocation is the
+    cost is inferred from FlashInfer's code, not measured yet). Here the next plan waits for
+    the copy instead (_wait_pinned_copy). Opt-in (OWN_PLAN_COPY_FLAG) until a GPU run has
+    compared it with FlashInfer's path (tests/v1/attention/test_flashinfer_mla_gpu.py)."""
+    int_ws, pinned = args[1], args[2]
+    if (pinned.device.type != "cpu" or not pinned.is_pinned() or not pinned.is_contiguous()
+            or int_ws.device.type != "cuda" or not int_ws.is_contiguous()):
+        raise ValueError("the MLA planner needs a pinned contiguous host int workspace and a "
+                         "contiguous CUDA int workspace")
+    _wait_pinned_copy(pinned)
+    plan_info, staged = raw_plan(*args)
+    staged = int(staged)
+    host, device = pinned.view(torch.uint8), int_ws.view(torch.uint8)
+    if not 0 <= staged <= min(host.numel(), device.numel()):
+        raise ValueError(f"the MLA planner returned staged_int_workspace_bytes={staged} for "
+                         f"workspaces of {host.numel()} / {device.numel()} bytes")
+    if staged:
+        device[:staged].copy_(host[:staged], non_blocking=True)
+        event = _PINNED_COPY_EVENTS.get(pinned.data_ptr())
+        if event is None:
+            event = _PINNED_COPY_EVENTS[pinned.data_ptr()] = torch.cuda.Event()
+        event.record()
+    return plan_info, staged
 
 
 def _upload_csr(slot: _WrapperSlot, backend: Any, inputs: HopperPlanInputs, graph: bool) -> None:
@@ -555,6 +620,10 @@ def _plan(slot: _WrapperSlot, inputs: HopperPlanInputs, key: tuple, **plan_args)
     if not (graph and _refresh(slot, inputs, plan_args)):
         if not _native_replan(slot, inputs, plan_args):
             fi = _import_flashinfer()
+            pinned = getattr(getattr(slot.wrapper, "_planned_backend", None),
+                             "_pin_memory_int_workspace_buffer", None)
+            if pinned is not None:
+                _wait_pinned_copy(pinned)  # FlashInfer's plan may rewrite the same workspace
             slot.wrapper.plan(
                 metadata=fi.mla.MLAPlanMetadata.csr(inputs.qo_indptr, inputs.kv_indptr,
                                                     inputs.kv_indices, inputs.kv_len_arr),
