@@ -17,6 +17,7 @@
 #   bash scripts/gpu_validation.sh policybench # policy benchmark, sync and default scheduling (~6 min)
 #   bash scripts/gpu_validation.sh tinyspec  # tiny DSpark vs none (shipped drafter; also $OLD_DRAFTER)
 #   bash scripts/gpu_validation.sh hostprofile # spec-step phases + cProfile of plain / draft steps
+#   bash scripts/gpu_validation.sh replan    # native re-plan tests (both staging paths), re-plan host A/B (~3 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
 set -uo pipefail
 out="${OUT:-out}"; mkdir -p "$out"; out="$(cd "$out" && pwd)"
@@ -150,6 +151,12 @@ for what in "$@"; do
           --out "$out/tinyspec_$name" >"$out/tinyspec_$name.log" 2>&1
         summary+=("tiny dspark ($name) rc=$?"); grep -v "^{" "$out/tinyspec_$name.log" | tail -n 8
       done ;;
+    replan)  # FlashInfer native re-plans: exact on both staging paths, and their host time A/B
+      PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-200}" run_pytest replan \
+        tests/v1/attention/test_flashinfer_mla_gpu.py -k "native_replans or refresh"
+      timeout 150 python3 scripts/probe_replan.py --batch 8 --variant auto-nopay --steps 300 \
+        --own-copy both >"$out/replan.log" 2>&1
+      summary+=("replan probe rc=$?"); grep -v "Warn\|warn_once" "$out/replan.log" | tail -n 40 ;;
     hostprofile)  # where a speculative step's host time goes, by phase and by function
       timeout 200 python3 scripts/probe_spec_step.py --device cuda --dtype bfloat16 \
         --attention-backend FLASHINFER_MLA --batch 1 8 --modes plain draft --steps 100 \
