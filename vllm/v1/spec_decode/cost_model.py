@@ -264,14 +264,14 @@ class SpeculationCostModel:
         self._plain_probe_ratio: float | None = None  # the ratio before the last plain probe
         self._plain_probe_step = 0
         self._plain_run_left = 0  # plain steps still to run in the current run (module doc)
-        # The settled state (module doc, "settled"): (request ids in order, the highest
-        # acceptance among them, acceptance_override then) after a step that stopped them all.
+        # The settled state (module doc, "settled") after a step that stopped every request.
         self._settled: _Settled | None = None
         # Ratios borrowed from the nearest measured bucket (_bucket_ratio), by bucket, and the
         # count of samples that moved a bucket with both timings (any ratio may have moved).
         self._borrowed: dict[tuple[int, int], float] = {}
         self._pairs_gen = 0
-        # observe_step's last bucket: (kind, batch, lowest and highest context, its timings).
+        # observe_step's last bucket: (kind, batch, lowest and highest context, its timings,
+        # the key of the other kind's timings of that bucket).
         self._observe_memo: tuple | None = None
         # The probe being timed (observe_probe_step): [first step, end step (exclusive: the
         # probe's speculative steps and the switch back), t_plain, estimate charged, seconds
@@ -296,21 +296,19 @@ class SpeculationCostModel:
         if not seconds > 0.0:
             return  # a clock that did not move says nothing
         memo = self._observe_memo
-        if (memo is not None and memo[0] == kind and memo[1] == batch_size
-                and memo[2] <= context_len <= memo[3]):
-            times = memo[4]  # the same bucket as the last step's (the steady case)
-        else:
-            key = (kind, *self.bucket(batch_size, context_len))
+        if (memo is None or memo[0] != kind or memo[1] != batch_size
+                or not memo[2] <= context_len <= memo[3]):
+            bucket = self.bucket(batch_size, context_len)
+            key = (kind, *bucket)
             times = self._times.get(key)
             if times is None:
                 times = self._times[key] = _StepTimes(self.config.time_window)
-            bucket = key[2]
-            lo = 0 if bucket <= self.config.min_context_bucket else bucket // 2 + 1
-            self._observe_memo = (kind, batch_size, lo, bucket, times)
+            memo = self._observe_memo = (kind, batch_size, *self._context_range(bucket[1]),
+                                         times, (PLAIN if kind == SPEC else SPEC, *bucket))
+        times = memo[4]  # the steady case: the same bucket as the last step's
         times.add(float(seconds))
         if not times.paired and times.count >= self.config.min_samples:
-            other = self._times.get((PLAIN if kind == SPEC else SPEC,
-                                     *self.bucket(batch_size, context_len)))
+            other = self._times.get(memo[5])
             if other is not None and other.count >= self.config.min_samples:
                 times.paired = other.paired = True
         if times.paired:
@@ -318,6 +316,20 @@ class SpeculationCostModel:
             # bucket that still lacks the other kind changes no ratio.)
             self._borrowed.clear()
             self._pairs_gen += 1
+
+    def _context_range(self, context_bucket: int) -> tuple[int, int]:
+        """The mean contexts whose bucket is `context_bucket`: (context_bucket / 2,
+        context_bucket], or everything up to it for the smallest bucket (a subset of the
+        bucket's contexts when min_context_bucket is not a power of two)."""
+        lo = 0 if context_bucket <= self.config.min_context_bucket else context_bucket // 2 + 1
+        return lo, context_bucket
+
+    def _paired(self, bucket: tuple[int, int]) -> tuple[_StepTimes, _StepTimes] | None:
+        """The bucket's (spec, plain) timings when both have min_samples, else None."""
+        plain = self._times.get((PLAIN, *bucket))
+        if plain is None or not plain.paired:
+            return None
+        return self._times[(SPEC, *bucket)], plain
 
     def step_time(self, kind: str, batch_size: int, context_len: int) -> float | None:
         """The bucket's average step time, None until it has min_samples timings."""
@@ -359,11 +371,9 @@ class SpeculationCostModel:
 
     def _bucket_ratio(self, want: tuple[int, int]) -> float | None:
         """cost_ratio of a bucket."""
-        min_samples = self.config.min_samples
-        spec, plain = self._times.get((SPEC, *want)), self._times.get((PLAIN, *want))
-        if (spec is not None and plain is not None and spec.count >= min_samples
-                and plain.count >= min_samples):
-            return spec.value / plain.value  # the bucket's own ratio: no scan (every step)
+        pair = self._paired(want)
+        if pair is not None:
+            return pair[0].value / pair[1].value  # the bucket's own ratio: no scan (every step)
         borrowed = self._borrowed.get(want)
         if borrowed is not None:
             return borrowed
@@ -537,20 +547,15 @@ class SpeculationCostModel:
 
     def _settle(self, ids: list[str], best: float, bucket: tuple[int, int]) -> None:
         """Enter the settled state after a step that stopped all of `ids` (module doc)."""
-        batch, context_bucket = len(ids), bucket[1]
-        # The means (sum // batch) whose bucket is context_bucket: (context_bucket / 2,
-        # context_bucket], or everything up to it for the smallest bucket.
-        lo = 0 if context_bucket <= self.config.min_context_bucket else context_bucket // 2 + 1
-        spec, plain = self._times.get((SPEC, *bucket)), self._times.get((PLAIN, *bucket))
-        min_samples = self.config.min_samples
-        direct = (spec is not None and plain is not None and spec.count >= min_samples
-                  and plain.count >= min_samples)
+        batch = len(ids)
+        lo, hi = self._context_range(bucket[1])  # of the mean, sum // batch
+        pair = self._paired(bucket)
         self._settled = _Settled(
             ids=list(ids),  # a copy: the caller's list may be reused
             best=best, override=self.acceptance_override,
-            sum_lo=batch * lo, sum_hi=batch * (context_bucket + 1) - 1,
-            spec=spec if direct else None, plain=plain if direct else None,
-            borrowed=0.0 if direct else self._borrowed[bucket], pairs_gen=self._pairs_gen)
+            sum_lo=batch * lo, sum_hi=batch * (hi + 1) - 1,
+            spec=pair[0] if pair else None, plain=pair[1] if pair else None,
+            borrowed=0.0 if pair else self._borrowed[bucket], pairs_gen=self._pairs_gen)
 
     def _review(self, step: int) -> None:
         """A probed request is judged once it has min_acceptance_samples fresh samples: the

@@ -175,7 +175,8 @@ class SpeculationPolicy:
                     contexts: list[int], pure_decode: bool) -> None:
         """Remember what the step about to run measures: a SPEC step (every row verifies drafts
         and the drafter runs after) or a PLAIN one (no drafts, no draft pass); steps with
-        prefills or a mix of both are not timed."""
+        prefills are not recorded, and a pure-decode mix of both gives no step time (it is
+        recorded for the probe cost only, observe_probe_step)."""
         self._timed.pop(id(output), None)
         if self.cost_model is None or not decode_drafts:
             return
