@@ -230,7 +230,8 @@ def probe(mode: str, batch: int, args) -> dict:
         _unwrap()
         gc.callbacks.remove(_gc_callback)
         if args.cprofile:
-            _cprofile_steps(engine, args.cprofile, f"{mode} B={batch}", args.cprofile_top)
+            _cprofile_steps(engine, args.cprofile, f"{mode} B={batch}", args.cprofile_top,
+                            args.cprofile_filter)
         labels = sorted({k for s in _STEPS for k in s})
         phases = {label: statistics.median(s.get(label, 0.0) for s in _STEPS) * 1e3
                   for label in labels if not label.startswith("python gc")}
@@ -258,9 +259,10 @@ def probe(mode: str, batch: int, args) -> dict:
         engine.shutdown()
 
 
-def _cprofile_steps(engine, steps: int, title: str, top: int) -> None:
+def _cprofile_steps(engine, steps: int, title: str, top: int, only: str | None = None) -> None:
     """--cprofile: where the host time of `steps` more steps goes, by function (own time and
-    cumulative time; cProfile roughly doubles Python's cost, so read shares, not ms)."""
+    cumulative time; cProfile roughly doubles Python's cost, so read shares, not ms). `only`:
+    a regular expression on "file:line(function)" that the listed rows must match."""
     import cProfile
     import io
     import pstats
@@ -272,7 +274,7 @@ def _cprofile_steps(engine, steps: int, title: str, top: int) -> None:
     for key in ("tottime", "cumulative"):
         buf = io.StringIO()
         stats = pstats.Stats(profiler, stream=buf)
-        stats.sort_stats(key).print_stats(top)
+        stats.sort_stats(key).print_stats(*([only] if only else []), top)
         text = buf.getvalue()
         body = text[text.find("   ncalls"):]
         print(f"\n#### cProfile {title}, {steps} steps, by {key} (per-call times in s)\n{body}",
@@ -327,6 +329,8 @@ def main() -> None:
                         help="after the timed steps, cProfile STEPS more steps and print the top "
                              "functions by own and cumulative time")
     parser.add_argument("--cprofile-top", type=int, default=40)
+    parser.add_argument("--cprofile-filter", default=None, metavar="REGEX",
+                        help="list only the profiled functions whose file:line(name) matches")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()

@@ -269,3 +269,50 @@ def test_a_block_table_narrower_than_the_pages_is_an_error():
     decode = _metadata([1, 1], [5, 40], [[1, 2], [3, 4]], True, 1)
     with pytest.raises(ValueError, match="block table"):
         plan_hopper_decode(decode, 16, "auto", staging=PlanStaging(4, 16, depth=2))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_workload_check_is_skipped_only_where_it_cannot_fail(monkeypatch, causal):
+    """`_workload_surely_fits` lets a native re-plan skip FlashInfer's workload check. Against
+    the planner model (tests/utils): every plan has at most num_clusters + plan_tile_bound
+    work items (the claim it rests on), and it says True only where that bound is within
+    FlashInfer's capacity, the KV within its int32 arithmetic and, causal, the query tile a
+    multiple of the heads (where FlashInfer's causal tile check returns at once)."""
+    import numpy as np
+
+    from tests.utils.flashinfer_mla_plan_model import model_plan, plan_works
+    from vllm.v1.attention.backends.mla import flashinfer_mla as fm
+    device = torch.device("cuda", 0)  # a key only: nothing runs on a GPU
+    rng = random.Random(11 + causal)
+    said_yes = said_no = 0
+    for _ in range(120):
+        R = rng.randint(1, 24)
+        heads = rng.choice([1, 4, 16, 24, 64, 128])
+        q_lens = [rng.choice([1, 1, 2, 5, 8, 17]) for _ in range(R)]
+        kv = [rng.randint(q, rng.choice([64, 900, 20000, 2**27])) for q in q_lens]
+        sm = rng.choice([8, 66, 132, 16370])
+        qo = np.cumsum([0] + q_lens).astype(np.int32)
+        kv_np = np.array(kv, dtype=np.int32)
+        kv_indptr = np.cumsum([0] + [-(-k // 16) for k in kv]).astype(np.int32)
+        bound = fm.plan_tile_bound(int(qo[-1]), R, heads)
+        if sm < 1000:  # the model's plan (a 16370-cluster plan is too slow to model here)
+            info, scratch, _ = model_plan(qo, kv_np, kv_indptr, heads, num_sm=sm, causal=causal)
+            works = plan_works(scratch.view(torch.int32).numpy(), info)
+            assert len(works) <= info[1] + bound, (R, heads, q_lens, kv, sm)
+        monkeypatch.setitem(fm._SM_COUNTS, device, sm)
+        inputs = fm.HopperPlanInputs(
+            qo_indptr=torch.from_numpy(qo), kv_indptr=torch.from_numpy(kv_indptr),
+            kv_indices=torch.zeros(int(kv_indptr[-1]), dtype=torch.int32),
+            kv_len_arr=torch.from_numpy(kv_np), causal=causal,
+            arrays=(qo, kv_indptr, kv_np))
+        tile = 128 if int(qo[-1]) * heads // R > 64 else 64
+        want = (sm + bound <= 16384 and max(kv) * bound < 2**30
+                and not (causal and tile % heads))
+        got = fm._workload_surely_fits(inputs, heads, device)
+        assert got == want, (R, heads, q_lens, kv, sm, causal)
+        said_yes += got
+        said_no += not got
+    assert said_yes > 20 and said_no > 5  # both answers were exercised
+    # no host arrays (an unstaged plan) or a CPU device: FlashInfer's check runs
+    inputs.arrays = None
+    assert not fm._workload_surely_fits(inputs, 16, device)

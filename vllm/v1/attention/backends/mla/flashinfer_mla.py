@@ -446,9 +446,10 @@ def _native_replan(slot: _WrapperSlot, inputs: HopperPlanInputs, plan_args: dict
     workspace for a rollback on every call: ~1.2 ms of host time per step on an H200 node
     (scripts/probe_decode_step.py). The native planner behind it, called through FlashInfer's
     plan_with_staged_workspace_bytes, still takes 2.2-3.4 ms (scripts/probe_replan.py, twelfth
-    session; see _plan_and_stage for the opt-in that skips its pinned staging). The workload check
-    (work-item capacity, the causal tile bound) still runs, as FlashInfer's own function. Any
-    FlashInfer layout this does not recognise returns False and the caller makes a full plan."""
+    session, one node; 0.61 ms on the thirteenth session's node, 0.38 ms without that staging:
+    _plan_and_stage, the default). FlashInfer's workload check (work-item capacity, the causal
+    tile bound) runs unless a bound shows it cannot fail (_workload_surely_fits). Any FlashInfer
+    layout this does not recognise returns False and the caller makes a full plan."""
     backend = getattr(slot.wrapper, "_planned_backend", None)
     module = getattr(backend, "_cached_module", None)
     native = getattr(module, "plan_with_staged_workspace_bytes", None)
@@ -467,9 +468,10 @@ def _native_replan(slot: _WrapperSlot, inputs: HopperPlanInputs, plan_args: dict
                   or buffers[3].shape[0] != inputs.kv_len_arr.shape[0]
                   or buffers[2].shape[0] < inputs.kv_indices.shape[0]):
         return False
-    _fa_common._validate_fa_plan_workload(
-        inputs.qo_indptr, inputs.kv_len_arr, plan_args["num_heads"], inputs.causal,
-        backend.device, "fa3", plan_args["kv_data_type"])
+    if not _workload_surely_fits(inputs, plan_args["num_heads"], backend.device):
+        _fa_common._validate_fa_plan_workload(
+            inputs.qo_indptr, inputs.kv_len_arr, plan_args["num_heads"], inputs.causal,
+            backend.device, "fa3", plan_args["kv_data_type"])
     args = (backend._float_workspace_buffer, backend._int_workspace_buffer,
             backend._pin_memory_int_workspace_buffer, inputs.qo_indptr, inputs.kv_indptr,
             inputs.kv_len_arr, plan_args["num_heads"], plan_args["head_dim_ckv"], inputs.causal)
@@ -486,13 +488,60 @@ def _native_replan(slot: _WrapperSlot, inputs: HopperPlanInputs, plan_args: dict
     return True
 
 
+# FlashInfer 0.7.2's native capacity of one MLA plan (_fa_common._FA_MAX_WORK_ITEMS).
+_FA_MAX_WORK_ITEMS = 16384
+_SM_COUNTS: dict = {}
+
+
+def _workload_surely_fits(inputs: HopperPlanInputs, num_heads: int, device) -> bool:
+    """True when FlashInfer's _validate_fa_plan_workload cannot raise for these requests, so
+    the ~70 us of Python it spends on every re-plan (lists of every request) can be skipped.
+    Its checks (0.7.2) and why each passes here:
+      * work items <= 16384: MLAPlan cuts each query tile's KV into chunks of at most
+        kv_len_limit >= the average KV per cluster, so it makes at most (num_clusters + number
+        of query tiles) work items; with the smallest tile (64 packed rows) the tiles number
+        at most R + total_q * heads / 64;
+      * its int32 range checks (the average KV per cluster, the rounded chunk limit, kv *
+        cluster and kv + limit of each tile): every tile's KV is at most the longest request's,
+        so the summed per-tile KV is at most max_kv * tiles, held below 2**30;
+      * the causal tile bound: it returns at once when the query tile is a multiple of the
+        head count, as here (and it is not needed for non-causal plans).
+    Anything else (a causal plan whose tile is not a multiple of the heads, huge batches) goes
+    to FlashInfer's own check."""
+    arrays = inputs.arrays
+    if arrays is None or device is None or getattr(device, "type", None) != "cuda":
+        return False
+    qo, _, kv = arrays
+    num_requests = kv.shape[0]
+    if num_requests == 0 or qo.shape[0] != num_requests + 1 or num_heads <= 0:
+        return False
+    total_q = int(qo[-1]) - int(qo[0])
+    tile = 64 * (2 if total_q * num_heads // num_requests > 64 else 1)
+    if inputs.causal and tile % num_heads:
+        return False
+    sm = _SM_COUNTS.get(device)
+    if sm is None:
+        sm = _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    tiles = plan_tile_bound(total_q, num_requests, num_heads)
+    return sm + tiles <= _FA_MAX_WORK_ITEMS and int(kv.max()) * tiles < 2**30
+
+
+def plan_tile_bound(total_q: int, num_requests: int, num_heads: int) -> int:
+    """At least the query tiles of an MLA plan: ceil(q * heads / tile) <= q * heads / 64 + 1
+    per request, tiles being 64 or 128 packed rows. MLAPlan makes at most num_clusters + this
+    many work items (tests/v1/attention/test_flashinfer_mla_plan.py checks it against the
+    planner model)."""
+    return num_requests + -(-total_q * num_heads // 64)
+
+
 OWN_PLAN_COPY_FLAG = "VLLM_MLA_NATIVE_PLAN_OWN_COPY"
 
 
 def own_plan_copy_enabled() -> bool:
-    """Opt-in (measured on the CPU only so far, see _plan_and_stage): native re-plans copy the
-    planner's workspace bytes without FlashInfer's per-call pinned staging buffer."""
-    value = os.environ.get(OWN_PLAN_COPY_FLAG, "0")
+    """On by default since the thirteenth session (exact on the H200 on both paths, 0.23 ms
+    less host time per native re-plan; see _plan_and_stage); 0 goes back to FlashInfer's own
+    staging of the planner's workspace bytes through a new pinned buffer."""
+    value = os.environ.get(OWN_PLAN_COPY_FLAG, "1")
     if value not in ("0", "1"):
         raise ValueError(f"{OWN_PLAN_COPY_FLAG}={value!r} is invalid: use 1 (copy the native "
                          "planner's workspace bytes without a new pinned buffer) or 0 "
@@ -504,6 +553,7 @@ def own_plan_copy_enabled() -> bool:
 # planner rewrites that workspace on the host, so it waits for the copy first (in steady
 # decode the copy ran a step ago and the event has long completed).
 _PINNED_COPY_EVENTS: dict[int, Any] = {}
+_CHECKED_WORKSPACES: set = set()  # (pinned ptr, bytes, device ptr, bytes) found valid
 
 
 def _wait_pinned_copy(pinned: torch.Tensor) -> None:
@@ -520,13 +570,19 @@ def _plan_and_stage(raw_plan, args: tuple) -> tuple[Any, int]:
     rewrite the workspace at once; that allocation made a native re-plan cost 2-3 ms of host
     time on the H200 (scripts/probe_replan.py, twelfth session; that the allocation is the
     cost is inferred from FlashInfer's code, not measured yet). Here the next plan waits for
-    the copy instead (_wait_pinned_copy). Opt-in (OWN_PLAN_COPY_FLAG) until a GPU run has
-    compared it with FlashInfer's path (tests/v1/attention/test_flashinfer_mla_gpu.py)."""
+    the copy instead (_wait_pinned_copy). On the H200 (thirteenth session, B=8 DSpark engine,
+    scripts/probe_replan.py --own-copy both) a native re-plan took 0.38 ms this way against
+    0.61 ms through FlashInfer's staging, the JIT planner itself 0.13 ms; both paths pass
+    test_graph_wrapper_native_replans_with_the_packed_copy_match_torch_mla. The workspaces'
+    checks run once per pair (is_pinned asks the CUDA driver)."""
     int_ws, pinned = args[1], args[2]
-    if (pinned.device.type != "cpu" or not pinned.is_pinned() or not pinned.is_contiguous()
-            or int_ws.device.type != "cuda" or not int_ws.is_contiguous()):
-        raise ValueError("the MLA planner needs a pinned contiguous host int workspace and a "
-                         "contiguous CUDA int workspace")
+    key = (pinned.data_ptr(), pinned.nbytes, int_ws.data_ptr(), int_ws.nbytes)
+    if key not in _CHECKED_WORKSPACES:
+        if (pinned.device.type != "cpu" or not pinned.is_pinned() or not pinned.is_contiguous()
+                or int_ws.device.type != "cuda" or not int_ws.is_contiguous()):
+            raise ValueError("the MLA planner needs a pinned contiguous host int workspace and "
+                             "a contiguous CUDA int workspace")
+        _CHECKED_WORKSPACES.add(key)
     _wait_pinned_copy(pinned)
     plan_info, staged = raw_plan(*args)
     staged = int(staged)

@@ -113,73 +113,92 @@ class PlanSkeleton:
         cluster_size, num_clusters = at["num_blks_x"], at["num_blks_y"]
         if any(at[f] % 4 for f in PLAN_INFO_FIELDS[2:16]) or num_clusters <= 0:
             return None
-        # One read of the int scratch per field; method calls (x.any()) rather than np.any and
-        # no np.roll: this runs after every real plan (~0.45 ms of host time per native
-        # re-plan on the H200 before, twelfth session), so its numpy call count matters.
+        # Plain Python lists, not numpy: a decode plan has tens of work items, where one numpy
+        # call (~2-5 us) costs more than a list pass over them, and this runs after every real
+        # plan (0.29-0.49 ms of a native re-plan's host time on the H200 as numpy code, twelfth
+        # and thirteenth sessions). One tolist() read of the int scratch per field.
         ws = pinned_ws.view(torch.int32).numpy()
 
-        def array(field: str, n: int) -> np.ndarray:
+        def array(field: str, n: int) -> list[int]:
             start = at[field] // 4
-            return ws[start:start + n].astype(np.int64)
+            return ws[start:start + n].tolist()
 
-        qo = qo_indptr.astype(np.int64)
-        kv = kv_lens.astype(np.int64)
-        num_req = len(kv)
         work_indptr = array("work_indptr", num_clusters + 1)
-        num_works = int(work_indptr[-1])
-        if work_indptr[0] != 0 or num_works <= 0 or (work_indptr[1:] < work_indptr[:-1]).any():
+        num_works = work_indptr[-1]
+        # (list comparisons and map() run in C: no per-element Python code for the checks)
+        if (len(work_indptr) != num_clusters + 1 or work_indptr[0] != 0 or num_works <= 0
+                or work_indptr != sorted(work_indptr)):
             return None
         q_start_w, kv_start_w = array("q_start", num_works), array("kv_start", num_works)
         kv_end_w, q_w = array("kv_end", num_works), array("q_indptr", num_works)
         kv_len_w = array("kv_len", num_works)
-        q_lens = qo[1:] - qo[:-1]
-        real = q_lens > 0
-        num_real = int(real.sum())
+        if len(kv_len_w) != num_works:
+            return None
+        qo, kv = qo_indptr.tolist(), kv_lens.tolist()
+        num_req = len(kv)
+        q_lens = [b - a for a, b in zip(qo, qo[1:])]
+        num_real = sum(1 for q in q_lens if q > 0)
         # plan_hopper_decode puts real requests first, padding requests (no rows, no KV) after
-        if num_real == 0 or not real[:num_real].all() or kv[num_real:].any():
+        if (num_real == 0 or min(q_lens[:num_real]) <= 0 or any(kv[num_real:])
+                or len(q_lens) != num_req):
             return None
-        if (q_lens * num_heads > cluster_size * _CTA_TILE_Q).any() or q_start_w.any():
+        if max(q_lens) * num_heads > cluster_size * _CTA_TILE_Q or any(q_start_w):
             return None  # a request spanning several query tiles: chunk ends differ per tile
-        qo_real = qo[:num_real]
-        req = np.searchsorted(qo_real, q_w)
-        matched = (req < num_real) & (qo_real[np.minimum(req, num_real - 1)] == q_w)
-        if not matched.all():
-            padding = ~matched
-            if num_real == num_req or kv_len_w[padding].any() or kv_end_w[padding].any() \
-                    or (q_w[padding] != qo[num_real]).any():
+        # the real requests' query starts are distinct (each has rows): a work's request is
+        # the one its q_indptr starts; the rest must be empty works of the padding request
+        request_of = {qo[i]: i for i in range(num_real)}
+        req = [request_of.get(q, -1) for q in q_w]
+        if -1 in req:
+            if num_real == num_req:
                 return None
-            req = np.where(matched, req, num_real)
-        kv_ext = np.append(kv, 0)
-        if (kv_len_w != kv_ext[req]).any():
+            pad_q = qo[num_real]
+            for j, r in enumerate(req):
+                if r == -1:
+                    if kv_len_w[j] or kv_end_w[j] or q_w[j] != pad_q:
+                        return None
+                    req[j] = num_real
+        kv_ext = kv + [0]  # padding works point at request num_real (length 0)
+        if kv_len_w != list(map(kv_ext.__getitem__, req)):
             return None
-        limit = kv_len_limit(qo, kv, num_heads, cluster_size, num_clusters)
+        # (every request is one query tile here, so MLAPlan's tile-weighted total is sum(kv))
+        limit = _limit_of_average(max(_ceil_div(sum(kv), num_clusters), 1))
         # every real request's chunks must tile [0, kv) in pieces of at most `limit`
-        counts = np.bincount(req, minlength=num_real + 1)[:num_real]
-        if (counts != chunk_counts(kv[:num_real], limit)).any():
+        counts = [0] * (num_real + 1)
+        for r in req:
+            counts[r] += 1
+        counts = counts[:num_real]
+        if counts != [-(-k // limit) if k > limit else 1 for k in kv[:num_real]]:
             return None
-        order = np.lexsort((kv_start_w, req))
-        r_sorted, s_sorted, e_sorted = req[order], kv_start_w[order], kv_end_w[order]
-        span = e_sorted - s_sorted
-        if (span > limit).any() or (span < 0).any():
-            return None
-        same_req = r_sorted[1:] == r_sorted[:-1]  # work i+1 continues work i's request
-        first = np.ones(num_works, dtype=bool)
-        first[1:] = ~same_req
-        if s_sorted[first].any() or (s_sorted[1:][same_req] != e_sorted[:-1][same_req]).any():
-            return None
-        last = np.ones(num_works, dtype=bool)
-        last[:-1] = ~same_req
-        last &= r_sorted < num_real
-        if (e_sorted[last] != kv[r_sorted[last]]).any():
-            return None
-        c = counts.astype(np.int64)
-        lo = np.where(c > 1, (c - 1) * limit, -1)
-        hi = c * limit
-        return cls(qo_indptr=qo.copy(), num_real=num_real, lo=lo, hi=hi,
+        # works ordered by (request, kv_start), ties by position (as a stable lexsort)
+        order = sorted(range(num_works), key=list(zip(req, kv_start_w)).__getitem__)
+        last_work, last_req = [], []
+        previous = -1
+        for n, j in enumerate(order):
+            r, s, e = req[j], kv_start_w[j], kv_end_w[j]
+            if e - s > limit or e < s:
+                return None
+            if r != previous:
+                if s != 0:
+                    return None  # a request's first chunk starts its KV
+            elif s != kv_end_w[order[n - 1]]:
+                return None  # chunks of one request are contiguous
+            if r < num_real and (n + 1 == num_works or req[order[n + 1]] != r):
+                if e != kv[r]:
+                    return None  # its last chunk ends its KV
+                last_work.append(j)
+                last_req.append(r)
+            previous = r
+        lo = [(c - 1) * limit if c > 1 else -1 for c in counts]
+        hi = [c * limit for c in counts]
+        int64 = np.int64
+        return cls(qo_indptr=np.array(qo, dtype=int64), num_real=num_real,
+                   lo=np.array(lo, dtype=int64), hi=np.array(hi, dtype=int64),
                    qo_bytes=qo_indptr.tobytes(), qo_dtype=qo_indptr.dtype,
-                   ends_are_lengths=bool(int(last.sum()) == int((req < num_real).sum())),
-                   work_req=req, last_work=order[last], last_req=r_sorted[last],
-                   kv_end=kv_end_w.copy(),
+                   ends_are_lengths=len(last_work) == num_works - req.count(num_real),
+                   work_req=np.array(req, dtype=int64),
+                   last_work=np.array(last_work, dtype=int64),
+                   last_req=np.array(last_req, dtype=int64),
+                   kv_end=np.array(kv_end_w, dtype=int64),
                    offsets={f: at[f] // 4 for f in ("kv_indptr", "kv_len", "kv_end")},
                    num_works=num_works)
 
