@@ -18,6 +18,7 @@
 #   bash scripts/gpu_validation.sh tinyspec  # tiny DSpark vs none (shipped drafter; also $OLD_DRAFTER)
 #   bash scripts/gpu_validation.sh hostprofile # spec-step phases + cProfile of plain / draft steps
 #   bash scripts/gpu_validation.sh replan    # native re-plan tests (both staging paths), re-plan host A/B (~3 min)
+#   bash scripts/gpu_validation.sh early     # early draft metadata: FlashInfer/exactness/graph GPU tests, step A/B
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
 set -uo pipefail
 out="${OUT:-out}"; mkdir -p "$out"; out="$(cd "$out" && pwd)"
@@ -157,6 +158,17 @@ for what in "$@"; do
       timeout 150 python3 scripts/probe_replan.py --batch 8 --variant auto-nopay --steps 300 \
         --own-copy both >"$out/replan.log" 2>&1
       summary+=("replan probe rc=$?"); grep -v "Warn\|warn_once" "$out/replan.log" | tail -n 40 ;;
+    early)  # draft step prepared during the verify step: FlashInfer GPU tests, exactness, A/B
+      PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-380}" run_pytest early \
+        tests/v1/attention/test_flashinfer_mla_gpu.py tests/v1/e2e/test_gpu_exactness.py \
+        tests/v1/worker tests/v1/engine/test_async_scheduling_gpu.py
+      for mode in 0 auto; do
+        VLLM_EARLY_DRAFT_METADATA=$mode timeout 100 python3 scripts/probe_spec_step.py \
+          --device cuda --dtype bfloat16 --attention-backend FLASHINFER_MLA --batch 1 8 \
+          --modes draft --steps 150 >"$out/early_$mode.log" 2>&1
+        summary+=("early probe VLLM_EARLY_DRAFT_METADATA=$mode rc=$?")
+        echo "== VLLM_EARLY_DRAFT_METADATA=$mode"; grep -A12 "^| phase" "$out/early_$mode.log"
+      done ;;
     hostprofile)  # where a speculative step's host time goes, by phase and by function
       timeout 200 python3 scripts/probe_spec_step.py --device cuda --dtype bfloat16 \
         --attention-backend FLASHINFER_MLA --batch 1 8 --modes plain draft --steps 100 \

@@ -52,6 +52,9 @@ class SpecPolicyCase:
     # CostModelConfig fields to override for "auto" / "auto-nopay" (e.g. {"probe_interval":
     # 10**6, "max_probe_interval": 10**6}: no re-probes, to price them), as (name, value) pairs.
     cost_model_config: tuple[tuple[str, object], ...] = ()
+    # Block drafters' early draft step (early_draft.py): None = the environment's setting,
+    # else one of its modes ("auto", "1", "0") for this engine alone.
+    early_draft: str | None = None
 
     def __post_init__(self):
         if self.cost_model_config and _POLICY.get(self.variant) != "auto":
@@ -119,6 +122,12 @@ def build_engine(case: SpecPolicyCase):
             policy.cost_model = SpeculationCostModel(policy.num_spec_tokens, config)
         if case.variant == "auto-nopay":
             policy.cost_model.acceptance_override = case.forced_acceptance
+        if case.early_draft is not None:
+            speculator = engine.executor.worker.model_runner.speculator
+            if not hasattr(speculator, "set_early_draft_mode"):
+                raise ValueError(f"early_draft={case.early_draft!r} needs a block drafter "
+                                 f"(DSpark / DFlash), not method={case.method!r}")
+            speculator.set_early_draft_mode(case.early_draft)
         params = SamplingParams(temperature=0.0, max_tokens=case.output_len, ignore_eos=True)
         for i in range(case.batch):
             prompt = [(7 * i + 13 * j) % 200 + 20 for j in range(case.context)]

@@ -235,3 +235,61 @@ def test_graph_wrapper_plan_refreshes_match_torch_mla(qlen, causal):
         planned_before = planned
         seq = [g + 1 for g in seq]
     assert slot.refreshes >= 18, (slot.refreshes, slot.native_replans, slot.full_plans)
+
+
+def test_a_graph_plan_for_upper_bound_lengths_lowered_in_place_matches_torch_mla():
+    """A block drafter's metadata built while the verify step runs (early_draft.py): the host
+    plans for upper-bound lengths (every draft accepted) while the device already holds the
+    exact ones; refresh_decode_seq_lens then lowers the plan to the exact lengths. Before the
+    lowering FlashInfer reads the extra tokens (it must differ from TORCH_MLA on the exact
+    lengths, so the check below can fail); after it, it equals TORCH_MLA. A lowering that
+    would change a request's chunk count is refused and changes nothing."""
+    from dataclasses import replace
+
+    import numpy as np
+    q_len = 5  # a DSpark block of k = 4
+    builder = _graph_builder(q_len, non_causal=True, max_model_len=8192)
+    _graph_step(builder, [700, 2049, 64, 9], [q_len] * 4, False, 70)  # records plan_args
+    exact = [704, 2050, 66, 12]
+    upper = [708, 2053, 70, 12]  # request 2 lists one page more (70 > 64); request 3 as is
+    case = make_case(exact, [q_len] * 4, num_heads=HEADS, causal=False, seed=71,
+                     dtype=torch.bfloat16)
+    # Unwritten cache slots hold 4.0 (finite: kernels load whole tiles and mask), so tokens
+    # read past a length move the result by far more than rounding.
+    _, cache, cm, _ = build_rank(case, FlashInferMLAMetadataBuilder, 1, 0, 1, BLOCK,
+                                 fill=4.0, device=DEVICE,
+                                 builder_kwargs=dict(kernel_family="hopper"))
+    table = torch.zeros(4, 2 + cm.block_table_cpu.shape[1], dtype=torch.int32)
+    table[:, : cm.block_table_cpu.shape[1]] = cm.block_table_cpu  # room for the bound's pages
+    upper_cm = replace(cm, cudagraph=True, seq_lens_cpu=torch.tensor(upper, dtype=torch.int32),
+                       block_table_cpu=table)
+
+    def run(md):
+        q = torch.zeros(md.decode.num_decode_tokens, HEADS, case.q.shape[-1],
+                        dtype=case.q.dtype, device=DEVICE)
+        q[: case.q.shape[0]] = case.q.to(DEVICE)
+        fi = FlashInferMLAImpl(num_heads=HEADS, scale=case.scale).forward_decode(
+            q, cache, md.decode)
+        ref = TorchMLAImpl(num_heads=HEADS, scale=case.scale).forward_decode(
+            q, cache, md.decode)
+        return fi, ref
+
+    md = builder.build(0, upper_cm)
+    fi, ref = run(md)
+    assert not torch.allclose(fi[1][: case.q.shape[0]].float(), ref[1][: case.q.shape[0]].float(),
+                              atol=1e-2)  # the upper bound's extra tokens were read
+    assert builder.refresh_decode_seq_lens(md, np.array(exact))
+    fi, ref = run(md)
+    assert_states_close(fi, ref)
+
+    # Refused: a length at or below a chunk's lower edge would drop a chunk.
+    md = builder.build(0, upper_cm)
+    state = md.decode.backend_state
+    skeleton = state.wrapper_slot.refresher.skeleton
+    kv_len_before = state.hopper_inputs.arrays[2].copy()
+    multi = [i for i in range(skeleton.num_real) if skeleton.lo[i] > 0]
+    assert multi, "request 1 (2053 tokens) must span several chunks"
+    too_short = list(exact)
+    too_short[multi[0]] = int(skeleton.lo[multi[0]])
+    assert not builder.refresh_decode_seq_lens(md, np.array(too_short))
+    assert np.array_equal(state.hopper_inputs.arrays[2], kv_len_before)

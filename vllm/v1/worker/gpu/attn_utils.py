@@ -136,3 +136,29 @@ def build_attn_metadata(
         for layer_name in groups[group_id].layer_names:
             attn_metadata[layer_name] = metadata
     return attn_metadata
+
+
+def refresh_attn_metadata_seq_lens(
+    *,
+    attn_metadata_builders: Sequence[Any],
+    kv_cache_config: Any,
+    attn_metadata: Mapping[str, Any],
+    seq_lens_np: np.ndarray,
+    group_ids: Sequence[int] | None = None,
+) -> bool:
+    """Lower the host lengths of metadata that build_attn_metadata built from upper bounds to
+    the exact `seq_lens_np`, group by group, through each builder's refresh_decode_seq_lens
+    (FlashInfer MLA plans). False as soon as a built group's builder cannot (no such method,
+    or it refuses): the caller then builds again from the exact lengths. Groups refreshed
+    before a refusal keep exact lengths, which a new build rewrites anyway."""
+    groups = kv_cache_config.kv_cache_groups
+    selected = range(len(groups)) if group_ids is None else group_ids
+    for group_id in selected:
+        names = groups[group_id].layer_names
+        if not names:
+            continue
+        metadata = attn_metadata.get(names[0])
+        refresh = getattr(attn_metadata_builders[group_id], "refresh_decode_seq_lens", None)
+        if metadata is None or refresh is None or not refresh(metadata, seq_lens_np):
+            return False
+    return True

@@ -363,6 +363,8 @@ class GPUModelRunner:
         if self.kv_cache_config is None:
             raise RuntimeError("call initialize_kv_cache() before execute_model()")
         self._retire_previous_step()
+        if self.speculator is not None:
+            self.speculator.discard_early()  # a draft prepared early is for its own step only
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return AsyncModelRunnerOutput.ready(ModelRunnerOutput(
@@ -406,7 +408,11 @@ class GPUModelRunner:
             index, event, _ = self._copy_step_output(sampled, num_sampled, len(sample_rows),
                                                      wait=False)
             return self._launched(batch, sample_rows, index, event)
-        _, _, host = self._copy_step_output(sampled, num_sampled, len(sample_rows))
+        index, event, _ = self._copy_step_output(sampled, num_sampled, len(sample_rows),
+                                                 wait=False)
+        # The draft's inputs and metadata, while the verify step runs (early_draft.py).
+        self._prepare_draft_early(batch, scheduler_output, sample_rows)
+        host = self._step_buffers.wait(index, event, len(sample_rows))
         previous = self._inflight
         if previous is not None and not previous.done:
             previous.get_output()  # collected in launch order (its copy finished before ours)
@@ -521,6 +527,34 @@ class GPUModelRunner:
         if not defer or freed or not spec.context_fits(batch.num_tokens_padded):
             spec.flush_context()
         return defer
+
+    def _prepare_draft_early(self, batch: InputBatch, scheduler_output: Any,
+                             sample_rows: list[int]) -> None:
+        """Hand a block drafter what its draft pass needs before the step's output reaches
+        the host (its prepare_early), when the pass will run and every row's new length
+        follows from the device output alone: a uniform batch of Q-token rows that all sample,
+        each verifying Q - 1 drafts (or none, Q = 1). The new computed count of a row is then
+        seq_len - Q + (tokens it emitted), the emitted count being the last column of the
+        packed step output (_copy_step_output has written it; stream order does the rest)."""
+        spec = self.speculator
+        wants = getattr(spec, "wants_early_draft", None)
+        if wants is None or not wants():
+            return
+        n, q = batch.num_reqs, batch.uniform_query_len
+        if (n == 0 or q == 0 or len(sample_rows) != n
+                or not getattr(scheduler_output, "propose_drafts", True)
+                or not bool((batch.num_draft_np[:n] == q - 1).all())):
+            return
+        buf = self.__dict__.get("_early_num_computed")
+        if buf is None:
+            buf = self._early_num_computed = torch.zeros(self.max_num_reqs, dtype=torch.int64,
+                                                         device=self.device)
+        out = buf[:n]
+        out.copy_(batch.seq_lens[:n])
+        out.add_(self._step_buffers.gpu[:n, -1]).sub_(q)
+        upper = batch.num_computed_np[:n] + batch.num_scheduled_np[:n]
+        next_tokens = self.requests.last_sampled[batch.idx_mapping[:n]]
+        spec.prepare_early(n, out, next_tokens, upper, batch.seq_lens_np[:n])
 
     def _copy_step_output(self, sampled: torch.Tensor, num_sampled: torch.Tensor, rows: int,
                           wait: bool = True):

@@ -91,6 +91,9 @@ class HopperPlanInputs:
     # numpy views of qo_indptr, kv_indptr, kv_len_arr (the refresh reads them every step).
     staged_in: tuple | None = None
     arrays: tuple | None = None
+    # Fused layouts (one request per live block): the decode request of each planned request
+    # (refresh_decode_seq_lens maps new per-request lengths through it).
+    request_rows: np.ndarray | None = None
 
     @property
     def num_requests(self) -> int:
@@ -400,7 +403,8 @@ def plan_hopper_decode(decode: MLACommonDecodeMetadata, page_size: int,
                             kv_len_arr=kv_len_t, causal=plan_causal, has_empty_rows=has_empty,
                             packed=packed, packed_layout=packed_layout,
                             staged_in=(staging, staging.current_index) if staged else None,
-                            arrays=(qo, kv_indptr, kv_len))
+                            arrays=(qo, kv_indptr, kv_len),
+                            request_rows=None if layout is None else layout.reqs)
 
 
 @dataclass
@@ -920,6 +924,63 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
             state.blackwell_args = plan_blackwell_decode(decode)
         decode.backend_state = state
         return metadata
+
+    def refresh_decode_seq_lens(self, metadata: MLACommonMetadata,
+                                seq_lens_np: np.ndarray) -> bool:
+        """Lower the lengths of a CUDA-graph decode plan built for upper-bound host lengths to
+        the exact ones (`seq_lens_np`, one per decode request), in place of a new build. What
+        it is for: the runner builds a block drafter's metadata while the verify step still
+        runs, from the lengths all drafts accepted would give (the device buffers already hold
+        the exact ones: the block input write computed them on the device), and calls this
+        once the accepted counts reach the host.
+
+        The CSR keeps the upper bound's pages (a request's pages past its length are never
+        read: the kernels take a request's first page from kv_indptr and stop at kv_len); the
+        new lengths go into kv_len_arr and, through the plan's skeleton, into the work items'
+        kv_len / kv_end (flashinfer_plan_refresh.py). Only where that is the whole change:
+        Hopper, DCP 1, decode rows only, one planned request per live block (every row then
+        sees its request's length), lengths within the planned pages and every request keeping
+        its chunk count. Anything else returns False and changes nothing (the caller builds
+        again with the exact lengths)."""
+        decode = metadata.decode
+        if (decode is None or metadata.num_prefills or self.dcp_world_size != 1
+                or self.kernel_family != "hopper" or not decode.cudagraph):
+            return False
+        state = decode.backend_state
+        inputs = getattr(state, "hopper_inputs", None)
+        slot = getattr(state, "wrapper_slot", None)
+        if (inputs is None or slot is None or state.planned_key is None
+                or inputs.request_rows is None or inputs.arrays is None
+                or inputs.staged_in is None or inputs.staged_in[0] is not slot.staging
+                or inputs.staged_in[1] != slot.staging.current_index
+                or slot.planned_for != state.planned_key):
+            return False  # not this slot's latest plan, or a layout this does not cover
+        refresher = slot.refresher
+        skeleton = None if refresher is None else refresher.skeleton
+        backend = getattr(slot.wrapper, "_planned_backend", None)
+        if skeleton is None or backend is None:
+            return False
+        qo, kv_indptr, kv_len = inputs.arrays
+        rows = inputs.request_rows
+        n = rows.shape[0]
+        new = np.asarray(seq_lens_np)[rows]
+        if n == 0 or new.min() <= 0:
+            return False
+        page = self.page_size
+        if ((new + (page - 1)) // page > kv_indptr[1:n + 1] - kv_indptr[:n]).any():
+            return False  # more pages than the plan lists
+        lengths = kv_len.copy()
+        lengths[:n] = new
+        if not skeleton.fits(qo, lengths):
+            return False
+        kv_len[:n] = new  # the staged set's pinned kv_len: what the device copy below reads
+        if not refresher.try_refresh(qo, kv_indptr, kv_len, ring_index=inputs.staged_in[1]):
+            raise RuntimeError("a plan skeleton that fits refused its refresh")  # cannot be
+        backend._kv_len_arr_buf[:n].copy_(inputs.kv_len_arr[:n], non_blocking=True)
+        # The set and its refresh buffer are read by copies enqueued now: guard them anew.
+        slot.staging.mark_consumed_after_this_point()
+        decode.row_seq_lens_cpu = None  # the upper bound's host rows are stale now
+        return True
 
 
 class FlashInferMLAImpl(MLACommonImpl):

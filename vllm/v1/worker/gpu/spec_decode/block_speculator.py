@@ -14,9 +14,10 @@ import torch
 
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.attention.mla_attention import current_attn_metadata
-from vllm.v1.worker.gpu.attn_utils import KVWriteOnlyMetadata
+from vllm.v1.worker.gpu.attn_utils import KVWriteOnlyMetadata, refresh_attn_metadata_seq_lens
 from vllm.v1.worker.gpu.spec_decode.context_kv_ring import (DEFAULT_STEPS, DeferredContextKV,
                                                             deferral_enabled)
+from vllm.v1.worker.gpu.spec_decode.early_draft import MODES, EarlyDraft, early_draft_mode
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftInputs, Speculator
 
 
@@ -104,29 +105,112 @@ class BlockSpeculator(Speculator):
                 self.model.precompute_context_kv(aux, positions)
         return ring.flush(write)
 
+    def _graph_size(self, num_reqs: int) -> int | None:
+        if self.cudagraphs is not None and self.draft_sample_method == "greedy":
+            return self.cudagraphs.padded_num_reqs(num_reqs)
+        return None
+
     def _propose(self, inputs: DraftInputs) -> torch.Tensor:
         num_reqs, q = inputs.num_reqs, self.query_len
         self._begin_drafts(inputs)
+        early, self._early = self.__dict__.get("_early"), None
         if num_reqs == 0:
             return torch.empty(0, self.num_speculative_tokens, dtype=torch.int64,
                                device=self.device)
-        graph_size = None
-        if self.cudagraphs is not None and self.draft_sample_method == "greedy":
-            graph_size = self.cudagraphs.padded_num_reqs(num_reqs)
-        padded = graph_size or num_reqs
-        accepted = inputs.accepted_on_device(self.device)
         accepted_np = np.asarray(inputs.num_computed_new, dtype=np.int64)
-        anchors, slot_mappings = self._write_block(num_reqs, padded, accepted,
-                                                   inputs.next_token_ids)
         seq_lens_np = accepted_np[:num_reqs] + q
         np.minimum(seq_lens_np, self.max_model_len, out=seq_lens_np)
-        attn_metadata = self._build_draft_attn_metadata(
-            num_reqs, padded, padded * q, inputs.target_seq_lens_cpu, step=q,
-            num_query_per_req=q, causal=False, seq_lens_np=seq_lens_np,
-            cudagraph=graph_size is not None, slot_mappings=slot_mappings, padding_written=True)
+        if early is not None and early.num_reqs == num_reqs:
+            # Built while the verify step ran (prepare_early): the block inputs are written and
+            # the metadata planned for the upper bound; lower its host lengths to the exact ones
+            # (or build it again from them where a builder cannot).
+            graph_size, padded = early.graph_size, early.padded
+            anchors, slot_mappings = early.anchors, early.slot_mappings
+            if refresh_attn_metadata_seq_lens(
+                    attn_metadata_builders=self.attn_metadata_builders,
+                    kv_cache_config=self.kv_cache_config, attn_metadata=early.attn_metadata,
+                    seq_lens_np=seq_lens_np, group_ids=self.group_ids):
+                attn_metadata = early.attn_metadata
+                self.early_refreshes += 1
+            else:
+                attn_metadata = self._build_draft_attn_metadata(
+                    num_reqs, padded, padded * q, early.target_seq_lens, step=q,
+                    num_query_per_req=q, causal=False, seq_lens_np=seq_lens_np,
+                    cudagraph=graph_size is not None, slot_mappings=slot_mappings,
+                    padding_written=True)
+                self.early_rebuilds += 1
+        else:
+            graph_size = self._graph_size(num_reqs)
+            padded = graph_size or num_reqs
+            accepted = inputs.accepted_on_device(self.device)
+            anchors, slot_mappings = self._write_block(num_reqs, padded, accepted,
+                                                       inputs.next_token_ids)
+            attn_metadata = self._build_draft_attn_metadata(
+                num_reqs, padded, padded * q, inputs.target_seq_lens_cpu, step=q,
+                num_query_per_req=q, causal=False, seq_lens_np=seq_lens_np,
+                cudagraph=graph_size is not None, slot_mappings=slot_mappings,
+                padding_written=True)
         if graph_size is not None:
             return self.cudagraphs.replay(graph_size)[0][:num_reqs]
         return self._block_step(attn_metadata, padded, anchors)[0]
+
+    # ---- the draft step's inputs and metadata, prepared while the verify step runs --------
+    early_refreshes = 0  # early metadata whose lengths were lowered in place
+    early_rebuilds = 0   # early metadata built again from the exact lengths
+
+    def wants_early_draft(self) -> bool:
+        """Whether prepare_early should run before the runner waits for a step's output
+        (early_draft.py: VLLM_EARLY_DRAFT_METADATA). "0" (default): never; "auto": with a
+        captured greedy draft step and builders that can lower planned lengths in place
+        (FlashInfer MLA at DCP 1), to move the draft's host work into the verify step's GPU
+        time; "1": wherever the step allows it (tests run it eagerly, where it builds twice)."""
+        wanted = self.__dict__.get("_wants_early")
+        if wanted is None:
+            mode = early_draft_mode()
+            wanted = self._early_draft_for(mode)
+            if self.cudagraphs is not None or mode != "auto":  # auto: decided with graphs
+                self.__dict__["_wants_early"] = wanted
+        return wanted
+
+    def set_early_draft_mode(self, mode: str) -> None:
+        """Decide the early draft step for this speculator from `mode` (one of
+        early_draft.MODES) instead of the environment (benchmarks A/B both in one process)."""
+        if mode not in MODES:
+            raise ValueError(f"early draft mode {mode!r} is invalid: use one of {list(MODES)}")
+        self.__dict__["_wants_early"] = self._early_draft_for(mode)
+
+    def _early_draft_for(self, mode: str) -> bool:
+        if mode == "auto":
+            groups = self.group_ids or range(len(self.attn_metadata_builders))
+            return bool(self.early_draft_lengths_exact() and self.cudagraphs is not None
+                        and self.draft_sample_method == "greedy"
+                        and all(hasattr(self.attn_metadata_builders[g], "refresh_decode_seq_lens")
+                                for g in groups))
+        return mode == "1" and self.early_draft_lengths_exact()
+
+    def prepare_early(self, num_reqs: int, accepted: torch.Tensor, next_token_ids: torch.Tensor,
+                      upper_num_computed_new: np.ndarray, target_seq_lens: np.ndarray) -> None:
+        """Write the draft block's inputs and build its attention metadata before the step's
+        accepted counts reach the host. `accepted` [num_reqs] holds, on the device, the exact
+        new computed counts (the runner derives them from the verify step's device output, in
+        stream order); `upper_num_computed_new` [num_reqs] is their host upper bound (every
+        draft accepted), from which the host planners work. _propose then lowers the planned
+        lengths to the exact ones. Only where the shared base says the lowered lengths are
+        the whole change (Speculator.early_draft_lengths_exact)."""
+        q = self.query_len
+        graph_size = self._graph_size(num_reqs)
+        padded = graph_size or num_reqs
+        anchors, slot_mappings = self._write_block(num_reqs, padded, accepted, next_token_ids)
+        upper = np.minimum(np.asarray(upper_num_computed_new, dtype=np.int64)[:num_reqs] + q,
+                           self.max_model_len)
+        target = np.array(target_seq_lens[:num_reqs], dtype=np.int64)  # kept past this step
+        attn_metadata = self._build_draft_attn_metadata(
+            num_reqs, padded, padded * q, target, step=q, num_query_per_req=q, causal=False,
+            seq_lens_np=upper, cudagraph=graph_size is not None, slot_mappings=slot_mappings,
+            padding_written=True)
+        self._early = EarlyDraft(num_reqs=num_reqs, padded=padded, graph_size=graph_size,
+                                 attn_metadata=attn_metadata, anchors=anchors,
+                                 slot_mappings=slot_mappings, target_seq_lens=target)
 
     def _write_block(self, num_reqs: int, padded: int, accepted: torch.Tensor,
                      next_token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

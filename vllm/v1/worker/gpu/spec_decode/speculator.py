@@ -150,6 +150,17 @@ class Speculator:
         """Write the queued context KV now (nothing queued: False)."""
         return False
 
+    def early_draft_lengths_exact(self) -> bool:
+        """Whether a draft step prepared from upper-bound host lengths (early_draft.py) becomes
+        exact by lowering its planned lengths alone. Not under DCP: the rank-local lengths the
+        base recomputes in _build_draft_attn_metadata come from the exact host lengths, and
+        lowering global lengths does not lower them rank by rank."""
+        return self.dcp_size == 1
+
+    def discard_early(self) -> None:
+        """Forget a draft step prepared early (early_draft.py) that no proposal consumed."""
+        self.__dict__.pop("_early", None)
+
     def propose(self, inputs: DraftInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (drafts [num_reqs, k], the slot-indexed q buffer or None for greedy drafts)."""
         drafts = self._propose(inputs)

@@ -1,0 +1,52 @@
+"""A/B of the block drafters' early draft step (early_draft.py) in one process: a DSpark engine
+drafting every step with the early path off ("0") and on ("auto"), and a plain engine, all
+alive at once and stepped in turn in 16-step blocks (vllm.benchmarks.spec_policy.run_interleaved;
+the GPU node's process-to-process noise is larger than the effect).
+
+Usage (GPU node): python3 scripts/probe_early_draft.py --batch-sizes 1 8 [--output-len 384]
+Prints per batch size: tok/s of each engine, early / late and each over plain, and how many
+early steps were lowered in place (FlashInfer) or built again; greedy tokens are compared.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from vllm.benchmarks.spec_policy import SpecPolicyCase, run_interleaved
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--output-len", type=int, default=384)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--attention-backend", default="FLASHINFER_MLA")
+    args = parser.parse_args()
+    print("B  engine        tok/s   x none  x late  early refreshed/rebuilt  greedy vs late")
+    for batch in args.batch_sizes:
+        base = SpecPolicyCase(variant="always", batch=batch, output_len=args.output_len,
+                              device=args.device, dtype=args.dtype,
+                              attention_backend=args.attention_backend, async_scheduling=False)
+        cases = {"none": dataclasses.replace(base, variant="none", async_scheduling=None),
+                 "late": dataclasses.replace(base, early_draft="0"),
+                 "early": dataclasses.replace(base, early_draft="auto")}
+        speculators = {}
+        result = run_interleaved(cases, on_warm=lambda name, engine: speculators.__setitem__(
+            name, engine.executor.worker.model_runner.speculator))
+        none = result["none"]["tok_s"]
+        for name in cases:
+            r = result[name]
+            spec = speculators.get(name)
+            counts = ("-" if spec is None
+                      else f"{spec.early_refreshes}/{spec.early_rebuilds}")
+            same = ("-" if name == "none" else
+                    "same" if r["tokens"] == result["late"]["tokens"] else "DIFF")
+            print(f"{batch:<2} {name:<10} {r['tok_s']:>9.1f} {r['tok_s'] / none:>7.3f} "
+                  f"{r['tok_s'] / result['late']['tok_s']:>7.3f}  {counts:>22}  {same}",
+                  flush=True)
+        print(f"   ({result['_rounds']} rounds of 16-step blocks)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
