@@ -64,13 +64,18 @@ def kv_len_limit(qo_indptr: np.ndarray, kv_lens: np.ndarray, num_heads: int,
     q_lens = (qo_indptr[1:] - qo_indptr[:-1]).astype(np.int64)
     tile = cluster_size * _CTA_TILE_Q
     tiles = _ceil_div(q_lens * num_heads, tile)
-    total = int((kv_lens.astype(np.int64) * tiles).sum())
-    return _limit_of_average(max(_ceil_div(total, num_clusters), 1))
+    return limit_of_total(int((kv_lens.astype(np.int64) * tiles).sum()), num_clusters)
 
 
-def chunk_counts(kv_lens: np.ndarray, limit: int) -> np.ndarray:
-    """Work items per (single-tile) request: 1 up to the limit, else ceil(kv / limit)."""
-    return np.where(kv_lens > limit, _ceil_div(kv_lens, limit), 1)
+def limit_of_total(total_kv: int, num_clusters: int) -> int:
+    """kv_len_limit from the tile-weighted KV total (the sum of the lengths when every request
+    is one query tile)."""
+    return _limit_of_average(max(_ceil_div(total_kv, num_clusters), 1))
+
+
+def chunk_count(kv_len: int, limit: int) -> int:
+    """Work items of a (single-tile) request: 1 up to the limit, else ceil(kv / limit)."""
+    return _ceil_div(kv_len, limit) if kv_len > limit else 1
 
 
 @dataclass
@@ -161,13 +166,13 @@ class PlanSkeleton:
         if kv_len_w != list(map(kv_ext.__getitem__, req)):
             return None
         # (every request is one query tile here, so MLAPlan's tile-weighted total is sum(kv))
-        limit = _limit_of_average(max(_ceil_div(sum(kv), num_clusters), 1))
+        limit = limit_of_total(sum(kv), num_clusters)
         # every real request's chunks must tile [0, kv) in pieces of at most `limit`
         counts = [0] * (num_real + 1)
         for r in req:
             counts[r] += 1
         counts = counts[:num_real]
-        if counts != [-(-k // limit) if k > limit else 1 for k in kv[:num_real]]:
+        if counts != [chunk_count(k, limit) for k in kv[:num_real]]:
             return None
         # works ordered by (request, kv_start), ties by position (as a stable lexsort)
         order = sorted(range(num_works), key=list(zip(req, kv_start_w)).__getitem__)

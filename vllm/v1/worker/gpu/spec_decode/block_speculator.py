@@ -133,11 +133,9 @@ class BlockSpeculator(Speculator):
                 attn_metadata = early.attn_metadata
                 self.early_refreshes += 1
             else:
-                attn_metadata = self._build_draft_attn_metadata(
-                    num_reqs, padded, padded * q, early.target_seq_lens, step=q,
-                    num_query_per_req=q, causal=False, seq_lens_np=seq_lens_np,
-                    cudagraph=graph_size is not None, slot_mappings=slot_mappings,
-                    padding_written=True)
+                attn_metadata = self._block_attn_metadata(num_reqs, padded, graph_size,
+                                                          early.target_seq_lens, seq_lens_np,
+                                                          slot_mappings)
                 self.early_rebuilds += 1
         else:
             graph_size = self._graph_size(num_reqs)
@@ -145,14 +143,23 @@ class BlockSpeculator(Speculator):
             accepted = inputs.accepted_on_device(self.device)
             anchors, slot_mappings = self._write_block(num_reqs, padded, accepted,
                                                        inputs.next_token_ids)
-            attn_metadata = self._build_draft_attn_metadata(
-                num_reqs, padded, padded * q, inputs.target_seq_lens_cpu, step=q,
-                num_query_per_req=q, causal=False, seq_lens_np=seq_lens_np,
-                cudagraph=graph_size is not None, slot_mappings=slot_mappings,
-                padding_written=True)
+            attn_metadata = self._block_attn_metadata(num_reqs, padded, graph_size,
+                                                      inputs.target_seq_lens_cpu, seq_lens_np,
+                                                      slot_mappings)
         if graph_size is not None:
             return self.cudagraphs.replay(graph_size)[0][:num_reqs]
         return self._block_step(attn_metadata, padded, anchors)[0]
+
+    def _block_attn_metadata(self, num_reqs: int, padded: int, graph_size: int | None,
+                             target_seq_lens, seq_lens_np: np.ndarray,
+                             slot_mappings: torch.Tensor) -> dict:
+        """The draft block's attention metadata (uniform non-causal rows of Q tokens) for host
+        lengths `seq_lens_np`; the block input write has filled the device buffers."""
+        q = self.query_len
+        return self._build_draft_attn_metadata(
+            num_reqs, padded, padded * q, target_seq_lens, step=q, num_query_per_req=q,
+            causal=False, seq_lens_np=seq_lens_np, cudagraph=graph_size is not None,
+            slot_mappings=slot_mappings, padding_written=True)
 
     # ---- the draft step's inputs and metadata, prepared while the verify step runs --------
     early_refreshes = 0  # early metadata whose lengths were lowered in place
@@ -204,10 +211,8 @@ class BlockSpeculator(Speculator):
         upper = np.minimum(np.asarray(upper_num_computed_new, dtype=np.int64)[:num_reqs] + q,
                            self.max_model_len)
         target = np.array(target_seq_lens[:num_reqs], dtype=np.int64)  # kept past this step
-        attn_metadata = self._build_draft_attn_metadata(
-            num_reqs, padded, padded * q, target, step=q, num_query_per_req=q, causal=False,
-            seq_lens_np=upper, cudagraph=graph_size is not None, slot_mappings=slot_mappings,
-            padding_written=True)
+        attn_metadata = self._block_attn_metadata(num_reqs, padded, graph_size, target, upper,
+                                                  slot_mappings)
         self._early = EarlyDraft(num_reqs=num_reqs, padded=padded, graph_size=graph_size,
                                  attn_metadata=attn_metadata, anchors=anchors,
                                  slot_mappings=slot_mappings, target_seq_lens=target)
