@@ -18,7 +18,8 @@
 #   bash scripts/gpu_validation.sh tinyspec  # tiny DSpark vs none (shipped drafter; also $OLD_DRAFTER)
 #   bash scripts/gpu_validation.sh hostprofile # spec-step phases + cProfile of plain / draft steps
 #   bash scripts/gpu_validation.sh replan    # native re-plan tests (both staging paths), re-plan host A/B (~3 min)
-#   bash scripts/gpu_validation.sh early     # early draft metadata: FlashInfer/exactness/graph GPU tests, step A/B
+#   bash scripts/gpu_validation.sh early     # early draft metadata: FlashInfer/exactness/graph GPU tests, tiny A/B
+#   bash scripts/gpu_validation.sh earlyv3   # early draft step A/B (off / on / tuned) at V3-rank dims (~3 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
 set -uo pipefail
 out="${OUT:-out}"; mkdir -p "$out"; out="$(cd "$out" && pwd)"
@@ -162,13 +163,15 @@ for what in "$@"; do
       PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-380}" run_pytest early \
         tests/v1/attention/test_flashinfer_mla_gpu.py tests/v1/e2e/test_gpu_exactness.py \
         tests/v1/worker tests/v1/engine/test_async_scheduling_gpu.py
-      for mode in 0 auto; do
-        VLLM_EARLY_DRAFT_METADATA=$mode timeout 100 python3 scripts/probe_spec_step.py \
-          --device cuda --dtype bfloat16 --attention-backend FLASHINFER_MLA --batch 1 8 \
-          --modes draft --steps 150 >"$out/early_$mode.log" 2>&1
-        summary+=("early probe VLLM_EARLY_DRAFT_METADATA=$mode rc=$?")
-        echo "== VLLM_EARLY_DRAFT_METADATA=$mode"; grep -A12 "^| phase" "$out/early_$mode.log"
-      done ;;
+      # the A/B in one process (separate processes see the node's process-to-process noise)
+      timeout 200 python3 scripts/probe_early_draft.py --batch-sizes 1 8 --output-len 384 \
+        >"$out/early_tiny.log" 2>&1
+      summary+=("early probe (tiny) rc=$?"); tail -n 12 "$out/early_tiny.log" ;;
+    earlyv3)  # the early draft step at DeepSeek-V3 per-TP8-rank dims (random weights)
+      timeout 330 python3 scripts/probe_early_draft.py "${V3[@]}" \
+        --draft-model benchmarks/configs/deepseek_v3_tp8_rank_dspark --batch-sizes 1 32 \
+        --output-len 160 >"$out/early_v3.log" 2>&1
+      summary+=("early probe (V3-rank) rc=$?"); tail -n 12 "$out/early_v3.log" ;;
     hostprofile)  # where a speculative step's host time goes, by phase and by function
       timeout 200 python3 scripts/probe_spec_step.py --device cuda --dtype bfloat16 \
         --attention-backend FLASHINFER_MLA --batch 1 8 --modes plain draft --steps 100 \

@@ -246,11 +246,15 @@ def main() -> None:
                              "of 16 steps (the cannot-pay test's runner); adds the variant "
                              "'auto-nopay-noprobe' (auto-nopay without re-probes)")
     parser.add_argument("--defer-context-kv", action="store_true")
+    parser.add_argument("--prompt-stagger", type=int, nargs="+", default=[0], metavar="TOKENS",
+                        help="request i's prompt is i * TOKENS longer (0: equal prompts, whose "
+                             "plain engine crosses block boundaries in lock-step); several "
+                             "values run one after another")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.interleaved:
         results = []
-        for batch in args.batch_sizes:
+        for batch, stagger in [(b, t) for b in args.batch_sizes for t in args.prompt_stagger]:
             for _ in range(args.rounds):
                 cases = {}
                 for variant in args.variants + ["auto-nopay-noprobe"]:
@@ -268,9 +272,11 @@ def main() -> None:
                         attention_backend=args.attention_backend,
                         enforce_eager=args.enforce_eager,
                         async_scheduling=None if args.scheduling == "default" else False,
-                        **extra)
+                        prompt_stagger=stagger, **extra)
                 result = trace_interleaved(cases)
-                print(f"== B={batch} scheduling={args.scheduling} rounds={result['_rounds']}")
+                result["_prompt_stagger"] = stagger
+                print(f"== B={batch} scheduling={args.scheduling} prompt_stagger={stagger} "
+                      f"rounds={result['_rounds']}")
                 print_interleaved(result)
                 results.append(result)
         if args.json:
@@ -285,7 +291,8 @@ def main() -> None:
                     variant, batch, output_len=args.output_len, warmup_steps=args.warmup_steps,
                     device=args.device, dtype=args.dtype,
                     attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-                    async_scheduling=None if args.scheduling == "default" else False)
+                    async_scheduling=None if args.scheduling == "default" else False,
+                    prompt_stagger=args.prompt_stagger[0])
                 results.append(trace(case, args.freeze_gc))
     print(f"{'variant':11} {'B':>3} {'tok/s':>8} {'steps':>5} {'total ms':>9} {'median':>7} "
           f"{'p90':>7} {'max':>7} {'>3x med':>8}")

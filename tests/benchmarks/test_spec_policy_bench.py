@@ -25,6 +25,21 @@ def test_bad_cases_are_refused_with_the_fix():
         SpecPolicyCase("sometimes", 1)
     with pytest.raises(ValueError, match="warmup_steps=64 must be smaller than output_len=64"):
         SpecPolicyCase("none", 1, output_len=64, warmup_steps=64)
+    with pytest.raises(ValueError, match="prompt_stagger=-1 is invalid"):
+        SpecPolicyCase("none", 2, prompt_stagger=-1)
+
+
+def test_staggered_prompts_differ_by_the_stagger():
+    from vllm.benchmarks.spec_policy import build_engine
+    engine = build_engine(SpecPolicyCase("none", 3, context=16, output_len=8, warmup_steps=2,
+                                         device="cpu", dtype="float32",
+                                         attention_backend="TORCH_MLA", enforce_eager=True,
+                                         prompt_stagger=5))
+    try:
+        requests = engine.scheduler.requests
+        assert [requests[f"r{i}"].num_prompt_tokens for i in range(3)] == [16, 21, 26]
+    finally:
+        engine.shutdown()
 
 
 

@@ -33,6 +33,7 @@ class SpecPolicyCase:
     num_spec_tokens: int = 4
     model: str | None = None     # None: the built-in tiny model (and its drafter)
     draft_model: str | None = None
+    load_format: str = "auto"    # "dummy": seeded random weights from config.json alone
     forced_acceptance: float = 1.0
     device: str = "cuda"
     dtype: str = "bfloat16"
@@ -53,8 +54,14 @@ class SpecPolicyCase:
     # 10**6, "max_probe_interval": 10**6}: no re-probes, to price them), as (name, value) pairs.
     cost_model_config: tuple[tuple[str, object], ...] = ()
     # Block drafters' early draft step (early_draft.py): None = the environment's setting,
-    # else one of its modes ("auto", "1", "0") for this engine alone.
+    # else one of its modes ("auto", "1", "0") for this engine alone, or "auto-fixed" (an
+    # eligible "auto" kept on, without its measured A/B: EarlyDraftTuner).
     early_draft: str | None = None
+    # Request i's prompt has context + i * prompt_stagger tokens. 0 (the default): equal
+    # prompts, so a plain engine's requests cross block and KV-chunk boundaries in the same
+    # step; a few tokens apart they cross in different steps, as requests whose drafts were
+    # accepted unevenly do (the lock-step baseline pays those per-step costs once for all).
+    prompt_stagger: int = 0
 
     def __post_init__(self):
         if self.cost_model_config and _POLICY.get(self.variant) != "auto":
@@ -64,6 +71,9 @@ class SpecPolicyCase:
             self.context = 64 if self.model is None else 1024
         if self.variant not in VARIANTS:
             raise ValueError(f"variant={self.variant!r} is invalid: use one of {list(VARIANTS)}")
+        if not isinstance(self.prompt_stagger, int) or self.prompt_stagger < 0:
+            raise ValueError(f"prompt_stagger={self.prompt_stagger!r} is invalid: it must be an "
+                             "int >= 0 (tokens added per request index)")
         if self.warmup_steps >= self.output_len:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be smaller than output_len="
                              f"{self.output_len}: nothing would be timed")
@@ -107,11 +117,14 @@ def build_engine(case: SpecPolicyCase):
     extra = {} if case.device == "cuda" else {"device": case.device}
     engine_args = EngineArgs(
         model=case.model, dtype=case.dtype,
-        max_model_len=case.context + case.output_len + case.num_spec_tokens + 8,
+        max_model_len=(case.context + case.prompt_stagger * max(case.batch - 1, 0)
+                       + case.output_len + case.num_spec_tokens + 8),
         attention_backend=case.attention_backend, speculative_config=spec,
         max_num_seqs=max(case.batch, 1),
-        max_num_batched_tokens=max(4096, case.batch * (case.context + 1)),
+        max_num_batched_tokens=max(4096, case.batch * (case.context + 1)
+                                   + case.prompt_stagger * case.batch * case.batch),
         enforce_eager=case.enforce_eager, seed=0, async_scheduling=case.async_scheduling,
+        load_format=case.load_format,
         kv_cache_memory_bytes=case.kv_cache_memory_bytes, **extra)
     engine = _with_deferral(case.defer_context_kv, LLMEngine.from_engine_args, engine_args)
     try:
@@ -127,10 +140,14 @@ def build_engine(case: SpecPolicyCase):
             if not hasattr(speculator, "set_early_draft_mode"):
                 raise ValueError(f"early_draft={case.early_draft!r} needs a block drafter "
                                  f"(DSpark / DFlash), not method={case.method!r}")
-            speculator.set_early_draft_mode(case.early_draft)
+            if case.early_draft == "auto-fixed":  # eligible "auto", without its A/B
+                speculator.set_early_draft_mode("auto", tune=False)
+            else:
+                speculator.set_early_draft_mode(case.early_draft)
         params = SamplingParams(temperature=0.0, max_tokens=case.output_len, ignore_eos=True)
         for i in range(case.batch):
-            prompt = [(7 * i + 13 * j) % 200 + 20 for j in range(case.context)]
+            prompt = [(7 * i + 13 * j) % 200 + 20
+                      for j in range(case.context + i * case.prompt_stagger)]
             engine.add_request(f"r{i}", prompt, params)
     except BaseException:
         engine.shutdown()
@@ -273,6 +290,7 @@ def run_interleaved(cases: dict[str, SpecPolicyCase], steps_per_block: int = 16,
                 "block_tok_s": [t / s for t, s in blocks[name]], "blocks": blocks[name],
                 "step_ms": step_ms[name],
                 "policy": spec_stats.get("policy"),
+                "mean_acceptance_length": spec_stats.get("mean_acceptance_length"),
                 "tokens": [outputs[name][f"r{i}"] for i in range(case.batch)]}
         return result
     finally:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from vllm import LLM, SamplingParams
-from vllm.v1.worker.gpu.spec_decode.early_draft import ENV_FLAG, early_draft_mode
+from vllm.v1.worker.gpu.spec_decode.early_draft import ENV_FLAG, EarlyDraftTuner, early_draft_mode
 
 PROMPTS = [[(7 * i + 13 * j) % 200 + 20 for j in range(10 + 7 * i)] for i in range(3)]
 MAX_TOKENS = 24
@@ -98,7 +98,86 @@ def test_a_bad_mode_is_refused(monkeypatch):
         early_draft_mode()
 
 
-def test_off_unless_asked_for(monkeypatch):
-    """Measured slower on the tiny model (early_draft.py), so the default is "0"."""
+def test_the_default_is_the_measured_auto(monkeypatch):
+    """Slower on the tiny model, faster at V3-rank dims (early_draft.py): the default "auto"
+    decides per engine from its own A/B (EarlyDraftTuner)."""
     monkeypatch.delenv(ENV_FLAG, raising=False)
-    assert early_draft_mode() == "0"
+    assert early_draft_mode() == "auto"
+
+
+def _run_tuner(tuner, step_seconds, num_reqs=8, steps=200):
+    """Feed `tuner` the steps a runner would: each step asks use_early, then reports its time
+    (step_seconds(early) for the path it took). Returns the path of every step."""
+    paths = []
+    for _ in range(steps):
+        early = tuner.use_early(num_reqs)
+        paths.append(early)
+        tuner.observe(num_reqs, early, step_seconds(early))
+    return paths
+
+
+@pytest.mark.parametrize("early_s, chosen", [(0.9, True), (1.1, False), (0.995, False)])
+def test_the_tuner_keeps_the_early_path_only_where_it_measures_faster(early_s, chosen):
+    tuner = EarlyDraftTuner(trial_steps=8, recheck_steps=1000, min_gain=0.01)
+    paths = _run_tuner(tuner, lambda early: early_s if early else 1.0, steps=60)
+    # 9 late steps (the first one, the switch, not counted), 9 early ones, then the decision.
+    assert paths[:9] == [False] * 9 and paths[9:18] == [True] * 9
+    assert paths[18:] == [chosen] * 42
+    assert tuner.history == [(8, 1.0, early_s, chosen)]
+
+
+def test_the_tuner_judges_each_batch_bucket_alone_and_again_after_recheck_steps():
+    tuner = EarlyDraftTuner(trial_steps=4, recheck_steps=20, min_gain=0.0)
+    _run_tuner(tuner, lambda early: 0.5 if early else 1.0, num_reqs=3, steps=10)
+    assert tuner.use_early(4) is True   # bucket 4 (3 and 4 rows): decided early
+    assert tuner.use_early(5) is False  # bucket 8: its own trial, starting late
+    # bucket 4's costs turn around: after 20 more steps it is tried again and flips
+    _run_tuner(tuner, lambda early: 2.0 if early else 1.0, num_reqs=4, steps=20)
+    assert tuner.use_early(4) is False and len(tuner.history) == 1
+    _run_tuner(tuner, lambda early: 2.0 if early else 1.0, num_reqs=4, steps=10)
+    assert [h[3] for h in tuner.history] == [True, False]
+    # a sample of the other path (a step launched before the window switched) is ignored
+    fresh = EarlyDraftTuner(trial_steps=2)
+    fresh.observe(1, True, 100.0)
+    assert fresh._trial(1).samples == {"late": [], "early": []}
+    with pytest.raises(ValueError, match="trial_steps=1"):
+        EarlyDraftTuner(trial_steps=1)
+
+
+def test_the_runner_times_eligible_steps_for_the_tuner_and_follows_it(plain, monkeypatch):
+    """On the CPU "auto" is never eligible, so mode "1" with a tuner attached drives the same
+    runner path: eligible steps are timed and reported with the path they took, the decision
+    is followed (no early preparation once it says late), and greedy output is unchanged."""
+    monkeypatch.setenv(ENV_FLAG, "1")
+    spec = {"method": "dspark", "num_speculative_tokens": 4}
+    with LLM(device="cpu", max_model_len=128, max_num_seqs=4, speculative_config=spec) as llm:
+        speculator = llm.llm_engine.executor.worker.model_runner.speculator
+        assert speculator.wants_early_draft() and speculator.early_tuner is None
+        tuner = speculator.early_tuner = EarlyDraftTuner(trial_steps=2, recheck_steps=10 ** 6)
+        seen, prepared = [], []
+        inner_observe, inner_prepare = tuner.observe, speculator.prepare_early
+
+        def observe(num_reqs, early, seconds):
+            seen.append((num_reqs, early, seconds))
+            inner_observe(num_reqs, early, seconds)
+
+        def prepare_early(*args):
+            prepared.append(len(seen))
+            return inner_prepare(*args)
+
+        tuner.observe, speculator.prepare_early = observe, prepare_early
+        # the decision after the trial: late, whatever the CPU timings say
+        tuner.min_gain = 0.999
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == plain
+    assert seen and all(s > 0 for _, _, s in seen)
+    # Per batch bucket: 3 late steps, 3 early ones, then late (the decision) from then on.
+    by_bucket = {}
+    for i, (num_reqs, early, _) in enumerate(seen):
+        by_bucket.setdefault(1 << max(num_reqs - 1, 0).bit_length(), []).append((i, early))
+    longest = max(by_bucket.values(), key=len)
+    assert len(longest) >= 7, by_bucket
+    assert [e for _, e in longest] == [False] * 3 + [True] * 3 + [False] * (len(longest) - 6)
+    assert tuner.history and not any(h[3] for h in tuner.history)
+    # an early preparation ran in exactly the steps timed as early
+    assert sorted(prepared) == [i for i, (_, early, _) in enumerate(seen) if early]

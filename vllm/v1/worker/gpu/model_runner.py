@@ -14,6 +14,7 @@ generators seeded the same everywhere), so each rank's request state stays in lo
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -51,6 +52,10 @@ def _attention_modules(model: Any) -> list[Any]:
 
 
 class GPUModelRunner:
+
+    # (tuner, rows, early) of a synchronous step whose early draft path is being A/B-timed
+    # (early_draft.EarlyDraftTuner), set by _prepare_draft_early, read once the step finished.
+    _early_timing = None
 
     def __init__(self, vllm_config: Any, device: torch.device | str, rank: int = 0):
         self.vllm_config = vllm_config
@@ -362,6 +367,7 @@ class GPUModelRunner:
         sampled ids reach the host; `get_output()` collects them. Other steps complete here."""
         if self.kv_cache_config is None:
             raise RuntimeError("call initialize_kv_cache() before execute_model()")
+        started = time.perf_counter()
         self._retire_previous_step()
         if self.speculator is not None:
             self.speculator.discard_early()  # a draft prepared early is for its own step only
@@ -416,9 +422,13 @@ class GPUModelRunner:
         previous = self._inflight
         if previous is not None and not previous.done:
             previous.get_output()  # collected in launch order (its copy finished before ours)
-        return AsyncModelRunnerOutput.ready(self._finish_step(
-            batch, scheduler_output, hidden, aux_hidden, logits, prompt_logprobs, host, num_draft,
-            sample_rows, rows_info))
+        output = self._finish_step(batch, scheduler_output, hidden, aux_hidden, logits,
+                                   prompt_logprobs, host, num_draft, sample_rows, rows_info)
+        timing = self._early_timing
+        if timing is not None:  # the early draft step's A/B (early_draft.EarlyDraftTuner)
+            self._early_timing = None
+            timing[0].observe(timing[1], timing[2], time.perf_counter() - started)
+        return AsyncModelRunnerOutput.ready(output)
 
     def _finish_step(self, batch: InputBatch, scheduler_output: Any, hidden, aux_hidden, logits,
                      prompt_logprobs, host: np.ndarray, num_draft, sample_rows,
@@ -545,6 +555,13 @@ class GPUModelRunner:
                 or not getattr(scheduler_output, "propose_drafts", True)
                 or not bool((batch.num_draft_np[:n] == q - 1).all())):
             return
+        tuner = spec.early_tuner
+        if tuner is not None:
+            # Mode "auto": this eligible step is timed for the A/B (execute_model_async).
+            early = tuner.use_early(n)
+            self._early_timing = (tuner, n, early)
+            if not early:
+                return
         buf = self.__dict__.get("_early_num_computed")
         if buf is None:
             buf = self._early_num_computed = torch.zeros(self.max_num_reqs, dtype=torch.int64,

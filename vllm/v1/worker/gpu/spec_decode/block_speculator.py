@@ -17,7 +17,8 @@ from vllm.model_executor.layers.attention.mla_attention import current_attn_meta
 from vllm.v1.worker.gpu.attn_utils import KVWriteOnlyMetadata, refresh_attn_metadata_seq_lens
 from vllm.v1.worker.gpu.spec_decode.context_kv_ring import (DEFAULT_STEPS, DeferredContextKV,
                                                             deferral_enabled)
-from vllm.v1.worker.gpu.spec_decode.early_draft import MODES, EarlyDraft, early_draft_mode
+from vllm.v1.worker.gpu.spec_decode.early_draft import (MODES, EarlyDraft, EarlyDraftTuner,
+                                                        early_draft_mode)
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftInputs, Speculator
 
 
@@ -166,25 +167,32 @@ class BlockSpeculator(Speculator):
     early_rebuilds = 0   # early metadata built again from the exact lengths
 
     def wants_early_draft(self) -> bool:
-        """Whether prepare_early should run before the runner waits for a step's output
-        (early_draft.py: VLLM_EARLY_DRAFT_METADATA). "0" (default): never; "auto": with a
-        captured greedy draft step and builders that can lower planned lengths in place
-        (FlashInfer MLA at DCP 1), to move the draft's host work into the verify step's GPU
-        time; "1": wherever the step allows it (tests run it eagerly, where it builds twice)."""
+        """Whether prepare_early may run before the runner waits for a step's output
+        (early_draft.py: VLLM_EARLY_DRAFT_METADATA). "auto" (default): with a captured greedy
+        draft step and builders that can lower planned lengths in place (FlashInfer MLA at
+        DCP 1), to move the draft's host work into the verify step's GPU time, and then only
+        where `early_tuner` measures it faster; "0": never; "1": wherever the step allows it
+        (tests run it eagerly, where it builds twice)."""
         wanted = self.__dict__.get("_wants_early")
         if wanted is None:
             mode = early_draft_mode()
             wanted = self._early_draft_for(mode)
             if self.cudagraphs is not None or mode != "auto":  # auto: decided with graphs
                 self.__dict__["_wants_early"] = wanted
+                self.early_tuner = EarlyDraftTuner() if wanted and mode == "auto" else None
         return wanted
 
-    def set_early_draft_mode(self, mode: str) -> None:
+    # Mode "auto": the per-engine A/B of the early path (None: no tuning, as decided).
+    early_tuner: EarlyDraftTuner | None = None
+
+    def set_early_draft_mode(self, mode: str, tune: bool = True) -> None:
         """Decide the early draft step for this speculator from `mode` (one of
-        early_draft.MODES) instead of the environment (benchmarks A/B both in one process)."""
+        early_draft.MODES) instead of the environment (benchmarks A/B both in one process);
+        `tune=False` keeps an eligible "auto" on without its measured A/B."""
         if mode not in MODES:
             raise ValueError(f"early draft mode {mode!r} is invalid: use one of {list(MODES)}")
-        self.__dict__["_wants_early"] = self._early_draft_for(mode)
+        wanted = self.__dict__["_wants_early"] = self._early_draft_for(mode)
+        self.early_tuner = EarlyDraftTuner() if wanted and mode == "auto" and tune else None
 
     def _early_draft_for(self, mode: str) -> bool:
         if mode == "auto":

@@ -12,18 +12,20 @@ the output copy, then the drafter's prepare_early, then waits: the draft's host 
 the verify step, and after the wait only the lowering (or, where a builder cannot, a second
 build from the exact lengths) remains.
 
-`VLLM_EARLY_DRAFT_METADATA`: "0" (default: never), "auto" (with a captured greedy draft step
-and builders that lower lengths in place: FlashInfer MLA at DCP 1), "1" (wherever the step
-allows: uniform decode or verify rows that all sample, DCP 1; eager steps then build twice,
-which is how the CPU tests exercise it).
+`VLLM_EARLY_DRAFT_METADATA`: "auto" (default: with a captured greedy draft step and builders
+that lower lengths in place, i.e. FlashInfer MLA at DCP 1, and only where it measures faster on
+this engine's own steps: EarlyDraftTuner), "0" (never), "1" (wherever the step allows: uniform
+decode or verify rows that all sample, DCP 1; eager steps then build twice, which is how the
+CPU tests exercise it).
 
 Measured (thirteenth session, one H200, tiny model, DSpark k=4, bf16, graphs, synchronous,
 `scripts/probe_early_draft.py`, engines stepped in turn in one process): "auto" against "0"
 0.980x tok/s at B=1 and 0.941x at B=8, greedy tokens identical; 134 of 139 early steps
 (B=1) and 205 of 267 (B=8) were lowered in place, the rest built again. The tiny model's
 verify step is too short for the host work to hide in it, and the lowering and the second
-builds cost more than the overlap wins, so it is off by default. Where the verify step's GPU
-time exceeds the draft's host work (large models) it may pay; not measured yet.
+builds cost more than the overlap wins. At DeepSeek-V3 per-TP8-rank dims (random weights,
+fourteenth session) it gains ~15 % at B=1 and B=32: the verify step's GPU time there exceeds
+the draft's host work. Hence "auto" decides per engine from a measured A/B (EarlyDraftTuner).
 """
 from __future__ import annotations
 
@@ -39,11 +41,11 @@ MODES = ("auto", "1", "0")
 
 
 def early_draft_mode() -> str:
-    value = os.environ.get(ENV_FLAG, "0")
+    value = os.environ.get(ENV_FLAG, "auto")
     if value not in MODES:
-        raise ValueError(f"{ENV_FLAG}={value!r} is invalid: use 0 (default: never), auto (with "
-                         "captured draft steps and FlashInfer MLA at DCP 1) or 1 (wherever the "
-                         "step allows, e.g. to test it eagerly)")
+        raise ValueError(f"{ENV_FLAG}={value!r} is invalid: use auto (default: with captured "
+                         "draft steps and FlashInfer MLA at DCP 1, where it measures faster), 0 "
+                         "(never) or 1 (wherever the step allows, e.g. to test it eagerly)")
     return value
 
 
@@ -58,3 +60,75 @@ class EarlyDraft:
     anchors: torch.Tensor
     slot_mappings: torch.Tensor
     target_seq_lens: np.ndarray     # the verify step's lengths (the builders' upper bound)
+
+
+def _bucket(num_reqs: int) -> int:
+    """Batch-size bucket of a decision: the next power of two (1, 2, 4, 8, ...)."""
+    return 1 << max(int(num_reqs) - 1, 0).bit_length()
+
+
+@dataclass
+class _Trial:
+    samples: dict           # "late" / "early" -> step seconds of the current window
+    phase: str = "late"     # the window being measured, or "decided"
+    early: bool = False     # the decision (phase "decided")
+    steps_decided: int = 0  # eligible steps since the decision
+
+
+class EarlyDraftTuner:
+    """Mode "auto": whether the early draft step pays on THIS engine, measured on its own steps.
+
+    Whether it pays depends on the model: on the built-in tiny model the verify step is too
+    short to hide the draft's host work and the early path costs 2-6 % (thirteenth session);
+    at DeepSeek-V3 per-rank dims it gains ~15 % (fourteenth session, docs/performance.md). So
+    per batch-size bucket (powers of two) the runner's eligible steps are timed in two windows,
+    `trial_steps` with the path off, then `trial_steps` with it on (the first step of each
+    window, the switch, is not counted); the path stays on when the median early step is at
+    least `min_gain` faster, and the trial is run again after `recheck_steps` eligible steps
+    of that bucket. Greedy output does not depend on the choice (the early draft is exact)."""
+
+    def __init__(self, trial_steps: int = 32, recheck_steps: int = 4096, min_gain: float = 0.01):
+        if trial_steps < 2 or recheck_steps < 1 or not 0.0 <= min_gain < 1.0:
+            raise ValueError(f"trial_steps={trial_steps}, recheck_steps={recheck_steps}, "
+                             f"min_gain={min_gain}: need trial_steps >= 2, recheck_steps >= 1 "
+                             "and 0 <= min_gain < 1")
+        self.trial_steps, self.recheck_steps, self.min_gain = trial_steps, recheck_steps, min_gain
+        self._trials: dict[int, _Trial] = {}
+        # (bucket, median late s, median early s, chose early) of every finished trial
+        self.history: list[tuple[int, float, float, bool]] = []
+
+    def _trial(self, num_reqs: int) -> _Trial:
+        bucket = _bucket(num_reqs)
+        trial = self._trials.get(bucket)
+        if trial is None:
+            trial = self._trials[bucket] = _Trial({"late": [], "early": []})
+        return trial
+
+    def use_early(self, num_reqs: int) -> bool:
+        """Whether this eligible step of `num_reqs` rows runs the early path."""
+        trial = self._trial(num_reqs)
+        return trial.early if trial.phase == "decided" else trial.phase == "early"
+
+    def observe(self, num_reqs: int, early: bool, seconds: float) -> None:
+        """The host wall time of an eligible step that ran the path as `early` says."""
+        trial = self._trial(num_reqs)
+        if trial.phase == "decided":
+            trial.steps_decided += 1
+            if trial.steps_decided >= self.recheck_steps:
+                trial.phase, trial.steps_decided = "late", 0
+                trial.samples = {"late": [], "early": []}
+            return
+        if early != (trial.phase == "early"):
+            return  # a step launched before the window switched
+        window = trial.samples[trial.phase]
+        window.append(seconds)
+        if len(window) < self.trial_steps + 1:
+            return
+        if trial.phase == "late":
+            trial.phase = "early"
+            return
+        late = float(np.median(trial.samples["late"][1:]))
+        early_s = float(np.median(trial.samples["early"][1:]))
+        trial.early = early_s <= late * (1.0 - self.min_gain)
+        trial.phase = "decided"
+        self.history.append((_bucket(num_reqs), late, early_s, trial.early))

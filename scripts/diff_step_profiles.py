@@ -1,0 +1,104 @@
+"""Where one engine's host time per step exceeds another's, function by function: the engines of
+the speculation-policy cases (vllm.benchmarks.spec_policy: "none", "never", "auto-nopay", ...)
+are built, warmed up and stepped under cProfile one after another; the table lists, per
+function, the own-time difference per step (us, cProfile roughly doubles Python's cost: read
+the order and the call counts, not the microseconds) and the calls per step of each engine.
+
+Usage (GPU node, after scripts/gpu_validation.sh set up the site):
+    python3 scripts/diff_step_profiles.py --variants none never auto-nopay --batch 8 --steps 300
+CPU:  ... --device cpu --dtype float32 --attention-backend TORCH_MLA --enforce-eager
+Each later variant is compared with the first one.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+
+from vllm.benchmarks.spec_policy import VARIANTS, SpecPolicyCase, build_engine
+
+# "auto-nopay" without re-probes (as scripts/trace_policy_steps.py --interleaved adds it)
+NOPROBE = "auto-nopay-noprobe"
+
+
+def profile_steps(case: SpecPolicyCase, steps: int) -> dict[str, tuple[int, float]]:
+    """{function: (calls, own seconds)} over `steps` engine steps after the case's warm-up."""
+    engine = build_engine(case)
+    try:
+        for _ in range(case.warmup_steps):
+            engine.step()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(steps):
+            if not engine.has_unfinished_requests():
+                raise ValueError(f"{case.variant}: the requests finished before {steps} "
+                                 "profiled steps; raise --output-len")
+            engine.step()
+        profiler.disable()
+        stats = pstats.Stats(profiler).stats
+        out = {}
+        for (path, line, name), (_, calls, own, _, _) in stats.items():
+            key = f"{path.split('/vllm/')[-1] if '/vllm/' in path else path}:{line}({name})"
+            out[key] = (calls, own)
+        return out
+    finally:
+        engine.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variants", nargs="+", default=["none", "never", "auto-nopay"],
+                        choices=VARIANTS + (NOPROBE,))
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--warmup-steps", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=None,
+                        help="None: warm-up + steps + 64")
+    parser.add_argument("--scheduling", choices=("default", "sync"), default="default")
+    parser.add_argument("--prompt-stagger", type=int, default=0)
+    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--attention-backend", default="FLASHINFER_MLA")
+    parser.add_argument("--enforce-eager", action="store_true")
+    args = parser.parse_args()
+    if len(args.variants) < 2:
+        parser.error("--variants needs at least two engines to compare")
+    output_len = args.output_len or args.warmup_steps + args.steps + 64
+    profiles = {}
+    for name in args.variants:
+        variant, extra = name, {}
+        if name == NOPROBE:
+            variant = "auto-nopay"
+            extra["cost_model_config"] = (("probe_interval", 10 ** 6),
+                                          ("max_probe_interval", 10 ** 6))
+        case = SpecPolicyCase(variant, args.batch, output_len=output_len,
+                              warmup_steps=args.warmup_steps, device=args.device,
+                              dtype=args.dtype, attention_backend=args.attention_backend,
+                              enforce_eager=args.enforce_eager,
+                              async_scheduling=None if args.scheduling == "default" else False,
+                              prompt_stagger=args.prompt_stagger, **extra)
+        profiles[name] = profile_steps(case, args.steps)
+    base_name = args.variants[0]
+    base = profiles[base_name]
+    for name in args.variants[1:]:
+        other = profiles[name]
+        rows = []
+        for key in set(base) | set(other):
+            calls_a, own_a = base.get(key, (0, 0.0))
+            calls_b, own_b = other.get(key, (0, 0.0))
+            rows.append(((own_b - own_a) / args.steps * 1e6, key, calls_a / args.steps,
+                         calls_b / args.steps))
+        rows.sort(reverse=True)
+        total = sum(r[0] for r in rows)
+        print(f"\n#### {name} over {base_name}, B={args.batch}, {args.steps} steps, "
+              f"scheduling={args.scheduling}: {total:+.1f} us/step of own time in all")
+        print(f"| own us/step {name} - {base_name} | calls/step {base_name} | calls/step {name} "
+              "| function |")
+        print("|---|---|---|---|")
+        for delta, key, calls_a, calls_b in rows[:args.top]:
+            print(f"| {delta:+.1f} | {calls_a:.2f} | {calls_b:.2f} | {key} |")
+
+
+if __name__ == "__main__":
+    main()
