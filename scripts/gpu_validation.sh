@@ -20,6 +20,8 @@
 #   bash scripts/gpu_validation.sh replan    # native re-plan tests (both staging paths), re-plan host A/B (~3 min)
 #   bash scripts/gpu_validation.sh early     # early draft metadata: FlashInfer/exactness/graph GPU tests, tiny A/B
 #   bash scripts/gpu_validation.sh earlyv3   # early draft step A/B (off / on / tuned) at V3-rank dims (~3 min)
+#   bash scripts/gpu_validation.sh ctxkv     # fused context-KV write + refresh slack: their GPU tests (~1 min)
+#   bash scripts/gpu_validation.sh ctxkvtrace # the same: never (fused) / never-perlayer / none / auto, B=8 trace A/B (~4 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
 set -uo pipefail
 out="${OUT:-out}"; mkdir -p "$out"; out="$(cd "$out" && pwd)"
@@ -172,6 +174,15 @@ for what in "$@"; do
         --draft-model benchmarks/configs/deepseek_v3_tp8_rank_dspark --batch-sizes 1 32 \
         --output-len 160 >"$out/early_v3.log" 2>&1
       summary+=("early probe (V3-rank) rc=$?"); tail -n 12 "$out/early_v3.log" ;;
+    ctxkv)  # the fused context-KV write and the plan-refresh slack: their GPU tests
+      run_pytest ctxkv tests/model_executor/layers/attention/test_mla_context_kv_writer.py \
+        tests/v1/attention/test_flashinfer_mla_gpu.py ;;
+    ctxkvtrace)
+      # never (fused) vs never-perlayer vs none, and the auto engines, in one process
+      timeout 420 python3 scripts/trace_policy_steps.py --interleaved --batch-sizes ${CTXKV_B:-8} \
+        --rounds 1 --output-len 768 --variants none never auto-nopay --context-kv-ab \
+        --prompt-stagger ${CTXKV_STAGGER:-0} >"$out/ctxkv_trace.log" 2>&1
+      summary+=("ctxkv trace rc=$?"); grep -E "^(==|engine|none|never|auto)|re-plans" "$out/ctxkv_trace.log" | tail -n 40 ;;
     hostprofile)  # where a speculative step's host time goes, by phase and by function
       timeout 200 python3 scripts/probe_spec_step.py --device cuda --dtype bfloat16 \
         --attention-backend FLASHINFER_MLA --batch 1 8 --modes plain draft --steps 100 \

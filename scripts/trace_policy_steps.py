@@ -145,8 +145,15 @@ def trace_interleaved(cases: dict[str, SpecPolicyCase], steps_per_block: int = 1
 
     logs: dict[str, list[dict]] = {name: [] for name in cases}
 
+    writers: dict[str, str] = {}
+
     def on_warm(name, engine):
         log = logs[name]
+        speculator = engine.executor.worker.model_runner.speculator
+        writer = getattr(getattr(speculator, "model", None), "__dict__", {}).get(
+            "_context_kv_writer")
+        if writer is not None:  # which context-KV write this engine's drafter runs
+            writers[name] = "fused" if writer.reason is None else f"per layer ({writer.reason})"
         _hook(engine, log, record_policy=False)
         step = engine.step
 
@@ -167,7 +174,7 @@ def trace_interleaved(cases: dict[str, SpecPolicyCase], steps_per_block: int = 1
         engine.step = traced_step
 
     runs = run_interleaved(cases, steps_per_block, on_warm=on_warm)
-    out = {"_rounds": runs["_rounds"]}
+    out = {"_rounds": runs["_rounds"], "_context_kv": writers}
     for name in cases:
         run = runs[name]
         flat = [ms for block in run["step_ms"] for ms in block]
@@ -201,6 +208,8 @@ def print_interleaved(result: dict) -> None:
               f"{r['block_ms']:9.2f} {r['steps_ms']:9.2f} {r['median_ms']:7.3f} "
               f"{r['first_in_block_median_ms']:7.3f} {r['rest_median_ms']:7.3f} "
               f"{r['sum_above_3x_median_ms']:8.2f}")
+    for name, how in result.get("_context_kv", {}).items():
+        print(f"-- {name}: context-KV write {how}")
     for name in names:
         r = result[name]
         kinds: dict[str, list[float]] = {}
@@ -246,6 +255,9 @@ def main() -> None:
                              "of 16 steps (the cannot-pay test's runner); adds the variant "
                              "'auto-nopay-noprobe' (auto-nopay without re-probes)")
     parser.add_argument("--defer-context-kv", action="store_true")
+    parser.add_argument("--context-kv-ab", action="store_true",
+                        help="with --interleaved: adds 'never-perlayer', the never engine with "
+                             "the per-layer context-KV write (VLLM_FUSED_DRAFT_CONTEXT_KV=0)")
     parser.add_argument("--prompt-stagger", type=int, nargs="+", default=[0], metavar="TOKENS",
                         help="request i's prompt is i * TOKENS longer (0: equal prompts, whose "
                              "plain engine crosses block boundaries in lock-step); several "
@@ -257,13 +269,19 @@ def main() -> None:
         for batch, stagger in [(b, t) for b in args.batch_sizes for t in args.prompt_stagger]:
             for _ in range(args.rounds):
                 cases = {}
-                for variant in args.variants + ["auto-nopay-noprobe"]:
+                extra_variants = ["auto-nopay-noprobe"] + (["never-perlayer"]
+                                                          if args.context_kv_ab else [])
+                for variant in args.variants + extra_variants:
                     extra = {}
-                    if variant == "auto-nopay-noprobe":
+                    name = None
+                    if variant == "never-perlayer":
+                        variant, name = "never", "never-perlayer"
+                        extra["fused_context_kv"] = False
+                    elif variant == "auto-nopay-noprobe":
                         variant = "auto-nopay"
                         extra["cost_model_config"] = (("probe_interval", 10 ** 6),
                                                       ("max_probe_interval", 10 ** 6))
-                    name = variant + ("-noprobe" if extra else "")
+                    name = name or variant + ("-noprobe" if extra else "")
                     if variant != "none" and args.defer_context_kv:
                         extra["defer_context_kv"] = True
                     cases[name] = SpecPolicyCase(

@@ -123,10 +123,13 @@ def plan_works(ws_i32: np.ndarray, info) -> list[dict]:
              if f not in MERGE_FIELDS and f != "work_indptr"} for w in range(n)]
 
 
-def assert_valid_plan(works, qo, kv, kv_indptr, chunk_limit: int, chunk_counts=None) -> None:
+def assert_valid_plan(works, qo, kv, kv_indptr, chunk_limit: int, chunk_counts=None,
+                      last_chunk_limit: int | None = None) -> None:
     """Each request with query rows is covered by its works: chunks tile [0, kv) in order,
-    none longer than chunk_limit, with the request's kv_len and first page. `chunk_counts`
+    none longer than chunk_limit (a request's last one: last_chunk_limit, default the same;
+    a refreshed plan lets it grow), with the request's kv_len and first page. `chunk_counts`
     (request -> count) pins the number of chunks too."""
+    last_limit = chunk_limit if last_chunk_limit is None else last_chunk_limit
     q_lens = [int(qo[i + 1]) - int(qo[i]) for i in range(len(kv))]
     for i, q in enumerate(q_lens):
         if q == 0:
@@ -135,9 +138,11 @@ def assert_valid_plan(works, qo, kv, kv_indptr, chunk_limit: int, chunk_counts=N
                       key=lambda w: w["kv_start"])
         assert mine, f"request {i} has no work item"
         pos = 0
-        for w in mine:
+        for n, w in enumerate(mine):
             assert w["kv_start"] == pos, (i, mine)
-            assert w["kv_end"] - w["kv_start"] <= chunk_limit, (i, w, chunk_limit)
+            assert w["kv_end"] > w["kv_start"] or int(kv[i]) == 0, (i, w)  # no empty chunk
+            bound = last_limit if n + 1 == len(mine) else chunk_limit
+            assert w["kv_end"] - w["kv_start"] <= bound, (i, w, bound)
             assert w["kv_len"] == int(kv[i]) and w["kv_indptr"] == int(kv_indptr[i]), (i, w)
             assert w["q_len"] == q
             pos = w["kv_end"]

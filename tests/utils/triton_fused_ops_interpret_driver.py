@@ -111,6 +111,114 @@ def check_kv_cache(gen):
             assert torch.equal(ctx, got), "write_latent_kv cache rows"
 
 
+def _per_layer_context_rows(kv, weights, eps, pos, cos, sin, interleaved, caches, slots, kv_lora):
+    """The per-layer path's Triton kernels (RMSNorm launch, then rope + cache write) per layer."""
+    width = kv.shape[1] // len(weights)
+    for layer, (w, cache, slot) in enumerate(zip(weights, caches, slots)):
+        row = kv[:, layer * width:(layer + 1) * width]
+        kv_c = layernorm.rms_norm_triton(row[:, :kv_lora], w, eps)
+        n = min(kv.shape[0], slot.shape[0])
+        mla_kv_cache._launch(n, kv_c=kv_c[:n], k_pe=row[:n, kv_lora:], kv_cache=cache,
+                             slot_mapping=slot[:n], positions=pos[:n], cos_cache=cos,
+                             sin_cache=sin, interleaved=interleaved,
+                             q_pe=row.new_empty(n, 0, width - kv_lora),
+                             q_out=row.new_empty(n, 0, width - kv_lora))
+
+
+def check_context_kv(gen):
+    """write_context_kv_layers (all draft layers in one launch per 4) against the per-layer
+    path's kernels (bit for bit: the same arithmetic) and the torch formula (tolerance)."""
+    from vllm.v1.attention.ops import mla_context_kv
+    for dtype in (torch.float32, torch.bfloat16):
+        for num_layers, interleaved in ((1, True), (2, False), (5, True)):
+            tokens, blocks, bs, kv_lora, rope = 6, 3, 4, 512, 64
+            width = kv_lora + rope
+            kv = torch.randn(tokens, num_layers * width, generator=gen).to(dtype)
+            weights = [(1 + 0.1 * torch.randn(kv_lora, generator=gen)).to(dtype)
+                       for _ in range(num_layers)]
+            cos, sin = _tables(64, rope // 2, gen)
+            pos = torch.randint(0, 64, (tokens,), generator=gen)
+            pos[-1] = 10 ** 6  # a padding token: its position is clamped, its slot is -1
+            # each layer its own slots: PAD (-1) rows, and a mapping shorter than the tokens
+            slots = [torch.randperm(blocks * bs, generator=gen)[:tokens].clone()
+                     for _ in range(num_layers)]
+            for layer, s in enumerate(slots):
+                s[-1] = -1
+                s[layer % (tokens - 1)] = -1
+            slots[-1] = slots[-1][: tokens - 2]
+            got = [torch.full((blocks, bs, width), 7.0).to(dtype) for _ in range(num_layers)]
+            mla_context_kv.write_context_kv_layers(kv, weights, 1e-6, pos, cos, sin, interleaved,
+                                                   got, slots, kv_lora)
+            same = [torch.full((blocks, bs, width), 7.0).to(dtype) for _ in range(num_layers)]
+            _per_layer_context_rows(kv, weights, 1e-6, pos.clamp(max=63), cos, sin, interleaved,
+                                    same, slots, kv_lora)
+            for layer in range(num_layers):
+                assert torch.equal(got[layer], same[layer]), ("per-layer kernels", layer, dtype)
+                # the torch formula, row by row (untouched rows keep 7.0)
+                ref = torch.full((blocks, bs, width), 7.0).to(dtype)
+                row = kv[:, layer * width:(layer + 1) * width]
+                n = min(tokens, slots[layer].shape[0])
+                kv_c = layernorm.rms_norm_torch(row[:n, :kv_lora], weights[layer], 1e-6)
+                p = pos[:n].clamp(max=63)
+                k = rotary_embedding.rope_torch(row[:n, kv_lora:], cos[p], sin[p], interleaved)
+                mla_kv_cache._concat_and_cache_torch(kv_c, k, ref, slots[layer][:n])
+                torch.testing.assert_close(got[layer], ref, **TOL[dtype])
+
+
+def check_context_kv_writer(gen):
+    """A DFlash drafter's precompute_context_kv through ContextKVWriter (one GEMM over the
+    stacked kv_a weights, one launch) against its per-layer path on the same weights; the
+    stack backs every layer's weight (a later copy into a layer's weight reaches it)."""
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.layers.attention.mla_context_kv_writer import ContextKVWriter
+    from vllm.model_executor.models.dflash_mla import DFlashMLAForCausalLM
+    from vllm.model_executor.models.tiny import tiny_dflash_config, tiny_target_config
+    from vllm.transformers_utils.config import HFConfig
+    from vllm.v1.worker.gpu.attn_utils import KVWriteOnlyMetadata
+    target = tiny_target_config()
+    model = DFlashMLAForCausalLM(hf_config=HFConfig(tiny_dflash_config(target, num_layers=3)))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
+    attns = [layer.self_attn for layer in model.model.layers]
+    tokens, blocks, bs = 5, 3, 4
+    aux = torch.randn(tokens, model.model.fc.weight.shape[1], generator=gen)
+    pos = torch.randint(0, 100, (tokens,), generator=gen)
+    slots = [torch.randperm(blocks * bs, generator=gen)[:tokens].clone() for _ in attns]
+    slots[1][2] = -1
+    entries = {a.layer_name: KVWriteOnlyMetadata(slot_mapping=s) for a, s in zip(attns, slots)}
+
+    def caches():
+        out = [torch.full((blocks, bs, 576), 7.0) for _ in attns]
+        for a, c in zip(attns, out):
+            a.kv_cache = c
+        return out
+
+    per_layer = caches()
+    with set_forward_context(entries):
+        features = model.context_features(aux)
+        for a, s in zip(attns, slots):
+            a.write_latent_kv(pos, features, s)
+    writer = ContextKVWriter(attns, cuda_only=False)
+    model.__dict__["_context_kv_writer"] = writer
+    fused = caches()
+    with set_forward_context(entries):
+        model.precompute_context_kv(aux, pos)
+    assert writer.reason is None, writer.reason
+    for a, b in zip(fused, per_layer):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    stack = writer._weight
+    assert stack.shape[0] == 3 * 576
+    for i, a in enumerate(attns):
+        assert a.kv_a_proj_with_mqa.weight.data_ptr() == stack[i * 576].data_ptr()
+    with torch.no_grad():  # a weight load copies into the parameter: the stack sees it
+        attns[2].kv_a_proj_with_mqa.weight.mul_(2.0)
+    assert torch.equal(stack[2 * 576:], attns[2].kv_a_proj_with_mqa.weight)
+    # a weight replaced by another tensor: the fused path turns itself off
+    attns[0].kv_a_proj_with_mqa.weight.data = attns[0].kv_a_proj_with_mqa.weight.data.clone()
+    assert not writer.usable(features) and "replaced" in writer.reason
+
+
 def _experts_float64(x, w13, w2, weights, ids):
     """Brute force: every (token, slot) through its expert, float64."""
     x, w13, w2, weights = x.double(), w13.double(), w2.double(), weights.double()
@@ -140,7 +248,8 @@ def check_moe(gen):
                                    rtol=1e-4, atol=1e-4)
 
 
-CHECKS = dict(rms_norm=check_rms_norm, rope=check_rope, kv_cache=check_kv_cache, moe=check_moe)
+CHECKS = dict(rms_norm=check_rms_norm, rope=check_rope, kv_cache=check_kv_cache, moe=check_moe,
+              context_kv=check_context_kv, context_kv_writer=check_context_kv_writer)
 
 if __name__ == "__main__":
     if not layernorm.HAS_TRITON:

@@ -26,6 +26,7 @@ BATCHED = (
     ("triton_fused_ops_interpret_driver.py", ("kv_cache",)),
     ("triton_fused_ops_interpret_driver.py", ("moe",)),
     ("triton_fused_ops_interpret_driver.py", ("rms_norm", "rope")),
+    ("triton_fused_ops_interpret_driver.py", ("context_kv", "context_kv_writer")),
 )
 _batch_results: dict | None = None
 

@@ -50,6 +50,9 @@ class SpecPolicyCase:
     # Block drafters' deferred context-KV writes (VLLM_DEFER_DRAFT_CONTEXT_KV, read when the
     # engine is built): None = the environment's setting.
     defer_context_kv: bool | None = None
+    # Block drafters' fused context-KV write (VLLM_FUSED_DRAFT_CONTEXT_KV, read when the drafter
+    # is built; mla_context_kv_writer.py): None = the environment's setting.
+    fused_context_kv: bool | None = None
     # CostModelConfig fields to override for "auto" / "auto-nopay" (e.g. {"probe_interval":
     # 10**6, "max_probe_interval": 10**6}: no re-probes, to price them), as (name, value) pairs.
     cost_model_config: tuple[tuple[str, object], ...] = ()
@@ -85,20 +88,25 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _with_deferral(defer: bool | None, fn, *args):
-    """fn(*args) with VLLM_DEFER_DRAFT_CONTEXT_KV set as `defer` says (None: as it is)."""
-    from vllm.v1.worker.gpu.spec_decode.context_kv_ring import ENV_FLAG
-    if defer is None:
+def _with_flag(flag: str, value: bool | None, fn, *args):
+    """fn(*args) with environment flag `flag` set to 1 / 0 as `value` says (None: as it is)."""
+    if value is None:
         return fn(*args)
-    before = os.environ.get(ENV_FLAG)
-    os.environ[ENV_FLAG] = "1" if defer else "0"
+    before = os.environ.get(flag)
+    os.environ[flag] = "1" if value else "0"
     try:
         return fn(*args)
     finally:
         if before is None:
-            os.environ.pop(ENV_FLAG, None)
+            os.environ.pop(flag, None)
         else:
-            os.environ[ENV_FLAG] = before
+            os.environ[flag] = before
+
+
+def _with_deferral(defer: bool | None, fn, *args):
+    """fn(*args) with VLLM_DEFER_DRAFT_CONTEXT_KV set as `defer` says (None: as it is)."""
+    from vllm.v1.worker.gpu.spec_decode.context_kv_ring import ENV_FLAG
+    return _with_flag(ENV_FLAG, defer, fn, *args)
 
 
 def build_engine(case: SpecPolicyCase):
@@ -126,7 +134,9 @@ def build_engine(case: SpecPolicyCase):
         enforce_eager=case.enforce_eager, seed=0, async_scheduling=case.async_scheduling,
         load_format=case.load_format,
         kv_cache_memory_bytes=case.kv_cache_memory_bytes, **extra)
-    engine = _with_deferral(case.defer_context_kv, LLMEngine.from_engine_args, engine_args)
+    from vllm.model_executor.layers.attention.mla_context_kv_writer import ENV_FLAG as FUSED
+    engine = _with_flag(FUSED, case.fused_context_kv, _with_deferral, case.defer_context_kv,
+                        LLMEngine.from_engine_args, engine_args)
     try:
         policy = engine.scheduler.spec_policy
         if case.cost_model_config:

@@ -237,6 +237,33 @@ def test_graph_wrapper_plan_refreshes_match_torch_mla(qlen, causal):
     assert slot.refreshes >= 18, (slot.refreshes, slot.native_replans, slot.full_plans)
 
 
+@pytest.mark.parametrize("qlen,causal", [(1, True), (5, False)])
+def test_refreshed_last_chunks_past_the_chunk_limit_match_torch_mla(qlen, causal):
+    """A refresh lets a request's last chunk grow past FlashInfer's kv_len_limit, up to the
+    refresh slack (flashinfer_plan_refresh.py: drifted batches would otherwise re-plan once per
+    request per chunk edge). The kernels loop over each work's own KV range, so such a plan must
+    still equal TORCH_MLA; one token more than the slack allows is planned for real."""
+    builder = _graph_builder(qlen, non_causal=not causal, max_model_len=8192)
+    seq = [700, 2049, 64, 9]
+    md, fi, ref = _graph_step(builder, seq, [qlen] * 4, causal, 90)
+    assert_states_close(fi, ref)
+    slot = md.decode.backend_state.wrapper_slot
+    skeleton = slot.refresher.skeleton
+    assert skeleton is not None and skeleton.limit > 0
+    planned = slot.native_replans + slot.full_plans
+    # every request at the longest length its held plan allows
+    grown = [int(h) for h in skeleton.hi[: skeleton.num_real]]
+    past = [g - max(int(lo), 0) for g, lo in zip(grown, skeleton.lo)]  # some last chunks
+    assert max(past) > skeleton.limit, (grown, skeleton.limit)
+    md, fi, ref = _graph_step(builder, grown, [qlen] * 4, causal, 91)
+    assert_states_close(fi, ref)
+    assert slot.native_replans + slot.full_plans == planned  # refreshed, not re-planned
+    grown[0] += 1
+    md, fi, ref = _graph_step(builder, grown, [qlen] * 4, causal, 92)
+    assert_states_close(fi, ref)
+    assert slot.native_replans + slot.full_plans == planned + 1
+
+
 def test_a_graph_plan_for_upper_bound_lengths_lowered_in_place_matches_torch_mla():
     """A block drafter's metadata built while the verify step runs (early_draft.py): the host
     plans for upper-bound lengths (every draft accepted) while the device already holds the

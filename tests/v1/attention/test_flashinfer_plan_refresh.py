@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from tests.utils.flashinfer_mla_plan_model import assert_valid_plan, model_plan, plan_works
-from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import (PlanRefresher, PlanSkeleton,
-                                                                     kv_len_limit)
+from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import (REFRESH_SLACK_TOKENS,
+                                                                     PlanRefresher, PlanSkeleton,
+                                                                     kv_len_limit, refresh_slack)
 
 
 def _pages(kv, page=16):
@@ -57,12 +58,19 @@ def test_refreshed_plans_stay_valid_and_fits_agrees_with_brute_force(seed):
         return
     assert sk is not None
     old_counts = {i: _chunks_by_loop(int(k), limit) for i, k in enumerate(kv) if qo[i + 1] > qo[i]}
-    for trial in range(6):
+    slack = refresh_slack(limit)
+    assert slack == min(limit, REFRESH_SLACK_TOKENS)
+    for trial in range(8):
         new = kv.copy()
         n = int((qo[1:] > qo[:-1]).sum())
         for i in range(n):
-            new[i] += rng.choice([0, 1, 1, 2, 7, limit // 2, limit])
-        same = all(_chunks_by_loop(int(new[i]), limit) == old_counts[i] for i in range(n))
+            new[i] += rng.choice([0, 1, 1, 2, 7, limit // 2, limit, limit + slack])
+        # Brute force: the old chunks, cut at the limit, with the last one stretched to the
+        # new length, must stay chunks (none emptied) with the last within limit + slack.
+        same = all(_chunks_by_loop(int(kv[i]), limit) == old_counts[i]
+                   and int(new[i]) - (old_counts[i] - 1) * limit <= limit + slack
+                   and (old_counts[i] == 1 or int(new[i]) > (old_counts[i] - 1) * limit)
+                   for i in range(n))
         assert sk.fits(qo, new) == same, (kv, new, limit)
         if not same:
             continue
@@ -72,7 +80,8 @@ def test_refreshed_plans_stay_valid_and_fits_agrees_with_brute_force(seed):
         sk.fill(out, ptr, new)
         for row, f in enumerate(("kv_indptr", "kv_len", "kv_end")):
             ws[sk.offsets[f]: sk.offsets[f] + sk.num_works] = out[row]
-        assert_valid_plan(plan_works(ws, info), qo, new, ptr, limit, old_counts)
+        assert_valid_plan(plan_works(ws, info), qo, new, ptr, limit, old_counts,
+                          last_chunk_limit=limit + slack)
 
 
 def test_fits_refuses_other_query_rows_and_nonzero_padding():
@@ -110,9 +119,12 @@ def test_refresher_writes_the_work_arrays_through_its_ring():
         new = kv + np.array([step, step, step, 0], dtype=np.int32)
         assert refresher.try_refresh(qo, _pages(new), new)
         assert_valid_plan(plan_works(device_ws.view(torch.int32).numpy(), info), qo, new,
-                          _pages(new), limit, counts)
+                          _pages(new), limit, counts,
+                          last_chunk_limit=limit + refresh_slack(limit))
     assert refresher.refreshes == 5
-    assert not refresher.try_refresh(qo, _pages(kv), kv + np.array([limit, 0, 0, 0]))
+    # request 0's last chunk past limit + slack: its chunk count must change, a real plan
+    grown = kv + np.array([limit + refresh_slack(limit), 0, 0, 0])
+    assert not refresher.try_refresh(qo, _pages(grown), grown)
     refresher.adopt(None)
     assert not refresher.try_refresh(qo, _pages(kv), kv)
 
@@ -191,7 +203,7 @@ def test_graph_plans_refresh_between_real_plans(monkeypatch):
         fm._plan(slot, inputs, ("step", step), **plan_args)
         ws = device_ws.view(torch.int32).numpy()
         assert_valid_plan(plan_works(ws, backend._plan_info), qo, kv, _pages(kv, page),
-                          limits[-1])
+                          limits[-1], last_chunk_limit=limits[-1] + refresh_slack(limits[-1]))
         assert torch.equal(bufs[3][: idx_t.numel()], idx_t)  # the CSR still moves every step
         if step == 50:
             assert slot.native_replans > native_before  # new rows: planned for real
@@ -250,7 +262,7 @@ def test_staged_steady_decode_refreshes_through_the_staging_ring(monkeypatch, se
         ptr = _pages(kv_lens, page)
         ws = device_ws.view(torch.int32).numpy()
         assert_valid_plan(plan_works(ws, backend._plan_info), np.asarray(qo), kv_lens, ptr,
-                          limits[-1])
+                          limits[-1], last_chunk_limit=limits[-1] + refresh_slack(limits[-1]))
         bufs = fm.packed_csr_views(slot.packed_device, R)
         assert bufs[0].tolist() == qo and bufs[1].tolist() == ptr.tolist()
         assert bufs[2].tolist() == kv_lens
@@ -299,3 +311,54 @@ def test_multi_tile_causal_plans_give_no_skeleton():
     kv = np.array([900, 400], dtype=np.int32)
     info, scratch, _ = model_plan(qo, kv, _pages(kv), 16, 8, causal=True)
     assert PlanSkeleton.from_plan(info, scratch, qo, kv, 16, causal=True) is None
+
+
+@pytest.mark.parametrize("stagger", [1, 5])
+def test_drifted_requests_replan_about_as_rarely_as_lock_step_ones(monkeypatch, stagger):
+    """Eight requests decoding one token per step: in lock-step (equal lengths) all cross a
+    chunk edge in the same step; drifted (request i `stagger` x i tokens longer, as uneven
+    acceptance leaves them) each crosses in its own step. Without refresh slack the drifted
+    batch re-planned once per request per chunk edge (8x lock-step); with it, at most once
+    per `slack` tokens of growth. Every step's workspace stays a valid plan."""
+    from vllm.v1.attention.backends.mla import flashinfer_mla as fm
+    R, page, steps = 8, 16, 400
+
+    def run(lengths):
+        slot, backend, device_ws, limits = _graph_slot(monkeypatch, R, R * 40)
+        seq = list(lengths)
+        qo = np.arange(R + 1, dtype=np.int32)
+        for step in range(steps):
+            kv = np.asarray(seq, dtype=np.int32)
+            ptr = _pages(kv, page)
+            inputs = fm.HopperPlanInputs(
+                qo_indptr=torch.from_numpy(qo), kv_indptr=torch.from_numpy(ptr),
+                kv_indices=torch.arange(int(ptr[-1]), dtype=torch.int32),
+                kv_len_arr=torch.from_numpy(kv), causal=False)
+            fm._plan(slot, inputs, ("step", step), **slot.plan_args)
+            held = limits[-1]
+            assert_valid_plan(plan_works(device_ws.view(torch.int32).numpy(), backend._plan_info),
+                              qo, kv, ptr, held, last_chunk_limit=held + refresh_slack(held))
+            seq = [g + 1 for g in seq]
+        return slot.native_replans + slot.full_plans, limits
+
+    lock_step, _ = run([100] * R)
+    drifted, limits = run([100 + stagger * i for i in range(R)])
+    smallest_slack = min(refresh_slack(limit) for limit in limits)
+    assert drifted <= steps // smallest_slack + 2, (drifted, limits)
+    assert drifted <= lock_step + 2, (drifted, lock_step)
+
+
+def test_the_slack_bound_flag(monkeypatch):
+    from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import SLACK_FLAG
+    assert refresh_slack(64) == 64 and refresh_slack(1024) == REFRESH_SLACK_TOKENS
+    monkeypatch.setenv(SLACK_FLAG, "0")
+    assert refresh_slack(64) == 0
+    qo, kv = np.array([0, 1], dtype=np.int32), np.array([300], dtype=np.int32)
+    info, scratch, limit = model_plan(qo, kv, _pages(kv), 16, 8)
+    sk = PlanSkeleton.from_plan(info, scratch, qo, kv, 16, causal=False)
+    edge = -(-300 // limit) * limit  # the last chunk's edge at the planned limit
+    assert sk.fits(qo, np.array([edge], dtype=np.int32))
+    assert not sk.fits(qo, np.array([edge + 1], dtype=np.int32))  # no slack: a new chunk
+    monkeypatch.setenv(SLACK_FLAG, "-3")
+    with pytest.raises(ValueError, match=f"{SLACK_FLAG}='-3' is invalid"):
+        refresh_slack(64)

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from vllm.model_executor.layers.attention.mla_attention import current_attn_metadata
+from vllm.model_executor.layers.attention.mla_context_kv_writer import (ContextKVWriter,
+                                                                        fused_context_kv_enabled)
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.models.deepseek_v3 import DeepseekV3DecoderLayer, attention_backend_name
@@ -55,6 +57,9 @@ class DFlashMLAForCausalLM(TargetSharingDrafter):
         self.config.block_size = fields.block_size
         self.config.mask_token_id = fields.mask_token_id
         prefix = prefix or DEFAULT_DRAFT_PREFIX
+        # VLLM_FUSED_DRAFT_CONTEXT_KV, read when the drafter is built (engines built under
+        # other settings in one process keep theirs: benchmarks A/B them side by side)
+        self.fused_context_kv = fused_context_kv_enabled()
         self.model = BlockDrafterModel(self.config, prefix=f"{prefix}.model",
                                        attention_backend=attention_backend_name(vllm_config),
                                        num_target_layers=len(self.target_layer_ids))
@@ -75,13 +80,24 @@ class DFlashMLAForCausalLM(TargetSharingDrafter):
         """Write every draft layer's latent KV of the context tokens through the slot mapping of
         that layer in the current forward context. target_aux_hidden [T, k*D], positions [T]."""
         features = self.context_features(target_aux_hidden)
-        for layer in self.model.layers:
-            attn = layer.self_attn
+        attns = [layer.self_attn for layer in self.model.layers]
+        slots = []
+        for attn in attns:
             metadata = current_attn_metadata(attn.layer_name)
             if metadata is None:
                 raise RuntimeError(f"precompute_context_kv needs attention metadata (slot mapping) for "
                                    f"{attn.layer_name!r} in the forward context")
-            attn.write_latent_kv(positions, features, metadata.slot_mapping)
+            slots.append(metadata.slot_mapping)
+        # One GEMM and one launch for all layers where that is exact (mla_context_kv_writer.py).
+        writer = self.__dict__.get("_context_kv_writer")
+        if writer is None:
+            writer = self.__dict__["_context_kv_writer"] = ContextKVWriter(
+                attns, enabled=self.fused_context_kv)
+        if writer.usable(features):
+            writer.write(positions, features, slots)
+            return
+        for attn, slot_mapping in zip(attns, slots):
+            attn.write_latent_kv(positions, features, slot_mapping)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed(input_ids), None

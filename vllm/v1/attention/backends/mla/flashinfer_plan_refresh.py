@@ -17,8 +17,18 @@ When the query rows are unchanged and every request keeps its number of chunks, 
 still a valid plan for the new lengths once three per-work arrays are rewritten: kv_len, kv_indptr
 (the request's first page in the new CSR) and kv_end of each request's last chunk. Everything
 else (the cluster assignment, partial and merge offsets, the block counts) depends only on the
-chunk structure. The kernels do not know `kv_len_limit`, so the last chunk growing within it is
-fine; the cluster balance drifts by at most one chunk's worth and is rebuilt by the next real plan.
+chunk structure. The kernels do not know `kv_len_limit` (a work item loops over its own
+[kv_start, kv_end)), so the last chunk may grow past it: a refresh accepts a last chunk of up to
+limit + refresh_slack(limit) tokens. Why: a real plan is needed whenever ANY request would change
+its chunk count. Requests whose lengths drifted apart (uneven acceptance, policy probes) cross
+chunk edges in different steps, so without slack a batch of B drifted requests re-plans B times
+per `limit` tokens where a lock-step batch re-plans once (tiny model, B=8: 51 against 10 re-plans
+in 736 steps, fourteenth session, ~0.3 ms of host time each). With slack every request has at
+least `slack` tokens of headroom after any real plan, so re-plans come at most once per `slack`
+tokens of growth whatever the drift. The price is balance: the cluster holding a grown chunk
+does up to `slack` tokens more work than the planner gave it, bounded by 128 tokens (one or two
+KV tiles) so that long contexts, where the attention kernel sets the step time, lose at most a
+fraction 128 / limit of one cluster's balance; the next real plan rebuilds it.
 
 `PlanSkeleton.from_plan` reads a plan back from FlashInfer's pinned scratch (where the C++ planner
 wrote it, synchronously) and checks it against the layout above; anything it does not recognise
@@ -27,6 +37,7 @@ re-planning.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,6 +84,24 @@ def limit_of_total(total_kv: int, num_clusters: int) -> int:
     return _limit_of_average(max(_ceil_div(total_kv, num_clusters), 1))
 
 
+REFRESH_SLACK_TOKENS = 128  # the most a refreshed last chunk may run past kv_len_limit
+SLACK_FLAG = "VLLM_MLA_REFRESH_SLACK_TOKENS"  # another bound (0: no slack), for A/B runs
+
+
+def refresh_slack(limit: int) -> int:
+    """Tokens a request's last chunk may grow past `limit` before its plan is remade (the
+    module docstring says why): the limit itself, at most REFRESH_SLACK_TOKENS (or the bound
+    VLLM_MLA_REFRESH_SLACK_TOKENS gives; read at every real plan, which costs far more)."""
+    bound = os.environ.get(SLACK_FLAG)
+    if bound is None:
+        return min(int(limit), REFRESH_SLACK_TOKENS)
+    if not bound.isdigit():
+        raise ValueError(f"{SLACK_FLAG}={bound!r} is invalid: use a whole number of tokens >= 0 "
+                         f"(0: a request's chunk count change re-plans; default "
+                         f"{REFRESH_SLACK_TOKENS})")
+    return min(int(limit), int(bound))
+
+
 def chunk_count(kv_len: int, limit: int) -> int:
     """Work items of a (single-tile) request: 1 up to the limit, else ceil(kv / limit)."""
     return _ceil_div(kv_len, limit) if kv_len > limit else 1
@@ -84,8 +113,8 @@ class PlanSkeleton:
 
     qo_indptr: np.ndarray   # [R+1] the planned query rows (a refresh needs them unchanged)
     num_real: int           # requests with query rows; the rest are empty padding requests
-    lo: np.ndarray          # [num_real] new kv must be > lo ...
-    hi: np.ndarray          # [num_real] ... and <= hi to keep the request's chunk count
+    lo: np.ndarray          # [num_real] new kv must be > lo (no chunk may empty) ...
+    hi: np.ndarray          # [num_real] ... and <= hi (the last chunk within limit + slack)
     work_req: np.ndarray    # [W] planned request of each work item (padding works -> num_real)
     last_work: np.ndarray   # work items that end a request's KV range
     last_req: np.ndarray    # their requests
@@ -96,6 +125,7 @@ class PlanSkeleton:
     qo_bytes: bytes = b""
     qo_dtype: np.dtype | None = None
     ends_are_lengths: bool = False  # every real work is its request's last (one chunk each)
+    limit: int = 0                  # the plan's kv_len_limit (diagnostics and tests)
 
     @classmethod
     def from_plan(cls, plan_info, pinned_ws: torch.Tensor, qo_indptr: np.ndarray,
@@ -194,7 +224,8 @@ class PlanSkeleton:
                 last_req.append(r)
             previous = r
         lo = [(c - 1) * limit if c > 1 else -1 for c in counts]
-        hi = [c * limit for c in counts]
+        slack = refresh_slack(limit)
+        hi = [c * limit + slack for c in counts]  # the last chunk may outgrow the limit
         int64 = np.int64
         return cls(qo_indptr=np.array(qo, dtype=int64), num_real=num_real,
                    lo=np.array(lo, dtype=int64), hi=np.array(hi, dtype=int64),
@@ -205,10 +236,11 @@ class PlanSkeleton:
                    last_req=np.array(last_req, dtype=int64),
                    kv_end=np.array(kv_end_w, dtype=int64),
                    offsets={f: at[f] // 4 for f in ("kv_indptr", "kv_len", "kv_end")},
-                   num_works=num_works)
+                   num_works=num_works, limit=limit)
 
     def fits(self, qo_indptr: np.ndarray, kv_lens: np.ndarray) -> bool:
-        """Whether (qo_indptr, kv_lens) keep this plan's rows and every chunk count."""
+        """Whether (qo_indptr, kv_lens) keep this plan's rows and every chunk count, every last
+        chunk within the limit + slack."""
         if qo_indptr.dtype == self.qo_dtype:  # the same rows: the same bytes (one compare)
             if qo_indptr.tobytes() != self.qo_bytes:
                 return False
