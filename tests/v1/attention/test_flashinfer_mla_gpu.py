@@ -238,11 +238,15 @@ def test_graph_wrapper_plan_refreshes_match_torch_mla(qlen, causal):
 
 
 @pytest.mark.parametrize("qlen,causal", [(1, True), (5, False)])
-def test_refreshed_last_chunks_past_the_chunk_limit_match_torch_mla(qlen, causal):
+def test_refreshed_last_chunks_past_the_chunk_limit_match_torch_mla(qlen, causal, monkeypatch):
     """A refresh lets a request's last chunk grow past FlashInfer's kv_len_limit, up to the
-    refresh slack (flashinfer_plan_refresh.py: drifted batches would otherwise re-plan once per
-    request per chunk edge). The kernels loop over each work's own KV range, so such a plan must
-    still equal TORCH_MLA; one token more than the slack allows is planned for real."""
+    refresh slack (flashinfer_plan_refresh.py, VLLM_MLA_REFRESH_SLACK_TOKENS=128 here: drifted
+    batches would otherwise re-plan once per request per chunk edge). The kernels loop over each
+    work's own KV range, so such a plan must still equal TORCH_MLA; one token more than the
+    slack allows is planned for real."""
+    from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import (REFRESH_SLACK_TOKENS,
+                                                                         SLACK_FLAG)
+    monkeypatch.setenv(SLACK_FLAG, str(REFRESH_SLACK_TOKENS))
     builder = _graph_builder(qlen, non_causal=not causal, max_model_len=8192)
     seq = [700, 2049, 64, 9]
     md, fi, ref = _graph_step(builder, seq, [qlen] * 4, causal, 90)

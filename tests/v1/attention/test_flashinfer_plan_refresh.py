@@ -16,9 +16,21 @@ import pytest
 import torch
 
 from tests.utils.flashinfer_mla_plan_model import assert_valid_plan, model_plan, plan_works
-from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import (REFRESH_SLACK_TOKENS,
-                                                                     PlanRefresher, PlanSkeleton,
-                                                                     kv_len_limit, refresh_slack)
+from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import (DEFAULT_SLACK_TOKENS,
+                                                                     REFRESH_SLACK_TOKENS,
+                                                                     SLACK_FLAG, PlanRefresher,
+                                                                     PlanSkeleton, kv_len_limit,
+                                                                     refresh_slack)
+
+
+@pytest.fixture(params=[None, str(REFRESH_SLACK_TOKENS)], ids=["default-slack", "slack-128"])
+def slack_env(request, monkeypatch):
+    """Every refresh test with the default slack and with VLLM_MLA_REFRESH_SLACK_TOKENS=128."""
+    if request.param is None:
+        monkeypatch.delenv(SLACK_FLAG, raising=False)
+    else:
+        monkeypatch.setenv(SLACK_FLAG, request.param)
+    return request.param
 
 
 def _pages(kv, page=16):
@@ -43,7 +55,7 @@ def _chunks_by_loop(kv, limit):
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_refreshed_plans_stay_valid_and_fits_agrees_with_brute_force(seed):
+def test_refreshed_plans_stay_valid_and_fits_agrees_with_brute_force(seed, slack_env):
     rng = random.Random(seed)
     heads = rng.choice([4, 16, 128])
     q = rng.choice([1, 1, 2, 4]) if heads <= 16 else 1
@@ -59,7 +71,8 @@ def test_refreshed_plans_stay_valid_and_fits_agrees_with_brute_force(seed):
     assert sk is not None
     old_counts = {i: _chunks_by_loop(int(k), limit) for i, k in enumerate(kv) if qo[i + 1] > qo[i]}
     slack = refresh_slack(limit)
-    assert slack == min(limit, REFRESH_SLACK_TOKENS)
+    bound = DEFAULT_SLACK_TOKENS if slack_env is None else int(slack_env)
+    assert slack == min(limit, bound)
     for trial in range(8):
         new = kv.copy()
         n = int((qo[1:] > qo[:-1]).sum())
@@ -108,7 +121,7 @@ def test_unrecognised_plans_give_no_skeleton():
     assert PlanSkeleton.from_plan(info, scratch, qo, kv + 1, 16, causal=False) is None
 
 
-def test_refresher_writes_the_work_arrays_through_its_ring():
+def test_refresher_writes_the_work_arrays_through_its_ring(slack_env):
     qo, kv = np.array([0, 1, 2, 3, 3], dtype=np.int32), np.array([700, 33, 0, 0], dtype=np.int32)
     info, scratch, limit = model_plan(qo, kv, _pages(kv), 16, 8)
     device_ws = scratch.clone()  # CPU stand-in for the device int workspace
@@ -319,8 +332,10 @@ def test_drifted_requests_replan_about_as_rarely_as_lock_step_ones(monkeypatch, 
     chunk edge in the same step; drifted (request i `stagger` x i tokens longer, as uneven
     acceptance leaves them) each crosses in its own step. Without refresh slack the drifted
     batch re-planned once per request per chunk edge (8x lock-step); with it, at most once
-    per `slack` tokens of growth. Every step's workspace stays a valid plan."""
+    per `slack` tokens of growth (VLLM_MLA_REFRESH_SLACK_TOKENS=128 here; off by default).
+    Every step's workspace stays a valid plan."""
     from vllm.v1.attention.backends.mla import flashinfer_mla as fm
+    monkeypatch.setenv(SLACK_FLAG, str(REFRESH_SLACK_TOKENS))
     R, page, steps = 8, 16, 400
 
     def run(lengths):
@@ -349,7 +364,9 @@ def test_drifted_requests_replan_about_as_rarely_as_lock_step_ones(monkeypatch, 
 
 
 def test_the_slack_bound_flag(monkeypatch):
-    from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import SLACK_FLAG
+    monkeypatch.delenv(SLACK_FLAG, raising=False)
+    assert refresh_slack(64) == min(64, DEFAULT_SLACK_TOKENS) == 0  # off by default
+    monkeypatch.setenv(SLACK_FLAG, str(REFRESH_SLACK_TOKENS))
     assert refresh_slack(64) == 64 and refresh_slack(1024) == REFRESH_SLACK_TOKENS
     monkeypatch.setenv(SLACK_FLAG, "0")
     assert refresh_slack(64) == 0

@@ -19,7 +19,8 @@ still a valid plan for the new lengths once three per-work arrays are rewritten:
 else (the cluster assignment, partial and merge offsets, the block counts) depends only on the
 chunk structure. The kernels do not know `kv_len_limit` (a work item loops over its own
 [kv_start, kv_end)), so the last chunk may grow past it: a refresh accepts a last chunk of up to
-limit + refresh_slack(limit) tokens. Why: a real plan is needed whenever ANY request would change
+limit + refresh_slack(limit) tokens (0 unless VLLM_MLA_REFRESH_SLACK_TOKENS asks for more; see
+DEFAULT_SLACK_TOKENS). Why: a real plan is needed whenever ANY request would change
 its chunk count. Requests whose lengths drifted apart (uneven acceptance, policy probes) cross
 chunk edges in different steps, so without slack a batch of B drifted requests re-plans B times
 per `limit` tokens where a lock-step batch re-plans once (tiny model, B=8: 51 against 10 re-plans
@@ -84,21 +85,27 @@ def limit_of_total(total_kv: int, num_clusters: int) -> int:
     return _limit_of_average(max(_ceil_div(total_kv, num_clusters), 1))
 
 
-REFRESH_SLACK_TOKENS = 128  # the most a refreshed last chunk may run past kv_len_limit
-SLACK_FLAG = "VLLM_MLA_REFRESH_SLACK_TOKENS"  # another bound (0: no slack), for A/B runs
+REFRESH_SLACK_TOKENS = 128  # the bound the module docstring argues for (VLLM_MLA_REFRESH_...=128)
+SLACK_FLAG = "VLLM_MLA_REFRESH_SLACK_TOKENS"
+# Off unless asked for: a plan's chunk split then depends on when it was last made, so engines
+# with other histories (a speculative one beside a plain one) split the same lengths
+# differently, and bf16 rounding of the merged chunks can flip greedy near-ties between them.
+# Whether it flips more of them than the history-dependent limit already does was not
+# measured (sixteenth session, docs/performance.md); nor was a tok/s gain beyond noise.
+DEFAULT_SLACK_TOKENS = 0
 
 
 def refresh_slack(limit: int) -> int:
     """Tokens a request's last chunk may grow past `limit` before its plan is remade (the
-    module docstring says why): the limit itself, at most REFRESH_SLACK_TOKENS (or the bound
-    VLLM_MLA_REFRESH_SLACK_TOKENS gives; read at every real plan, which costs far more)."""
+    module docstring says why): the limit itself, at most the bound VLLM_MLA_REFRESH_SLACK_TOKENS
+    gives (default DEFAULT_SLACK_TOKENS; read at every real plan, which costs far more)."""
     bound = os.environ.get(SLACK_FLAG)
     if bound is None:
-        return min(int(limit), REFRESH_SLACK_TOKENS)
+        return min(int(limit), DEFAULT_SLACK_TOKENS)
     if not bound.isdigit():
         raise ValueError(f"{SLACK_FLAG}={bound!r} is invalid: use a whole number of tokens >= 0 "
-                         f"(0: a request's chunk count change re-plans; default "
-                         f"{REFRESH_SLACK_TOKENS})")
+                         f"(0: a request's chunk count change re-plans, the default; "
+                         f"{REFRESH_SLACK_TOKENS}: the bound the module docstring argues for)")
     return min(int(limit), int(bound))
 
 
