@@ -174,7 +174,8 @@ def check_context_kv_writer(gen):
     from vllm.model_executor.models.dflash_mla import DFlashMLAForCausalLM
     from vllm.model_executor.models.tiny import tiny_dflash_config, tiny_target_config
     from vllm.transformers_utils.config import HFConfig
-    from vllm.v1.worker.gpu.attn_utils import KVWriteOnlyMetadata
+    from tests.utils.context_kv_writes import (bind_caches, per_layer_context_kv,
+                                               write_only_entries)
     target = tiny_target_config()
     model = DFlashMLAForCausalLM(hf_config=HFConfig(tiny_dflash_config(target, num_layers=3)))
     with torch.no_grad():
@@ -186,23 +187,12 @@ def check_context_kv_writer(gen):
     pos = torch.randint(0, 100, (tokens,), generator=gen)
     slots = [torch.randperm(blocks * bs, generator=gen)[:tokens].clone() for _ in attns]
     slots[1][2] = -1
-    entries = {a.layer_name: KVWriteOnlyMetadata(slot_mapping=s) for a, s in zip(attns, slots)}
-
-    def caches():
-        out = [torch.full((blocks, bs, 576), 7.0) for _ in attns]
-        for a, c in zip(attns, out):
-            a.kv_cache = c
-        return out
-
-    per_layer = caches()
-    with set_forward_context(entries):
-        features = model.context_features(aux)
-        for a, s in zip(attns, slots):
-            a.write_latent_kv(pos, features, s)
+    per_layer = bind_caches(attns, blocks, bs, aux)
+    per_layer_context_kv(model, attns, aux, pos, slots)
     writer = ContextKVWriter(attns, cuda_only=False)
     model.__dict__["_context_kv_writer"] = writer
-    fused = caches()
-    with set_forward_context(entries):
+    fused = bind_caches(attns, blocks, bs, aux)
+    with set_forward_context(write_only_entries(attns, slots)):
         model.precompute_context_kv(aux, pos)
     assert writer.reason is None, writer.reason
     for a, b in zip(fused, per_layer):
@@ -216,7 +206,7 @@ def check_context_kv_writer(gen):
     assert torch.equal(stack[2 * 576:], attns[2].kv_a_proj_with_mqa.weight)
     # a weight replaced by another tensor: the fused path turns itself off
     attns[0].kv_a_proj_with_mqa.weight.data = attns[0].kv_a_proj_with_mqa.weight.data.clone()
-    assert not writer.usable(features) and "replaced" in writer.reason
+    assert not writer.usable(model.context_features(aux)) and "replaced" in writer.reason
 
 
 def _experts_float64(x, w13, w2, weights, ids):

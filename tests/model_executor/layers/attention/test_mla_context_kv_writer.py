@@ -12,7 +12,8 @@ from vllm.model_executor.layers.attention.mla_context_kv_writer import (ENV_FLAG
 from vllm.model_executor.models.dflash_mla import DFlashMLAForCausalLM
 from vllm.model_executor.models.tiny import tiny_dflash_config, tiny_target_config
 from vllm.transformers_utils.config import HFConfig
-from vllm.v1.worker.gpu.attn_utils import KVWriteOnlyMetadata
+
+from tests.utils.context_kv_writes import bind_caches, per_layer_context_kv, write_only_entries
 
 
 def _drafter(num_layers=2, device="cpu", dtype=torch.float32, seed=0):
@@ -78,21 +79,10 @@ def test_layers_it_cannot_fuse_exactly_keep_the_per_layer_path(change, reason):
 def _write_both(model, aux, pos, slots, graph=False):
     """(per-layer caches, fused caches) of one context-KV write of `aux` at `pos`."""
     attns = [layer.self_attn for layer in model.model.layers]
-    entries = {a.layer_name: KVWriteOnlyMetadata(slot_mapping=s) for a, s in zip(attns, slots)}
-
-    def fresh():
-        out = [torch.full((8, 16, 576), 7.0, device=aux.device, dtype=aux.dtype) for _ in attns]
-        for a, c in zip(attns, out):
-            a.kv_cache = c
-        return out
-
-    per_layer = fresh()
-    with set_forward_context(entries):
-        features = model.context_features(aux)
-        for a, s in zip(attns, slots):
-            a.write_latent_kv(pos, features, s)
-    fused = fresh()
-    with set_forward_context(entries):
+    per_layer = bind_caches(attns, 8, 16, aux)
+    per_layer_context_kv(model, attns, aux, pos, slots)
+    fused = bind_caches(attns, 8, 16, aux)
+    with set_forward_context(write_only_entries(attns, slots)):
         model.precompute_context_kv(aux, pos)  # eager: builds the stack
         if graph:
             for c in fused:

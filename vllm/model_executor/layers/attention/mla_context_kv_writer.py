@@ -19,22 +19,20 @@ output never depends on them. VLLM_FUSED_DRAFT_CONTEXT_KV=0 keeps the per-layer 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+
+from vllm.utils.env_flags import switch_flag
 
 ENV_FLAG = "VLLM_FUSED_DRAFT_CONTEXT_KV"
 logger = logging.getLogger(__name__)
 
 
 def fused_context_kv_enabled() -> bool:
-    value = os.environ.get(ENV_FLAG, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV_FLAG}={value!r} is invalid: use 1 (one GEMM and one launch for "
-                         "all draft layers' context-KV writes where exact) or 0 (per layer)")
-    return value == "1"
+    return switch_flag(ENV_FLAG, True, "one GEMM and one launch for all draft layers' "
+                       "context-KV writes where exact", "per layer")
 
 
 class ContextKVWriter:

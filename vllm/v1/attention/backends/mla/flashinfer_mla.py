@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
+from vllm.utils.env_flags import switch_flag
 from vllm.v1.attention.backend import AttentionBackend, CommonAttentionMetadata
 from vllm.v1.attention.backends.mla.common import (MLACommonDecodeMetadata, MLACommonImpl,
                                                     MLACommonMetadata,
@@ -545,12 +545,8 @@ def own_plan_copy_enabled() -> bool:
     """On by default since the thirteenth session (exact on the H200 on both paths, 0.23 ms
     less host time per native re-plan; see _plan_and_stage); 0 goes back to FlashInfer's own
     staging of the planner's workspace bytes through a new pinned buffer."""
-    value = os.environ.get(OWN_PLAN_COPY_FLAG, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{OWN_PLAN_COPY_FLAG}={value!r} is invalid: use 1 (copy the native "
-                         "planner's workspace bytes without a new pinned buffer) or 0 "
-                         "(FlashInfer's own staging)")
-    return value == "1"
+    return switch_flag(OWN_PLAN_COPY_FLAG, True, "copy the native planner's workspace bytes "
+                       "without a new pinned buffer", "FlashInfer's own staging")
 
 
 # Per page-locked int workspace (by address): the event after the last copy out of it. The

@@ -22,21 +22,19 @@ on them (drafts are verified).
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 
 import torch
+
+from vllm.utils.env_flags import switch_flag
 
 ENV_FLAG = "VLLM_DEFER_DRAFT_CONTEXT_KV"
 DEFAULT_STEPS = 16  # ring capacity in steps of max_num_reqs tokens
 
 
 def deferral_enabled() -> bool:
-    value = os.environ.get(ENV_FLAG, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV_FLAG}={value!r} is invalid: use 1 (defer the block drafters' "
-                         "context-KV writes of Q=1 steps) or 0 (write them in every step)")
-    return value == "1"
+    return switch_flag(ENV_FLAG, False, "defer the block drafters' context-KV writes of Q=1 "
+                       "steps", "write them in every step")
 
 
 class DeferredContextKV:
