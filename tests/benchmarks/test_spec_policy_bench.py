@@ -1,5 +1,7 @@
 """The speculation-policy benchmark's runner on the tiny model (CPU): every variant decodes the
 same greedy tokens as no speculation, and the policies' decisions are what each variant means."""
+import os
+
 import pytest
 
 from vllm.benchmarks.spec_policy import VARIANTS, SpecPolicyCase, run_case
@@ -80,3 +82,19 @@ def test_interleaved_blocks_are_full_rounds_and_outputs_complete():
     assert runs["auto-nopay"]["tokens"] == runs["none"]["tokens"]
     with pytest.raises(ValueError, match="steps_per_block=0 is invalid"):
         run_interleaved({"none": SpecPolicyCase("none", 1, **common)}, steps_per_block=0)
+
+
+def test_flag_cases_reach_the_drafter_and_leave_the_environment_as_it_was(monkeypatch):
+    from vllm.benchmarks.spec_policy import build_engine
+    from vllm.model_executor.layers.attention.mla_context_kv_writer import ENV_FLAG as FUSED
+    monkeypatch.setenv(FUSED, "1")
+    engine = build_engine(SpecPolicyCase("always", 1, context=16, output_len=4, warmup_steps=1,
+                                         device="cpu", dtype="float32",
+                                         attention_backend="TORCH_MLA", enforce_eager=True,
+                                         fused_context_kv=False))
+    try:
+        drafter = engine.executor.worker.model_runner.speculator.model
+        assert drafter.fused_context_kv is False  # read while the engine was built
+        assert os.environ[FUSED] == "1"  # restored
+    finally:
+        engine.shutdown()

@@ -2,10 +2,11 @@
 
 A decode step at small batch is memory-bound: every weight it uses is read from device memory at
 least once, and each request's KV cache once per layer. So the bytes a step must move, over the
-copy bandwidth, are a floor on its time, and the ratio of two steps' bytes is a floor on their
-time ratio that no kernel or scheduling work can beat. Issue #10 asks for a DSpark overhead
-factor (t_spec / t_plain, DESIGN §8) of at most 1.4 on the V3-rank configs; this module says
-what the configs allow.
+copy bandwidth, are a floor on its time. The ratio of two steps' bytes is the lowest time ratio
+they can have while both steps' kernels reach the same fraction of that bandwidth: a plain step
+that runs further from its floor than the draft side's kernels run from theirs lets the ratio
+drop below it. Issue #10 asks for a DSpark overhead factor (t_spec / t_plain, DESIGN §8) of at
+most 1.4 on the V3-rank configs; this module says what the configs allow.
 
 What each step reads (bf16 weights as built; counted from the modules' own parameters):
 * plain: every target parameter except the embedding table (a step gathers B rows of it), and
@@ -47,7 +48,8 @@ class StepBytes:
 
     @property
     def overhead_floor(self) -> float:
-        """t_spec / t_plain can be no lower than this on a memory-bound step."""
+        """t_spec / t_plain can be no lower than this on memory-bound steps whose kernels run
+        at equal fractions of the copy bandwidth (the module docstring)."""
         return self.speculative / self.plain
 
 

@@ -88,25 +88,21 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _with_flag(flag: str, value: bool | None, fn, *args):
-    """fn(*args) with environment flag `flag` set to 1 / 0 as `value` says (None: as it is)."""
-    if value is None:
-        return fn(*args)
-    before = os.environ.get(flag)
-    os.environ[flag] = "1" if value else "0"
+def _with_flags(flags: dict[str, bool | None], fn, *args):
+    """fn(*args) with each environment flag set to 1 / 0 as its value says (None: as it is),
+    restored afterwards (flags read when the engine is built: engines of other settings can
+    live side by side in one process)."""
+    before = {flag: os.environ.get(flag) for flag, value in flags.items() if value is not None}
+    for flag in before:
+        os.environ[flag] = "1" if flags[flag] else "0"
     try:
         return fn(*args)
     finally:
-        if before is None:
-            os.environ.pop(flag, None)
-        else:
-            os.environ[flag] = before
-
-
-def _with_deferral(defer: bool | None, fn, *args):
-    """fn(*args) with VLLM_DEFER_DRAFT_CONTEXT_KV set as `defer` says (None: as it is)."""
-    from vllm.v1.worker.gpu.spec_decode.context_kv_ring import ENV_FLAG
-    return _with_flag(ENV_FLAG, defer, fn, *args)
+        for flag, value in before.items():
+            if value is None:
+                os.environ.pop(flag, None)
+            else:
+                os.environ[flag] = value
 
 
 def build_engine(case: SpecPolicyCase):
@@ -135,8 +131,9 @@ def build_engine(case: SpecPolicyCase):
         load_format=case.load_format,
         kv_cache_memory_bytes=case.kv_cache_memory_bytes, **extra)
     from vllm.model_executor.layers.attention.mla_context_kv_writer import ENV_FLAG as FUSED
-    engine = _with_flag(FUSED, case.fused_context_kv, _with_deferral, case.defer_context_kv,
-                        LLMEngine.from_engine_args, engine_args)
+    from vllm.v1.worker.gpu.spec_decode.context_kv_ring import ENV_FLAG as DEFER
+    engine = _with_flags({DEFER: case.defer_context_kv, FUSED: case.fused_context_kv},
+                         LLMEngine.from_engine_args, engine_args)
     try:
         policy = engine.scheduler.spec_policy
         if case.cost_model_config:

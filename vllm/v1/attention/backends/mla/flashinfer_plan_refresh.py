@@ -85,7 +85,7 @@ def limit_of_total(total_kv: int, num_clusters: int) -> int:
     return _limit_of_average(max(_ceil_div(total_kv, num_clusters), 1))
 
 
-REFRESH_SLACK_TOKENS = 128  # the bound the module docstring argues for (VLLM_MLA_REFRESH_...=128)
+REFRESH_SLACK_TOKENS = 128  # the bound the module docstring argues for (set it through the flag)
 SLACK_FLAG = "VLLM_MLA_REFRESH_SLACK_TOKENS"
 # Off unless asked for: a plan's chunk split then depends on when it was last made, so engines
 # with other histories (a speculative one beside a plain one) split the same lengths
