@@ -2,6 +2,8 @@
 against weights read straight from the safetensors files, DFlash/DSpark context-KV precompute +
 non-causal paged block attention vs a dense reference, and refusal of targets they do not fit."""
 
+import copy
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -41,6 +43,32 @@ def _capture_input(module):
     seen = {}
     handle = module.register_forward_hook(lambda m, args, out: seen.setdefault("hidden", args[1]))
     return seen, handle
+
+
+@pytest.mark.parametrize("taps", [(0, 2), (2, 0, 2), (1,), (0, 1, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tapped_streams_equal_hidden_plus_residual_after_each_layer(target, taps, dtype):
+    """The target's aux output [T, J * D] holds, side by side in layer order (duplicates once),
+    the residual stream after each tapped layer: bit for bit `hidden + residual` of a
+    layer-by-layer run (the norms that compute the sums anyway write them in place)."""
+    target = copy.deepcopy(target).to(dtype)  # the module fixture stays float32 for the others
+    model = target.model
+    ids = torch.tensor([3, 250, 17, 99, 5, 64, 128])
+    pos = torch.arange(len(ids))
+    with torch.no_grad(), dense_attention_context():
+        hidden, aux = target(ids, pos, aux_hidden_state_layers=taps)
+        h, r, streams = model.embed_tokens(ids), None, {}
+        for i, layer in enumerate(model.layers):
+            h, r = layer(pos, h, r)
+            streams[i] = h + r
+        ref_hidden = model.norm(h, r)[0]
+        untapped = target(ids, pos)
+    width = model.embed_tokens.weight.shape[1]
+    order = sorted(set(taps))
+    assert aux.shape == (len(ids), len(order) * width) and aux.dtype == dtype
+    for j, i in enumerate(order):
+        assert torch.equal(aux[:, j * width:(j + 1) * width], streams[i]), (taps, i)
+    assert torch.equal(hidden, ref_hidden) and torch.equal(untapped, hidden)
 
 
 @pytest.mark.parametrize("method", ["eagle", "mtp"])
@@ -107,7 +135,7 @@ def test_block_drafter_paged_matches_dense_reference(tiny, target, method):
     L, Q = len(prompt), draft.block_size
     with torch.no_grad(), dense_attention_context():
         _, aux = target(torch.tensor(prompt), torch.arange(L), aux_hidden_state_layers=layer_ids)
-    aux_cat = torch.cat(aux, dim=-1)
+    aux_cat = aux  # [L, J * hidden]: the tapped streams side by side
     runner = PagedRunner(draft, block_size=4, num_blocks=16)
     req = PagedRequest(prompt + [9] + [MASK_ID] * (Q - 1), chunks=[])
     md, _, ctx_pos, _ = runner.build_metadata([(req, L)], causal=True)

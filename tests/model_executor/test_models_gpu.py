@@ -77,7 +77,7 @@ def test_flashinfer_dspark_block_tracks_torch_mla(tmp_path):
         req = PagedRequest(prompt + [9] + [MASK_ID] * (q - 1), chunks=[])
         md, _, pos, _ = runner.build_metadata([(req, len(prompt))], causal=True)
         with torch.no_grad(), set_forward_context({n: md for n in runner.layers}):
-            draft.precompute_context_kv(torch.cat(aux, -1), pos)
+            draft.precompute_context_kv(aux, pos)
         req.num_computed = len(prompt)
         md, ids, pos, _ = runner.build_metadata([(req, q)], causal=False)
         with torch.no_grad(), set_forward_context({n: md for n in runner.layers}):

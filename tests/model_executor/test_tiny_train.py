@@ -46,8 +46,9 @@ def test_target_forward_matches_engine(family, engine_target):
         for b in range(2):
             ref_h, ref_aux = engine_target(ids[b], torch.arange(23), aux_hidden_state_layers=(0, 2))
             torch.testing.assert_close(logits[b], engine_target.compute_logits(ref_h), rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(aux[0][b], ref_aux[0], rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(aux[2][b], ref_aux[1], rtol=1e-4, atol=1e-4)
+            ref_0, ref_2 = ref_aux.split(cfg["hidden_size"], dim=-1)
+            torch.testing.assert_close(aux[0][b], ref_0, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(aux[2][b], ref_2, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
@@ -108,7 +109,7 @@ def test_block_drafter_forward_matches_paged_engine(family, engine_target, metho
     layer_ids = tuple(cfg["target_layer_ids"])
     with torch.no_grad(), dense_attention_context():
         _, aux = engine_target(torch.tensor(seq), torch.arange(16), aux_hidden_state_layers=layer_ids)
-    aux_cat = torch.cat(aux, dim=-1)
+    aux_cat = aux  # [16, J * hidden]: the tapped streams side by side
     q = 5
     anchors = torch.tensor([[3, 9]])
     block = torch.full((1, 2, q), tiny.MASK_ID)

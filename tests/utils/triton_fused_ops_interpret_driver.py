@@ -40,6 +40,14 @@ def check_rms_norm(gen):
                     ref, got = ref[0], got[0]
                 assert got.dtype == ref.dtype and got.shape == ref.shape
                 torch.testing.assert_close(got, ref, **TOL[dtype])
+    # the sum written into a column slice of a wider buffer (the target's tapped streams)
+    x, r = torch.randn(6, 96, generator=gen), torch.randn(6, 96, generator=gen)
+    buf = torch.zeros(6, 3 * 96)
+    out, summed = layernorm.rms_norm_triton(x, torch.ones(96), 1e-6, r, sum_out=buf[:, 96:192])
+    assert summed.data_ptr() == buf[:, 96:192].data_ptr() and torch.equal(buf[:, 96:192], x + r)
+    assert not buf[:, :96].any() and not buf[:, 192:].any()
+    torch.testing.assert_close(out, layernorm.rms_norm_torch(x, torch.ones(96), 1e-6, r)[0],
+                               **TOL[torch.float32])
 
 
 def _tables(max_pos, half, gen):

@@ -42,6 +42,30 @@ def test_fused_residual_equals_unfused_sequence_bf16():
     assert out.dtype == torch.bfloat16
 
 
+def test_sum_out_receives_the_residual_stream_in_place():
+    """`sum_out` (a column slice of a wider buffer) gets x + r exactly, the rest of the buffer is
+    untouched, and the normed output is what the unfused norm gives."""
+    gen = torch.Generator().manual_seed(4)
+    norm = RMSNorm(64).to(torch.bfloat16)
+    x, r = (torch.randn(5, 64, generator=gen).bfloat16() for _ in range(2))
+    buf = torch.full((5, 3 * 64), 7.0, dtype=torch.bfloat16)
+    view = buf[:, 64:128]
+    out, summed = norm(x, r, sum_out=view)
+    assert summed.data_ptr() == view.data_ptr() and torch.equal(view, x + r)
+    assert torch.equal(out, norm(x + r))
+    assert (buf[:, :64] == 7).all() and (buf[:, 128:] == 7).all()
+
+
+@pytest.mark.parametrize("bad", ["no_residual", "shape", "dtype"])
+def test_sum_out_is_refused_where_it_cannot_hold_the_sum(bad):
+    norm = RMSNorm(32)
+    x = torch.zeros(4, 32)
+    out = {"no_residual": torch.zeros(4, 32), "shape": torch.zeros(4, 16),
+           "dtype": torch.zeros(4, 32, dtype=torch.float64)}[bad]
+    with pytest.raises(ValueError, match="sum_out"):
+        norm(x, None if bad == "no_residual" else torch.zeros(4, 32), sum_out=out)
+
+
 def test_rms_norm_rejects_wrong_width():
     with pytest.raises(ValueError, match="last dim 32"):
         RMSNorm(64)(torch.zeros(2, 32))
@@ -78,6 +102,20 @@ def test_rms_norm_triton_matches_torch_on_gpu(dtype, hidden):
         tol = dict(rtol=1.6e-2, atol=1.6e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out, ref_out, **tol)
         torch.testing.assert_close(plain, rms_norm_torch(x, w, 1e-6), **tol)
+
+
+@pytest.mark.gpu
+def test_sum_out_on_gpu_is_the_torch_sum_in_a_column_slice():
+    from vllm.model_executor.layers.layernorm import rms_norm_triton
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for hidden in (256, 7168):
+        x, r = (torch.randn(9, hidden, device="cuda", generator=gen).bfloat16() for _ in range(2))
+        w = (torch.rand(hidden, device="cuda", generator=gen) + 0.5).bfloat16()
+        buf = torch.zeros(9, 3 * hidden, device="cuda", dtype=torch.bfloat16)
+        out, summed = rms_norm_triton(x, w, 1e-6, r, sum_out=buf[:, 2 * hidden:])
+        assert summed.data_ptr() == buf[:, 2 * hidden:].data_ptr()
+        assert torch.equal(buf[:, 2 * hidden:], x + r) and not buf[:, :2 * hidden].any()
+        assert torch.equal(out, rms_norm_triton(x, w, 1e-6, r)[0])
 
 
 @pytest.mark.gpu

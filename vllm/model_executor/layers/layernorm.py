@@ -3,6 +3,9 @@
 `forward(x)` -> weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype) (Hugging Face's rounding order);
 `forward(x, residual)` -> (rmsnorm(x + residual), x + residual), the sum rounded to the activation
 dtype first (exactly what `h = h + sublayer(h)` then `norm(h)` gave before fusion).
+`forward(x, residual, sum_out=view)` stores the sum into a caller's view (e.g. a column slice of a
+wider buffer: the target's tapped residual streams, written in place by the norms that compute
+them anyway, deepseek_v3.py) and returns that view as the sum.
 
 On CUDA both run as one Triton kernel per call: one program per row, the row held in registers,
 float32 math there and no float32 copy of the tensor in memory. Elsewhere: torch, same formula.
@@ -15,11 +18,26 @@ from torch import nn
 from vllm.triton_utils import HAS_TRITON, tl, triton  # noqa: F401
 
 
+def _check_sum_out(x: torch.Tensor, residual: torch.Tensor | None,
+                   sum_out: torch.Tensor | None) -> None:
+    if sum_out is None:
+        return
+    if residual is None:
+        raise ValueError("rms_norm: sum_out needs a residual (it receives x + residual)")
+    if sum_out.shape != x.shape or sum_out.dtype != torch.promote_types(x.dtype, residual.dtype):
+        raise ValueError(f"rms_norm: sum_out {tuple(sum_out.shape)} {sum_out.dtype} must match the "
+                         f"sum x + residual: {tuple(x.shape)} "
+                         f"{torch.promote_types(x.dtype, residual.dtype)}")
+
+
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                   residual: torch.Tensor | None = None):
+                   residual: torch.Tensor | None = None, sum_out: torch.Tensor | None = None):
     """Reference semantics (and the CPU path)."""
+    _check_sum_out(x, residual, sum_out)
     if residual is not None:
         x = x + residual
+        if sum_out is not None:
+            x = sum_out.copy_(x)
     x32 = x.float()
     normed = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return normed if residual is None else (normed, x)
@@ -53,18 +71,26 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                    residual: torch.Tensor | None = None):
+                    residual: torch.Tensor | None = None, sum_out: torch.Tensor | None = None):
     """Same results as `rms_norm_torch` (up to float32 summation order), one launch."""
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"rms_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}; "
                          "pass the residual stream of the same tokens")
+    _check_sum_out(x, residual, sum_out)
     hidden = x.shape[-1]
     x2 = _rows(x)
     stream_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, stream_dtype), device=x.device)
     if residual is not None:
         r2 = _rows(residual)
-        summed = torch.empty(x2.shape, dtype=stream_dtype, device=x.device)
+        if sum_out is None:
+            summed = torch.empty(x2.shape, dtype=stream_dtype, device=x.device)
+        else:
+            # rows of the caller's view, written in place: `view` never copies (it raises
+            # where the rows cannot be addressed with one row stride); any row stride is fine
+            summed = sum_out.view(-1, x.shape[-1])
+            if summed.stride(-1) != 1:
+                raise ValueError("rms_norm: sum_out must be a view with unit column stride")
     else:
         r2 = summed = x2  # unused by the kernel (HAS_RESIDUAL=False)
     block = triton.next_power_of_2(hidden)
@@ -74,7 +100,9 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
             x2, x2.stride(0), r2, r2.stride(0), summed, summed.stride(0), weight, out, out.stride(0),
             hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps)
     out = out.view(x.shape)
-    return out if residual is None else (out, summed.view(x.shape))
+    if residual is None:
+        return out
+    return out, (summed.view(x.shape) if sum_out is None else sum_out)
 
 
 _MAX_TRITON_WIDTH = 32768
@@ -86,11 +114,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """x [..., D] -> rmsnorm(x); with `residual`: (rmsnorm(x + residual), x + residual)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                sum_out: torch.Tensor | None = None):
+        """x [..., D] -> rmsnorm(x); with `residual`: (rmsnorm(x + residual), x + residual),
+        the sum written into `sum_out` when given (and that view returned)."""
         if x.shape[-1] != self.weight.shape[0]:
             raise ValueError(f"RMSNorm of size {self.weight.shape[0]} got input with last dim {x.shape[-1]}")
         # one row per program held in registers: fine up to this width (DeepSeek's widest is 7168)
         if HAS_TRITON and x.is_cuda and x.dtype != torch.float64 and x.shape[-1] <= _MAX_TRITON_WIDTH:
-            return rms_norm_triton(x, self.weight, self.variance_epsilon, residual)
-        return rms_norm_torch(x, self.weight, self.variance_epsilon, residual)
+            return rms_norm_triton(x, self.weight, self.variance_epsilon, residual, sum_out)
+        return rms_norm_torch(x, self.weight, self.variance_epsilon, residual, sum_out)

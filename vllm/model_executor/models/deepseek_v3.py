@@ -48,12 +48,22 @@ class DeepseekV3DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_norm(hidden_states, residual)
+        return self.forward_normed(positions, x, residual)
+
+    def input_norm(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                   sum_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm of the residual stream entering this layer, that stream). The stream is the
+        previous layer's (mlp output + residual), summed here by the fused add + RMSNorm; with
+        `sum_out` the sum is written there (a tapped layer's slice of the aux buffer)."""
         if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
+            return self.input_layernorm(hidden_states), hidden_states
+        return self.input_layernorm(hidden_states, residual, sum_out=sum_out)
+
+    def forward_normed(self, positions: torch.Tensor, x: torch.Tensor,
+                       residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer after its input norm: attention, post-attention norm, MLP."""
+        hidden_states = self.self_attn(positions, x)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -70,13 +80,28 @@ class DeepseekV3Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids, positions, aux_hidden_state_layers: tuple[int, ...] = ()):
+        """(final-normed hidden states, aux) where aux is [T, J * hidden]: the residual stream
+        after each tapped layer (J of them, in layer order), side by side.
+
+        Why one buffer: the stream after layer i is the sum that the NEXT norm (layer i + 1's
+        input norm, or the final norm) computes anyway, so that norm writes it straight into
+        its column slice. Tapping costs no add kernel per tapped layer and no concatenation
+        (the block drafters' context write and EAGLE read the side-by-side layout), and the
+        values are the sums the norms compute (the same rounding as `hidden + residual`)."""
         hidden_states, residual = self.embed_tokens(input_ids), None
-        aux = []
+        taps = sorted(set(aux_hidden_state_layers))
+        aux = None
+        slices: dict[int, torch.Tensor] = {}
+        if taps:
+            width = hidden_states.shape[-1]
+            aux = hidden_states.new_empty(hidden_states.shape[:-1] + (len(taps) * width,))
+            # the stream after layer i is summed by norm i + 1 (the final norm after the last)
+            slices = {i + 1: aux[..., j * width:(j + 1) * width] for j, i in enumerate(taps)}
         for i, layer in enumerate(self.layers):
-            hidden_states, residual = layer(positions, hidden_states, residual)
-            if i in aux_hidden_state_layers:
-                aux.append(hidden_states + residual)  # the residual stream after layer i
-        return self.norm(hidden_states, residual)[0], aux
+            x, residual = layer.input_norm(hidden_states, residual, sum_out=slices.get(i))
+            hidden_states, residual = layer.forward_normed(positions, x, residual)
+        normed, _ = self.norm(hidden_states, residual, sum_out=slices.get(len(self.layers)))
+        return normed, aux
 
 
 class DeepseekV3ForCausalLM(nn.Module):
@@ -100,6 +125,9 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 aux_hidden_state_layers: tuple[int, ...] = ()):
+        """hidden [T, D]; with aux_hidden_state_layers: (hidden, aux [T, J * D]), the residual
+        stream after each distinct tapped layer in increasing layer order, side by side (split
+        it with `aux.split(D, dim=-1)` for per-layer views)."""
         bad = [i for i in aux_hidden_state_layers if not 0 <= i < self.config.num_hidden_layers]
         if bad:
             raise ValueError(f"aux_hidden_state_layers {bad} outside [0, {self.config.num_hidden_layers}); "

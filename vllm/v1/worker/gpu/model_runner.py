@@ -494,9 +494,9 @@ class GPUModelRunner:
         input_ids, positions = batch.input_ids, batch.positions
         with set_forward_context(batch.attn_metadata, self.vllm_config):
             if aux_layers:
-                hidden, aux_list = self.model(input_ids, positions,
-                                              aux_hidden_state_layers=aux_layers)
-                aux_hidden = torch.cat(list(aux_list), dim=-1)
+                # [T, J * hidden], written by the norms that sum the tapped streams
+                hidden, aux_hidden = self.model(input_ids, positions,
+                                                aux_hidden_state_layers=aux_layers)
             else:
                 hidden = self.model(input_ids, positions)
             if self.speculator is not None:
