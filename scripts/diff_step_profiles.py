@@ -15,15 +15,20 @@ import argparse
 import cProfile
 import pstats
 
+from vllm.benchmarks.host_stub import stub_forward
 from vllm.benchmarks.spec_policy import VARIANTS, SpecPolicyCase, build_engine
 
 # "auto-nopay" without re-probes (as scripts/trace_policy_steps.py --interleaved adds it)
 NOPROBE = "auto-nopay-noprobe"
 
 
-def profile_steps(case: SpecPolicyCase, steps: int) -> dict[str, tuple[int, float]]:
-    """{function: (calls, own seconds)} over `steps` engine steps after the case's warm-up."""
+def profile_steps(case: SpecPolicyCase, steps: int,
+                  stub: bool = False) -> dict[str, tuple[int, float]]:
+    """{function: (calls, own seconds)} over `steps` engine steps after the case's warm-up
+    (`stub`: the model forward replaced by fixed outputs, vllm/benchmarks/host_stub.py)."""
     engine = build_engine(case)
+    if stub:
+        stub_forward(engine.executor.worker.model_runner)
     try:
         for _ in range(case.warmup_steps):
             engine.step()
@@ -61,6 +66,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--attention-backend", default="FLASHINFER_MLA")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--stub-forward", action="store_true",
+                        help="replace the model forward by fixed outputs (host work only; for "
+                             "engines that do not draft: none, never, auto-nopay-noprobe after "
+                             "its exploration)")
     args = parser.parse_args()
     if len(args.variants) < 2:
         parser.error("--variants needs at least two engines to compare")
@@ -78,7 +87,7 @@ def main() -> None:
                               enforce_eager=args.enforce_eager,
                               async_scheduling=None if args.scheduling == "default" else False,
                               prompt_stagger=args.prompt_stagger, **extra)
-        profiles[name] = profile_steps(case, args.steps)
+        profiles[name] = profile_steps(case, args.steps, args.stub_forward)
     base_name = args.variants[0]
     base = profiles[base_name]
     for name in args.variants[1:]:

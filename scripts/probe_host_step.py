@@ -27,6 +27,8 @@ from collections import defaultdict
 
 import torch
 
+from vllm.benchmarks.host_stub import stub_forward
+
 _TIMES: dict[str, float] = defaultdict(float)  # label -> seconds in the current step
 _ACTIVE = [False]
 # CPU time of this thread by default: on a shared machine, time spent descheduled is not the
@@ -78,22 +80,6 @@ def _instrument(per_request: bool) -> None:
         _wrap(detokenizer.IncrementalDetokenizer, "update", "  detokenizer.update (per request)")
 
 
-def _stub_forward(runner) -> None:
-    """Replace the model forward by fixed outputs (no per-step allocation), so host work shows."""
-    hf = runner.vllm_config.model_config.hf_config
-    vocab, hidden = int(hf.vocab_size), int(hf.hidden_size)
-    n = runner.max_num_tokens
-    zeros = torch.zeros(n, hidden, dtype=runner.kv_dtype, device=runner.device)
-    logits = torch.zeros(n, vocab, dtype=torch.float32, device=runner.device)
-    logits[:, 7] = 1.0  # greedy picks token 7 in every row
-
-    def forward(batch):
-        return zeros[: batch.num_tokens_padded], None, logits[: len(batch.logits_indices)] \
-            if not batch.cudagraph else logits[: batch.num_tokens_padded]
-
-    runner._forward = forward
-
-
 def run_one(batch: int, steps: int, args) -> dict:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.sampling_params import SamplingParams
@@ -109,7 +95,7 @@ def run_one(batch: int, steps: int, args) -> dict:
         num_gpu_blocks_override=batch * (-(-max_model_len // block_size) + 1) + 8))
     runner = engine.executor.worker.model_runner
     if not args.real_forward:
-        _stub_forward(runner)
+        stub_forward(runner)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len + steps + 40,
                             ignore_eos=True,
                             detokenize=not args.no_detokenize)
