@@ -19,6 +19,8 @@ from tests.utils.flashinfer_mla_plan_model import assert_valid_plan, model_plan,
 from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import (DEFAULT_SLACK_TOKENS,
                                                                      REFRESH_SLACK_TOKENS,
                                                                      SLACK_FLAG, PlanRefresher,
+                                                                     DRAFT_SLACK_FLAG,
+                                                                     DEFAULT_DRAFT_SLACK_TOKENS,
                                                                      PlanSkeleton, kv_len_limit,
                                                                      refresh_slack)
 
@@ -379,3 +381,65 @@ def test_the_slack_bound_flag(monkeypatch):
     monkeypatch.setenv(SLACK_FLAG, "-3")
     with pytest.raises(ValueError, match=f"{SLACK_FLAG}='-3' is invalid"):
         refresh_slack(64)
+
+
+def test_draft_plans_take_their_own_slack_flag(monkeypatch):
+    """Draft-block plans (draft=True) take VLLM_MLA_DRAFT_REFRESH_SLACK_TOKENS (default 128),
+    decode plans VLLM_MLA_REFRESH_SLACK_TOKENS (default 0); neither flag moves the other."""
+    monkeypatch.delenv(SLACK_FLAG, raising=False)
+    monkeypatch.delenv(DRAFT_SLACK_FLAG, raising=False)
+    assert DEFAULT_DRAFT_SLACK_TOKENS == REFRESH_SLACK_TOKENS
+    assert refresh_slack(1024, draft=True) == REFRESH_SLACK_TOKENS
+    assert refresh_slack(64, draft=True) == 64 and refresh_slack(1024) == 0
+    monkeypatch.setenv(SLACK_FLAG, "7")
+    assert refresh_slack(1024, draft=True) == REFRESH_SLACK_TOKENS and refresh_slack(1024) == 7
+    monkeypatch.setenv(DRAFT_SLACK_FLAG, "0")
+    assert refresh_slack(1024, draft=True) == 0 and refresh_slack(1024) == 7
+    monkeypatch.delenv(SLACK_FLAG)
+    monkeypatch.delenv(DRAFT_SLACK_FLAG)
+    qo, kv = np.array([0, 1], dtype=np.int32), np.array([300], dtype=np.int32)
+    info, scratch, limit = model_plan(qo, kv, _pages(kv), 16, 8)
+    edge = -(-300 // limit) * limit  # the last chunk's edge at the planned limit
+    decode = PlanSkeleton.from_plan(info, scratch, qo, kv, 16, causal=False)
+    draft = PlanSkeleton.from_plan(info, scratch, qo, kv, 16, causal=False, draft=True)
+    grown = np.array([edge + min(limit, REFRESH_SLACK_TOKENS)], dtype=np.int32)
+    assert not decode.fits(qo, grown) and draft.fits(qo, grown)
+    assert not draft.fits(qo, grown + 1)
+    monkeypatch.setenv(DRAFT_SLACK_FLAG, "x")
+    with pytest.raises(ValueError, match=f"{DRAFT_SLACK_FLAG}='x' is invalid"):
+        refresh_slack(64, draft=True)
+
+
+@pytest.mark.parametrize("draft", [False, True])
+def test_a_draft_wrapper_refreshes_past_the_chunk_edge_a_decode_wrapper_replans_at(
+        monkeypatch, draft):
+    """Through the builder's _plan: a request grown past its last chunk's edge (within the
+    draft slack) is refreshed on a draft-block wrapper and planned anew on a decode wrapper."""
+    from vllm.v1.attention.backends.mla import flashinfer_mla as fm
+    monkeypatch.delenv(SLACK_FLAG, raising=False)
+    monkeypatch.delenv(DRAFT_SLACK_FLAG, raising=False)
+    R = 2
+    slot, backend, device_ws, limits = _graph_slot(monkeypatch, R, R * 60)
+    slot.draft = draft
+    qo = np.arange(R + 1, dtype=np.int32) * 5
+    kv_first = np.array([300, 420], dtype=np.int32)
+
+    def plan(kv, key):
+        ptr = _pages(kv)
+        inputs = fm.HopperPlanInputs(
+            qo_indptr=torch.from_numpy(qo), kv_indptr=torch.from_numpy(ptr),
+            kv_indices=torch.arange(int(ptr[-1]), dtype=torch.int32),
+            kv_len_arr=torch.from_numpy(kv), causal=False)
+        fm._plan(slot, inputs, key, **slot.plan_args)
+        assert_valid_plan(plan_works(device_ws.view(torch.int32).numpy(), backend._plan_info),
+                          qo, kv, ptr, limits[-1],
+                          last_chunk_limit=limits[-1] + refresh_slack(limits[-1], draft))
+        return slot.native_replans + slot.full_plans
+
+    first = plan(kv_first, "a")
+    limit = limits[-1]
+    edge = -(-300 // limit) * limit
+    grown = kv_first.copy()
+    grown[0] = edge + 1  # one token into a new chunk at the planned limit
+    after = plan(grown, "b")
+    assert after == first + (0 if draft else 1), (draft, first, after, limit)

@@ -426,6 +426,9 @@ class _WrapperSlot:
     # Graph wrappers: the last real plan's skeleton, refreshed for new lengths in place of a
     # re-plan while every request keeps its chunk count (flashinfer_plan_refresh.py).
     refresher: PlanRefresher | None = None
+    # A block drafter's draft-block wrapper: its refreshes take the draft slack
+    # (flashinfer_plan_refresh.refresh_slack), since no output token depends on its split.
+    draft: bool = False
 
     @property
     def refreshes(self) -> int:
@@ -666,7 +669,7 @@ def _adopt_plan(slot: _WrapperSlot, inputs: HopperPlanInputs, plan_args: dict) -
                                        max_works=2 * inputs.num_requests + 1024)
     slot.refresher.adopt(PlanSkeleton.from_plan(
         plan_info, pinned, inputs.qo_indptr.numpy(), inputs.kv_len_arr.numpy(),
-        plan_args["num_heads"], inputs.causal))
+        plan_args["num_heads"], inputs.causal, draft=slot.draft))
 
 
 def _plan(slot: _WrapperSlot, inputs: HopperPlanInputs, key: tuple, **plan_args) -> None:
@@ -875,7 +878,8 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
             # sized for full-length requests; a deeper ring would multiply that pinned memory.
             slot = self._graph_slots[(num_requests, kind)] = _WrapperSlot(
                 wrapper, staging=PlanStaging(num_requests, max_pages, depth=2),
-                packed_device=packed, packed_layout=(num_requests, max_pages))
+                packed_device=packed, packed_layout=(num_requests, max_pages),
+                draft=kind == MLADecodeKind.NON_CAUSAL_BLOCK)
         return slot
 
     def _max_pages_per_request(self) -> int:

@@ -20,7 +20,8 @@ else (the cluster assignment, partial and merge offsets, the block counts) depen
 chunk structure. The kernels do not know `kv_len_limit` (a work item loops over its own
 [kv_start, kv_end)), so the last chunk may grow past it: a refresh accepts a last chunk of up to
 limit + refresh_slack(limit) tokens (0 unless VLLM_MLA_REFRESH_SLACK_TOKENS asks for more; see
-DEFAULT_SLACK_TOKENS). Why: a real plan is needed whenever ANY request would change
+DEFAULT_SLACK_TOKENS; a block drafter's draft plans take 128 unless
+VLLM_MLA_DRAFT_REFRESH_SLACK_TOKENS says otherwise: no output depends on their split). Why: a real plan is needed whenever ANY request would change
 its chunk count. Requests whose lengths drifted apart (uneven acceptance, policy probes) cross
 chunk edges in different steps, so without slack a batch of B drifted requests re-plans B times
 per `limit` tokens where a lock-step batch re-plans once (tiny model, B=8: 51 against 10 re-plans
@@ -95,18 +96,36 @@ SLACK_FLAG = "VLLM_MLA_REFRESH_SLACK_TOKENS"
 DEFAULT_SLACK_TOKENS = 0
 
 
-def refresh_slack(limit: int) -> int:
+# Draft plans (a block drafter's non-causal draft block) are another matter: drafts are verified,
+# so no output token depends on how a draft plan splits the KV, and their plans may take the
+# slack by default. It is the plan a speculative step re-plans most (a DSpark engine at B=8 on
+# the tiny model re-planned its draft wrapper natively in 0.43 of its steps, its verify wrapper
+# in 0.25, seventeenth session, H100): every request's draft KV grows by 1 to k + 1 tokens a
+# step, by its own acceptance, so chunk edges are crossed in many more steps than in decode.
+DRAFT_SLACK_FLAG = "VLLM_MLA_DRAFT_REFRESH_SLACK_TOKENS"
+DEFAULT_DRAFT_SLACK_TOKENS = REFRESH_SLACK_TOKENS
+
+
+def _slack_bound(flag: str, default: int) -> int:
+    bound = os.environ.get(flag)
+    if bound is None:
+        return default
+    if not bound.isdigit():
+        raise ValueError(f"{flag}={bound!r} is invalid: use a whole number of tokens >= 0 "
+                         f"(0: a request's chunk count change re-plans; "
+                         f"{REFRESH_SLACK_TOKENS}: the bound the module docstring argues for)")
+    return int(bound)
+
+
+def refresh_slack(limit: int, draft: bool = False) -> int:
     """Tokens a request's last chunk may grow past `limit` before its plan is remade (the
     module docstring says why): the limit itself, at most the bound VLLM_MLA_REFRESH_SLACK_TOKENS
-    gives (default DEFAULT_SLACK_TOKENS; read at every real plan, which costs far more)."""
-    bound = os.environ.get(SLACK_FLAG)
-    if bound is None:
-        return min(int(limit), DEFAULT_SLACK_TOKENS)
-    if not bound.isdigit():
-        raise ValueError(f"{SLACK_FLAG}={bound!r} is invalid: use a whole number of tokens >= 0 "
-                         f"(0: a request's chunk count change re-plans, the default; "
-                         f"{REFRESH_SLACK_TOKENS}: the bound the module docstring argues for)")
-    return min(int(limit), int(bound))
+    gives (default DEFAULT_SLACK_TOKENS), or for `draft` plans (a block drafter's draft block,
+    whose split no output depends on) VLLM_MLA_DRAFT_REFRESH_SLACK_TOKENS (default
+    DEFAULT_DRAFT_SLACK_TOKENS). Read at every real plan, which costs far more."""
+    if draft:
+        return min(int(limit), _slack_bound(DRAFT_SLACK_FLAG, DEFAULT_DRAFT_SLACK_TOKENS))
+    return min(int(limit), _slack_bound(SLACK_FLAG, DEFAULT_SLACK_TOKENS))
 
 
 def chunk_count(kv_len: int, limit: int) -> int:
@@ -136,9 +155,11 @@ class PlanSkeleton:
 
     @classmethod
     def from_plan(cls, plan_info, pinned_ws: torch.Tensor, qo_indptr: np.ndarray,
-                  kv_lens: np.ndarray, num_heads: int, causal: bool) -> "PlanSkeleton | None":
+                  kv_lens: np.ndarray, num_heads: int, causal: bool,
+                  draft: bool = False) -> "PlanSkeleton | None":
         """Read the plan FlashInfer just wrote into `pinned_ws` (its page-locked int scratch)
-        for requests (qo_indptr, kv_lens). None when the plan is not of the recognised form."""
+        for requests (qo_indptr, kv_lens). None when the plan is not of the recognised form.
+        `draft`: a draft block's plan, refreshed with the draft slack (refresh_slack)."""
         # Causal plans are refreshed only when every request is one query tile (checked below
         # with the other tile conditions): MLAPlan gives a request's last (here: only) tile the
         # request's whole KV as its effective length (packed_causal_kv_end), so such a plan is
@@ -231,7 +252,7 @@ class PlanSkeleton:
                 last_req.append(r)
             previous = r
         lo = [(c - 1) * limit if c > 1 else -1 for c in counts]
-        slack = refresh_slack(limit)
+        slack = refresh_slack(limit, draft)
         hi = [c * limit + slack for c in counts]  # the last chunk may outgrow the limit
         int64 = np.int64
         return cls(qo_indptr=np.array(qo, dtype=int64), num_real=num_real,
