@@ -44,6 +44,9 @@ def test_speculation_that_cannot_pay_costs_at_most_5_percent(batch, scheduling, 
     assert nopay["policy"]["num_skipped"].get("cost", 0) > nopay["policy"]["num_drafted"]
     ratio = nopay["tok_s"] / base["tok_s"]
     rounds = sorted(a / b for a, b in zip(nopay["block_tok_s"], base["block_tok_s"]))
+    # (printed for the record: -rA shows it for a passing run too)
+    print(f"cannot-pay B={batch} {scheduling} {context_kv}: ratio {ratio:.3f}, median block "
+          f"{rounds[len(rounds) // 2]:.3f}, {runs['_rounds']} rounds")
     assert ratio >= 0.95, (ratio, runs["_rounds"], "median block ratio",
                            rounds[len(rounds) // 2], nopay["policy"])
 
