@@ -17,6 +17,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from vllm.utils.cuda_streams import record_event
 from vllm.v1.outputs import ModelRunnerOutput
 
 
@@ -89,7 +90,7 @@ class StepOutputBuffers:
         self.cpu[index][:rows].copy_(packed, non_blocking=True)
         event = self.events[index]
         if event is not None:
-            event.record()
+            record_event(event)
         return index, event
 
     def wait(self, index: int, event, rows: int) -> np.ndarray:

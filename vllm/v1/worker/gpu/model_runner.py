@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from vllm.forward_context import set_forward_context
+from vllm.utils.cuda_streams import record_event
 from vllm.v1.core.kv_cache_utils import num_virtual_blocks
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.sample.metadata import RequestGenerators, SamplingMetadata, is_greedy
@@ -381,7 +382,7 @@ class GPUModelRunner:
         if overlap and self._inputs_event is not None:
             # Every pinned host twin of this step has been copied once the GPU gets here; the
             # next step's host writes wait for it (not for the whole step).
-            self._inputs_event.record()
+            record_event(self._inputs_event)
             self._wait_inputs = True
         num_reqs = batch.num_reqs
         if batch.cudagraph:
@@ -407,7 +408,7 @@ class GPUModelRunner:
         sampled, num_sampled, num_draft, sample_rows, rows_info = self._sample(batch, logits)
         if overlap and sampled is not None and self._sample_event is not None:
             # The eager sampling path copied host twins after the forward was enqueued.
-            self._sample_event.record()
+            record_event(self._sample_event)
             self._wait_sample = True
         # The step's one device->host transfer.
         if overlap:

@@ -29,6 +29,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from vllm.utils.cuda_streams import record_event
 from vllm.utils.env_flags import switch_flag
 from vllm.v1.attention.backend import AttentionBackend, CommonAttentionMetadata
 from vllm.v1.attention.backends.mla.common import (MLACommonDecodeMetadata, MLACommonImpl,
@@ -210,7 +211,7 @@ class PlanStaging:
             event = self._events[self._current]
             if event is None:
                 event = self._events[self._current] = torch.cuda.Event()
-            event.record()
+            record_event(event)
 
 
 def packed_csr_size(num_requests: int, num_pages: int) -> int:
@@ -598,7 +599,7 @@ def _plan_and_stage(raw_plan, args: tuple) -> tuple[Any, int]:
         event = _PINNED_COPY_EVENTS.get(pinned.data_ptr())
         if event is None:
             event = _PINNED_COPY_EVENTS[pinned.data_ptr()] = torch.cuda.Event()
-        event.record()
+        record_event(event)
     return plan_info, staged
 
 

@@ -45,6 +45,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm.utils.cuda_streams import record_event
+
 # MLAPlanInfo::ToVector order (scheduler.cuh); byte offsets into the int workspace.
 PLAN_INFO_FIELDS = (
     "num_blks_x", "num_blks_y", "q_indptr", "kv_indptr", "partial_indptr",
@@ -386,6 +388,6 @@ class PlanRefresher:
             event = self._events[i]
             if event is None:
                 event = self._events[i] = torch.cuda.Event()
-            event.record()
+            record_event(event)
         self.refreshes += 1
         return True
