@@ -22,6 +22,7 @@
 #   bash scripts/gpu_validation.sh earlyv3   # early draft step A/B (off / on / tuned) at V3-rank dims (~3 min)
 #   bash scripts/gpu_validation.sh ctxkv     # fused context-KV write + refresh slack: their GPU tests (~1 min)
 #   bash scripts/gpu_validation.sh ctxkvtrace # the same: never (fused) / never-perlayer / none / auto, B=8 trace A/B (~4 min)
+#   bash scripts/gpu_validation.sh taps      # seventeenth session: taps via sum_out, draft-plan slack, stream lookup (~8 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
 set -uo pipefail
 out="${OUT:-out}"; mkdir -p "$out"; out="$(cd "$out" && pwd)"
@@ -183,6 +184,21 @@ for what in "$@"; do
         --rounds 1 --output-len 768 --variants none never auto-nopay --context-kv-ab \
         --prompt-stagger ${CTXKV_STAGGER:-0} >"$out/ctxkv_trace.log" 2>&1
       summary+=("ctxkv trace rc=$?"); grep -E "^(==|engine|none|never|auto)|re-plans" "$out/ctxkv_trace.log" | tail -n 40 ;;
+    taps)  # the seventeenth session's changes (none ran on a GPU that session)
+      PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-300}" run_pytest taps \
+        tests/v1/worker/test_cudagraph_runner_gpu.py tests/model_executor/layers/test_layernorm.py \
+        tests/model_executor/test_models_gpu.py tests/test_cuda_streams.py \
+        tests/model_executor/layers/attention/test_mla_context_kv_writer.py
+      PYTEST_TIMEOUT_S=150 run_pytest tapspolicy tests/v1/e2e/test_spec_policy_gpu.py \
+        -k "float32 or (cannot_pay and write)"
+      grep -E "^cannot-pay" "$out/pytest_tapspolicy.log"
+      timeout 200 python3 scripts/trace_policy_steps.py --interleaved --batch-sizes 8 --rounds 1 \
+        --output-len 768 --variants none never auto-nopay >"$out/taps_trace.log" 2>&1
+      summary+=("taps trace rc=$?"); grep -E "^(==|engine|none|never|auto)|re-plans" "$out/taps_trace.log" | tail -n 30
+      timeout 100 python3 scripts/probe_spec_step.py --device cuda --dtype bfloat16 \
+        --attention-backend FLASHINFER_MLA --batch 1 8 --modes plain draft --steps 150 \
+        >"$out/taps_phases.log" 2>&1
+      summary+=("taps phases rc=$?"); grep -E "^\|" "$out/taps_phases.log" | tail -n 30 ;;
     hostprofile)  # where a speculative step's host time goes, by phase and by function
       timeout 200 python3 scripts/probe_spec_step.py --device cuda --dtype bfloat16 \
         --attention-backend FLASHINFER_MLA --batch 1 8 --modes plain draft --steps 100 \
