@@ -71,6 +71,38 @@ def test_tapped_streams_equal_hidden_plus_residual_after_each_layer(target, taps
     assert torch.equal(hidden, ref_hidden) and torch.equal(untapped, hidden)
 
 
+def test_tapping_adds_no_sum_or_concatenation_ops(target):
+    """What tapping costs the target forward, op by op (CPU): the aux buffer's allocation and,
+    on the torch path, one copy of each norm's sum into its slice; no elementwise add and no
+    concatenation (on CUDA the fused norm kernel writes the slice itself, so not even the
+    copies). Before, each tap was an add and the runner concatenated them."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func.overloadpacket.__name__)] += 1
+            return func(*args, **(kwargs or {}))
+
+    ids, pos = torch.tensor([3, 250, 17, 99]), torch.arange(4)
+    taps = (0, 1, 2)
+    counts = {}
+    for name, layers in (("plain", ()), ("tapped", taps)):
+        with torch.no_grad(), dense_attention_context(), Count() as mode:
+            target(ids, pos, aux_hidden_state_layers=layers)
+        counts[name] = mode.ops
+    extra = counts["tapped"] - counts["plain"]
+    assert counts["tapped"]["add"] == counts["plain"]["add"], extra
+    assert counts["tapped"]["cat"] == counts["plain"]["cat"], extra
+    assert set(extra) <= {"new_empty", "empty", "copy_", "slice"}, extra
+    assert extra["copy_"] <= len(taps) and extra["new_empty"] + extra["empty"] == 1, extra
+
+
 @pytest.mark.parametrize("method", ["eagle", "mtp"])
 def test_autoregressive_drafter_contract(tiny, target, method):
     draft = _draft(tiny, target, method)

@@ -24,10 +24,12 @@ def _check_sum_out(x: torch.Tensor, residual: torch.Tensor | None,
         return
     if residual is None:
         raise ValueError("rms_norm: sum_out needs a residual (it receives x + residual)")
-    if sum_out.shape != x.shape or sum_out.dtype != torch.promote_types(x.dtype, residual.dtype):
+    # (promote_types only when the dtypes differ: it is a dispatched op, and this runs per
+    # tapped layer in every step)
+    dtype = x.dtype if x.dtype == residual.dtype else torch.promote_types(x.dtype, residual.dtype)
+    if sum_out.shape != x.shape or sum_out.dtype != dtype:
         raise ValueError(f"rms_norm: sum_out {tuple(sum_out.shape)} {sum_out.dtype} must match the "
-                         f"sum x + residual: {tuple(x.shape)} "
-                         f"{torch.promote_types(x.dtype, residual.dtype)}")
+                         f"sum x + residual: {tuple(x.shape)} {dtype}")
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
