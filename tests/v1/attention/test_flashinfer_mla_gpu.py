@@ -268,6 +268,61 @@ def test_refreshed_last_chunks_past_the_chunk_limit_match_torch_mla(qlen, causal
     assert slot.native_replans + slot.full_plans == planned + 1
 
 
+def test_a_graph_plan_for_upper_bound_lengths_lowered_on_the_device_matches_torch_mla():
+    """The early draft step's device lowering (VLLM_EARLY_DRAFT_DEVICE_LOWERING=1): the plan is
+    made for upper-bound host lengths while the metadata's device seq_lens hold the exact ones;
+    lower_decode_seq_lens_on_device, given only the host's lower bound (every draft rejected),
+    rewrites the plan from the device lengths, and FlashInfer then equals TORCH_MLA on them.
+    A lower bound below a chunk's lower edge is refused and changes nothing."""
+    from dataclasses import replace
+
+    import numpy as np
+    q_len = 5  # a DSpark block of k = 4
+    builder = _graph_builder(q_len, non_causal=True, max_model_len=8192)
+    _graph_step(builder, [700, 2049, 64, 9], [q_len] * 4, False, 72)  # records plan_args
+    exact = [704, 2050, 66, 12]
+    upper = [708, 2053, 70, 12]
+    lower = [704, 2049, 66, 8]  # at most k = 4 below the bound, at or under the exact lengths
+    case = make_case(exact, [q_len] * 4, num_heads=HEADS, causal=False, seed=73,
+                     dtype=torch.bfloat16)
+    _, cache, cm, _ = build_rank(case, FlashInferMLAMetadataBuilder, 1, 0, 1, BLOCK,
+                                 fill=4.0, device=DEVICE,
+                                 builder_kwargs=dict(kernel_family="hopper"))
+    table = torch.zeros(4, 2 + cm.block_table_cpu.shape[1], dtype=torch.int32)
+    table[:, : cm.block_table_cpu.shape[1]] = cm.block_table_cpu
+    upper_cm = replace(cm, cudagraph=True, seq_lens_cpu=torch.tensor(upper, dtype=torch.int32),
+                       block_table_cpu=table)
+
+    def run(md):
+        q = torch.zeros(md.decode.num_decode_tokens, HEADS, case.q.shape[-1],
+                        dtype=case.q.dtype, device=DEVICE)
+        q[: case.q.shape[0]] = case.q.to(DEVICE)
+        fi = FlashInferMLAImpl(num_heads=HEADS, scale=case.scale).forward_decode(
+            q, cache, md.decode)
+        ref = TorchMLAImpl(num_heads=HEADS, scale=case.scale).forward_decode(
+            q, cache, md.decode)
+        return fi, ref
+
+    md = builder.build(0, upper_cm)
+    fi, ref = run(md)
+    assert not torch.allclose(fi[1][: case.q.shape[0]].float(), ref[1][: case.q.shape[0]].float(),
+                              atol=1e-2)  # the upper bound's extra tokens were read
+    assert builder.lower_decode_seq_lens_on_device(md, np.array(lower))
+    fi, ref = run(md)
+    assert_states_close(fi, ref)
+
+    md = builder.build(0, upper_cm)
+    state = md.decode.backend_state
+    skeleton = state.wrapper_slot.refresher.skeleton
+    multi = [i for i in range(skeleton.num_real) if skeleton.lo[i] > 0]
+    assert multi, "request 1 (2053 tokens) must span several chunks"
+    too_low = list(lower)
+    too_low[multi[0]] = int(skeleton.lo[multi[0]])
+    lowerings = state.wrapper_slot.refresher.device_lowerings
+    assert not builder.lower_decode_seq_lens_on_device(md, np.array(too_low))
+    assert state.wrapper_slot.refresher.device_lowerings == lowerings
+
+
 def test_a_graph_plan_for_upper_bound_lengths_lowered_in_place_matches_torch_mla():
     """A block drafter's metadata built while the verify step runs (early_draft.py): the host
     plans for upper-bound lengths (every draft accepted) while the device already holds the

@@ -443,3 +443,40 @@ def test_a_draft_wrapper_refreshes_past_the_chunk_edge_a_decode_wrapper_replans_
     grown[0] = edge + 1  # one token into a new chunk at the planned limit
     after = plan(grown, "b")
     assert after == first + (0 if draft else 1), (draft, first, after, limit)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_lowering_on_the_device_writes_what_a_host_refresh_writes(seed):
+    """The early draft step's device lowering (PlanRefresher.lower_on_device) against the host
+    refresh for the same exact lengths: a plan made for upper-bound lengths (every draft
+    accepted, the CSR listing their pages), lowered to lengths in [upper - k, upper], leaves the
+    int workspace byte for byte as try_refresh leaves it, on random single- and multi-chunk
+    plans (one query tile per request: the refreshable kind)."""
+    rng = random.Random(seed)
+    k = rng.choice([1, 3, 4, 7])
+    num_real, num_pad = rng.randint(1, 10), rng.randint(0, 3)
+    q = k + 1
+    qo = np.concatenate([[0], np.cumsum([q] * num_real + [0] * num_pad)]).astype(np.int32)
+    upper = np.array([rng.randint(k + 2, rng.choice([60, 700, 3000])) for _ in range(num_real)]
+                     + [0] * num_pad, dtype=np.int32)
+    pages = _pages(upper)  # the CSR of the upper bound (its pages stay listed)
+    heads = 16 if q * 16 <= 64 else 8  # every request one query tile (64 rows x heads)
+    info, scratch, limit = model_plan(qo, upper, pages, heads, rng.choice([8, 132]))
+    skeleton = PlanSkeleton.from_plan(info, scratch, qo, upper, heads, causal=False)
+    assert skeleton is not None
+    lower = upper.copy()
+    lower[:num_real] -= k
+    exact = upper.copy()
+    exact[:num_real] -= np.array([rng.randint(0, k) for _ in range(num_real)], dtype=np.int32)
+    host_ws, device_ws = scratch.clone(), scratch.clone()
+    on_host, on_device = PlanRefresher(host_ws, max_works=256), PlanRefresher(device_ws, 256)
+    on_host.adopt(skeleton)
+    on_device.adopt(skeleton)
+    if not skeleton.fits(qo, lower):
+        return  # a last chunk would empty: the early path refreshes on the host instead
+    assert on_host.try_refresh(qo, pages, exact)
+    on_device.lower_on_device(torch.from_numpy(exact[:num_real]))
+    assert torch.equal(device_ws, host_ws)
+    assert on_device.device_lowerings == 1
+    assert_valid_plan(plan_works(device_ws.view(torch.int32).numpy(), info), qo, exact, pages,
+                      limit, last_chunk_limit=limit + refresh_slack(limit))

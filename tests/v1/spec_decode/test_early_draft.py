@@ -35,9 +35,12 @@ def generate(method: str | None, mode: str, monkeypatch, trace: dict | None = No
         if trace is not None:
             inner_prepare, inner_propose = speculator.prepare_early, speculator.propose
 
-            def prepare_early(num_reqs, accepted, next_ids, upper, target):
-                trace["prepared"].append((accepted[:num_reqs].tolist(), list(upper[:num_reqs])))
-                return inner_prepare(num_reqs, accepted, next_ids, upper, target)
+            def prepare_early(num_reqs, accepted, next_ids, upper, target,
+                              lower_num_computed_new=None):
+                trace["prepared"].append((accepted[:num_reqs].tolist(), list(upper[:num_reqs]),
+                                          list(lower_num_computed_new[:num_reqs])))
+                return inner_prepare(num_reqs, accepted, next_ids, upper, target,
+                                     lower_num_computed_new=lower_num_computed_new)
 
             def propose(inputs):
                 early = speculator.__dict__.get("_early")
@@ -74,9 +77,10 @@ def test_early_draft_steps_equal_the_late_ones(plain, method, monkeypatch):
     early_steps = [exact for early, exact in trace["proposed"] if early]
     assert len(early_steps) == len(trace["prepared"]) >= MAX_TOKENS // 4
     lowered = 0
-    for (device, upper), exact in zip(trace["prepared"], early_steps):
+    for (device, upper, lower), exact in zip(trace["prepared"], early_steps):
         assert device == exact
-        assert all(u >= e for u, e in zip(upper, exact))
+        # the host's bounds (every draft accepted / every draft rejected) hold the exact counts
+        assert all(u >= e >= lo for u, e, lo in zip(upper, exact, lower))
         lowered += any(u > e for u, e in zip(upper, exact))
     assert lowered > 0  # some drafts were rejected: the bound had to be lowered
     # TORCH_MLA cannot lower planned lengths in place: every early step was built again
@@ -161,9 +165,9 @@ def test_the_runner_times_eligible_steps_for_the_tuner_and_follows_it(plain, mon
             seen.append((num_reqs, early, seconds))
             inner_observe(num_reqs, early, seconds)
 
-        def prepare_early(*args):
+        def prepare_early(*args, **kwargs):
             prepared.append(len(seen))
-            return inner_prepare(*args)
+            return inner_prepare(*args, **kwargs)
 
         tuner.observe, speculator.prepare_early = observe, prepare_early
         # the decision after the trial: late, whatever the CPU timings say
@@ -181,3 +185,38 @@ def test_the_runner_times_eligible_steps_for_the_tuner_and_follows_it(plain, mon
     assert tuner.history and not any(h[3] for h in tuner.history)
     # an early preparation ran in exactly the steps timed as early
     assert sorted(prepared) == [i for i, (_, early, _) in enumerate(seen) if early]
+
+
+def test_device_lowering_is_asked_with_the_all_rejected_bound_and_replaces_the_host_refresh(
+        plain, monkeypatch):
+    """VLLM_EARLY_DRAFT_DEVICE_LOWERING=1: prepare_early asks every drafter group's builder to
+    lower its plan on the device, giving the lower bound (every draft rejected: the verify
+    step's rows advance by one token), and a proposal whose early plans were all lowered uses
+    them as they are (no host refresh, no rebuild). TORCH_MLA has no such lowering; a recording
+    stand-in that accepts stands in for FlashInfer's (its plans read the device lengths, which
+    are exact, so the drafts must not change). Off by default."""
+    from vllm.v1.attention.backends.mla.torch_mla import TorchMLAMetadataBuilder
+    from vllm.v1.worker.gpu.spec_decode.early_draft import (DEVICE_LOWERING_FLAG,
+                                                            device_lowering_enabled)
+    monkeypatch.delenv(DEVICE_LOWERING_FLAG, raising=False)
+    assert not device_lowering_enabled()
+    asked = []
+
+    def lower_on_device(self, metadata, lower_seq_lens_np):
+        asked.append(list(lower_seq_lens_np))
+        return True
+
+    monkeypatch.setattr(TorchMLAMetadataBuilder, "lower_decode_seq_lens_on_device",
+                        lower_on_device, raising=False)
+    late_tokens, late_accepted, _ = generate("dspark", "0", monkeypatch)
+    monkeypatch.setenv(DEVICE_LOWERING_FLAG, "1")
+    trace = {"prepared": [], "proposed": []}
+    tokens, accepted, (refreshes, rebuilds) = generate("dspark", "1", monkeypatch, trace)
+    assert tokens == late_tokens == plain and accepted == late_accepted
+    assert trace["prepared"] and refreshes == rebuilds == 0
+    block = 4  # the tiny DSpark drafter's block (tiny.py: block_size 4)
+    # one call per prepared step: its lower bound of the new computed counts, + the block
+    assert asked == [[lo + block for lo in lower] for _, _, lower in trace["prepared"]]
+    for device, upper, lower in trace["prepared"]:
+        # verify rows of 1 + 4 tokens: every draft rejected advances a row by one
+        assert all(lo == u - 4 <= e for lo, u, e in zip(lower, upper, device))

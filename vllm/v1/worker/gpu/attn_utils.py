@@ -162,3 +162,30 @@ def refresh_attn_metadata_seq_lens(
         if metadata is None or refresh is None or not refresh(metadata, seq_lens_np):
             return False
     return True
+
+
+def lower_attn_metadata_on_device(
+    *,
+    attn_metadata_builders: Sequence[Any],
+    kv_cache_config: Any,
+    attn_metadata: Mapping[str, Any],
+    lower_seq_lens_np: np.ndarray,
+    group_ids: Sequence[int] | None = None,
+) -> bool:
+    """refresh_attn_metadata_seq_lens with the exact lengths read on the device, enqueued
+    before they are known on the host (each builder's lower_decode_seq_lens_on_device; the
+    host gives the lower bound its plans must still fit). False as soon as a group's builder
+    cannot: the caller then refreshes or builds from the exact host lengths once it has them,
+    which rewrites what the groups lowered before the refusal."""
+    groups = kv_cache_config.kv_cache_groups
+    selected = range(len(groups)) if group_ids is None else group_ids
+    for group_id in selected:
+        names = groups[group_id].layer_names
+        if not names:
+            continue
+        metadata = attn_metadata.get(names[0])
+        lower = getattr(attn_metadata_builders[group_id], "lower_decode_seq_lens_on_device",
+                        None)
+        if metadata is None or lower is None or not lower(metadata, lower_seq_lens_np):
+            return False
+    return True

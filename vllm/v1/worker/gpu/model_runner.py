@@ -572,7 +572,9 @@ class GPUModelRunner:
         out.add_(self._step_buffers.gpu[:n, -1]).sub_(q)
         upper = batch.num_computed_np[:n] + batch.num_scheduled_np[:n]
         next_tokens = self.requests.last_sampled[batch.idx_mapping[:n]]
-        spec.prepare_early(n, out, next_tokens, upper, batch.seq_lens_np[:n])
+        # every draft rejected: one token per row (the emitted one)
+        spec.prepare_early(n, out, next_tokens, upper, batch.seq_lens_np[:n],
+                           lower_num_computed_new=upper - (q - 1))
 
     def _copy_step_output(self, sampled: torch.Tensor, num_sampled: torch.Tensor, rows: int,
                           wait: bool = True):

@@ -983,6 +983,51 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
         decode.row_seq_lens_cpu = None  # the upper bound's host rows are stale now
         return True
 
+    def lower_decode_seq_lens_on_device(self, metadata: MLACommonMetadata,
+                                        lower_seq_lens_np: np.ndarray) -> bool:
+        """refresh_decode_seq_lens without the host lengths: the exact lengths are the
+        metadata's device `seq_lens` (the block input write computed them on the device, in
+        stream order), written into the plan's kv_len_arr and work arrays by device ops, so a
+        caller can enqueue this BEFORE it waits for the step output that decides them. Valid
+        when every length between `lower_seq_lens_np` (the host's lower bound, one per decode
+        request: every draft rejected) and the planned upper bound keeps the plan's rows and
+        chunk counts, which `fits` of the lower bound shows (the upper bound was planned).
+        Same scope as refresh_decode_seq_lens, and only for plans whose requests are the first
+        decode rows in order; anything else returns False and changes nothing."""
+        decode = metadata.decode
+        if (decode is None or metadata.num_prefills or self.dcp_world_size != 1
+                or self.kernel_family != "hopper" or not decode.cudagraph):
+            return False
+        state = decode.backend_state
+        inputs = getattr(state, "hopper_inputs", None)
+        slot = getattr(state, "wrapper_slot", None)
+        if (inputs is None or slot is None or state.planned_key is None
+                or inputs.request_rows is None or inputs.arrays is None
+                or slot.planned_for != state.planned_key):
+            return False
+        refresher = slot.refresher
+        skeleton = None if refresher is None else refresher.skeleton
+        backend = getattr(slot.wrapper, "_planned_backend", None)
+        if skeleton is None or backend is None:
+            return False
+        qo, _, kv_len = inputs.arrays
+        rows = inputs.request_rows
+        n = rows.shape[0]
+        if n == 0 or not np.array_equal(rows, _arange(n)):
+            return False  # the device lengths are read as the first n rows
+        lower = np.asarray(lower_seq_lens_np)[:n]
+        if lower.min() <= 0 or (lower > kv_len[:n]).any():
+            return False  # not a lower bound of what was planned
+        lengths = kv_len.copy()
+        lengths[:n] = lower
+        if not skeleton.fits(qo, lengths):
+            return False
+        exact = decode.seq_lens[:n]
+        refresher.lower_on_device(exact)
+        backend._kv_len_arr_buf[:n].copy_(exact)
+        decode.row_seq_lens_cpu = None  # the upper bound's host rows are stale now
+        return True
+
 
 class FlashInferMLAImpl(MLACommonImpl):
 

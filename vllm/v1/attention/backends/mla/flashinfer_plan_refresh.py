@@ -330,6 +330,9 @@ class PlanRefresher:
         # no request changes its page count, the work kv_indptr is unchanged and not copied
         self._indptr_written: bytes | None = None
         self.refreshes = 0
+        # lower_on_device: the device index tensors of the held skeleton (made on first use)
+        self._device_index: tuple | None = None
+        self.device_lowerings = 0
         # why a step was planned for real instead (benchmarks print these)
         self.misses = {"no skeleton": 0, "other rows or chunk counts": 0}
 
@@ -338,6 +341,7 @@ class PlanRefresher:
         if skeleton is not None and skeleton.num_works > self.max_works:
             skeleton = None
         self.skeleton = skeleton
+        self._device_index = None
         self._rows.clear()  # row views are cut to the skeleton's work count
         self._indptr_written = None  # the plan wrote the work kv_indptr itself
         if skeleton is not None:
@@ -359,6 +363,46 @@ class PlanRefresher:
         if event is not None and not event.query():
             event.synchronize()
         return self._host[i], ("own", i)
+
+    def _index_on_device(self) -> tuple:
+        """(kv_len positions, their requests, kv_end positions, their requests) of the held
+        skeleton's real works in the int32 workspace, as device tensors (one non-blocking copy
+        from pinned memory per skeleton: no host sync)."""
+        index = self._device_index
+        if index is None:
+            sk = self.skeleton
+            real = np.nonzero(sk.work_req < sk.num_real)[0]
+            if sk.ends_are_lengths:  # one chunk per request: every real work ends its KV
+                ends, end_req = real, sk.work_req[real]
+            else:
+                ends, end_req = sk.last_work, sk.last_req
+            host = np.concatenate([sk.offsets["kv_len"] + real, sk.work_req[real],
+                                   sk.offsets["kv_end"] + ends, end_req]).astype(np.int64)
+            staged = torch.from_numpy(host)
+            if self._pin:
+                staged = staged.pin_memory()
+            flat = staged.to(self.device_ws.device, non_blocking=True)
+            n, m = len(real), len(ends)
+            index = self._device_index = (flat[:n], flat[n:2 * n], flat[2 * n:2 * n + m],
+                                          flat[2 * n + m:])
+        return index
+
+    def lower_on_device(self, new_lens: torch.Tensor) -> None:
+        """Write request lengths held on the device (`new_lens` [num_real], the held plan's
+        requests in order) into its work arrays with stream-ordered device ops: every real
+        work's kv_len and every last work's kv_end, what `fill` writes for them (kv_indptr and
+        the padding works keep their values). For a plan made from host upper bounds whose
+        exact lengths only the device has yet (the early draft step, early_draft.py). The
+        caller has checked on the host that the skeleton fits every length the device may
+        hold (`fits` of the lowest and of the planned ones)."""
+        if self.skeleton is None:
+            raise RuntimeError("lower_on_device needs a held plan skeleton")
+        len_pos, len_req, end_pos, end_req = self._index_on_device()
+        values = new_lens.to(torch.int32)
+        ws = self.device_ws
+        ws.index_copy_(0, len_pos, values.index_select(0, len_req))
+        ws.index_copy_(0, end_pos, values.index_select(0, end_req))
+        self.device_lowerings += 1
 
     def try_refresh(self, qo_indptr: np.ndarray, kv_indptr: np.ndarray,
                     kv_lens: np.ndarray, ring_index: int | None = None) -> bool:

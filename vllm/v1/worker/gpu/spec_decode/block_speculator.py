@@ -14,10 +14,12 @@ import torch
 
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.attention.mla_attention import current_attn_metadata
-from vllm.v1.worker.gpu.attn_utils import KVWriteOnlyMetadata, refresh_attn_metadata_seq_lens
+from vllm.v1.worker.gpu.attn_utils import (KVWriteOnlyMetadata, lower_attn_metadata_on_device,
+                                           refresh_attn_metadata_seq_lens)
 from vllm.v1.worker.gpu.spec_decode.context_kv_ring import (DEFAULT_STEPS, DeferredContextKV,
                                                             deferral_enabled)
 from vllm.v1.worker.gpu.spec_decode.early_draft import (MODES, EarlyDraft, EarlyDraftTuner,
+                                                        device_lowering_enabled,
                                                         early_draft_mode)
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftInputs, Speculator
 
@@ -127,7 +129,10 @@ class BlockSpeculator(Speculator):
             # (or build it again from them where a builder cannot).
             graph_size, padded = early.graph_size, early.padded
             anchors, slot_mappings = early.anchors, early.slot_mappings
-            if refresh_attn_metadata_seq_lens(
+            if early.lowered_on_device:  # lowered before the wait: nothing left to do
+                attn_metadata = early.attn_metadata
+                self.early_device_lowerings += 1
+            elif refresh_attn_metadata_seq_lens(
                     attn_metadata_builders=self.attn_metadata_builders,
                     kv_cache_config=self.kv_cache_config, attn_metadata=early.attn_metadata,
                     seq_lens_np=seq_lens_np, group_ids=self.group_ids):
@@ -165,6 +170,7 @@ class BlockSpeculator(Speculator):
     # ---- the draft step's inputs and metadata, prepared while the verify step runs --------
     early_refreshes = 0  # early metadata whose lengths were lowered in place
     early_rebuilds = 0   # early metadata built again from the exact lengths
+    early_device_lowerings = 0  # early metadata lowered on the device before the wait
 
     def wants_early_draft(self) -> bool:
         """Whether prepare_early may run before the runner waits for a step's output
@@ -204,14 +210,17 @@ class BlockSpeculator(Speculator):
         return mode == "1" and self.early_draft_lengths_exact()
 
     def prepare_early(self, num_reqs: int, accepted: torch.Tensor, next_token_ids: torch.Tensor,
-                      upper_num_computed_new: np.ndarray, target_seq_lens: np.ndarray) -> None:
+                      upper_num_computed_new: np.ndarray, target_seq_lens: np.ndarray,
+                      lower_num_computed_new: np.ndarray | None = None) -> None:
         """Write the draft block's inputs and build its attention metadata before the step's
         accepted counts reach the host. `accepted` [num_reqs] holds, on the device, the exact
         new computed counts (the runner derives them from the verify step's device output, in
         stream order); `upper_num_computed_new` [num_reqs] is their host upper bound (every
         draft accepted), from which the host planners work. _propose then lowers the planned
         lengths to the exact ones. Only where the shared base says the lowered lengths are
-        the whole change (Speculator.early_draft_lengths_exact)."""
+        the whole change (Speculator.early_draft_lengths_exact). With
+        `lower_num_computed_new` (every draft rejected) and VLLM_EARLY_DRAFT_DEVICE_LOWERING=1
+        the lowering is enqueued here, on the device, where the lower bound shows it valid."""
         q = self.query_len
         graph_size = self._graph_size(num_reqs)
         padded = graph_size or num_reqs
@@ -221,9 +230,18 @@ class BlockSpeculator(Speculator):
         target = np.array(target_seq_lens[:num_reqs], dtype=np.int64)  # kept past this step
         attn_metadata = self._block_attn_metadata(num_reqs, padded, graph_size, target, upper,
                                                   slot_mappings)
+        lowered = False
+        if lower_num_computed_new is not None and device_lowering_enabled():
+            lower = np.minimum(np.asarray(lower_num_computed_new, dtype=np.int64)[:num_reqs] + q,
+                               self.max_model_len)
+            lowered = lower_attn_metadata_on_device(
+                attn_metadata_builders=self.attn_metadata_builders,
+                kv_cache_config=self.kv_cache_config, attn_metadata=attn_metadata,
+                lower_seq_lens_np=lower, group_ids=self.group_ids)
         self._early = EarlyDraft(num_reqs=num_reqs, padded=padded, graph_size=graph_size,
                                  attn_metadata=attn_metadata, anchors=anchors,
-                                 slot_mappings=slot_mappings, target_seq_lens=target)
+                                 slot_mappings=slot_mappings, target_seq_lens=target,
+                                 lowered_on_device=lowered)
 
     def _write_block(self, num_reqs: int, padded: int, accepted: torch.Tensor,
                      next_token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,8 +36,24 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm.utils.env_flags import switch_flag
+
 ENV_FLAG = "VLLM_EARLY_DRAFT_METADATA"
 MODES = ("auto", "1", "0")
+# Lower the early plan's lengths on the device, before the wait (below), instead of on the host
+# after it. Off until measured on a GPU (written in the seventeenth session, when no GPU came).
+DEVICE_LOWERING_FLAG = "VLLM_EARLY_DRAFT_DEVICE_LOWERING"
+
+
+def device_lowering_enabled() -> bool:
+    """Whether prepare_early lowers its upper-bound plans on the device before the runner
+    waits (FlashInferMLAMetadataBuilder.lower_decode_seq_lens_on_device): the exact lengths
+    are on the device already, and the host knows, before the wait, a lower bound (every draft
+    rejected) whose fit proves every outcome fits. What it removes: the host refresh after the
+    wait (two refreshes and a copy per step, which made the early path lose on the tiny model,
+    thirteenth session). Not measured yet: "1" turns it on for an A/B."""
+    return switch_flag(DEVICE_LOWERING_FLAG, False, "lower early draft plans on the device "
+                       "before the wait", "on the host after it")
 
 
 def early_draft_mode() -> str:
@@ -60,6 +76,8 @@ class EarlyDraft:
     anchors: torch.Tensor
     slot_mappings: torch.Tensor
     target_seq_lens: np.ndarray     # the verify step's lengths (the builders' upper bound)
+    # every group's plan was lowered on the device before the wait (nothing left after it)
+    lowered_on_device: bool = False
 
 
 def _bucket(num_reqs: int) -> int:
