@@ -22,7 +22,7 @@
 #   bash scripts/gpu_validation.sh earlyv3   # early draft step A/B (off / on / tuned) at V3-rank dims (~3 min)
 #   bash scripts/gpu_validation.sh ctxkv     # fused context-KV write + refresh slack: their GPU tests (~1 min)
 #   bash scripts/gpu_validation.sh ctxkvtrace # the same: never (fused) / never-perlayer / none / auto, B=8 trace A/B (~4 min)
-#   bash scripts/gpu_validation.sh taps      # seventeenth session: taps via sum_out, draft-plan slack, stream lookup (~8 min)
+#   bash scripts/gpu_validation.sh taps      # seventeenth session: taps via sum_out, draft-plan slack, stream lookup, early device lowering (~12 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
 set -uo pipefail
 out="${OUT:-out}"; mkdir -p "$out"; out="$(cd "$out" && pwd)"
@@ -188,7 +188,8 @@ for what in "$@"; do
       PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-300}" run_pytest taps \
         tests/v1/worker/test_cudagraph_runner_gpu.py tests/model_executor/layers/test_layernorm.py \
         tests/model_executor/test_models_gpu.py tests/test_cuda_streams.py \
-        tests/model_executor/layers/attention/test_mla_context_kv_writer.py
+        tests/model_executor/layers/attention/test_mla_context_kv_writer.py \
+        tests/v1/attention/test_flashinfer_mla_gpu.py
       PYTEST_TIMEOUT_S=150 run_pytest tapspolicy tests/v1/e2e/test_spec_policy_gpu.py \
         -k "float32 or (cannot_pay and write)"
       grep -E "^cannot-pay" "$out/pytest_tapspolicy.log"
@@ -198,7 +199,13 @@ for what in "$@"; do
       timeout 100 python3 scripts/probe_spec_step.py --device cuda --dtype bfloat16 \
         --attention-backend FLASHINFER_MLA --batch 1 8 --modes plain draft --steps 150 \
         >"$out/taps_phases.log" 2>&1
-      summary+=("taps phases rc=$?"); grep -E "^\|" "$out/taps_phases.log" | tail -n 30 ;;
+      summary+=("taps phases rc=$?"); grep -E "^\|" "$out/taps_phases.log" | tail -n 30
+      # the early draft step's device lowering (opt-in), off then on (two processes: noisy)
+      for lowering in 0 1; do
+        VLLM_EARLY_DRAFT_DEVICE_LOWERING=$lowering timeout 150 python3 scripts/probe_early_draft.py \
+          --batch-sizes 1 8 --output-len 384 >"$out/taps_early_$lowering.log" 2>&1
+        summary+=("taps early lowering=$lowering rc=$?"); tail -n 12 "$out/taps_early_$lowering.log"
+      done ;;
     hostprofile)  # where a speculative step's host time goes, by phase and by function
       timeout 200 python3 scripts/probe_spec_step.py --device cuda --dtype bfloat16 \
         --attention-backend FLASHINFER_MLA --batch 1 8 --modes plain draft --steps 100 \
