@@ -268,28 +268,26 @@ def test_refreshed_last_chunks_past_the_chunk_limit_match_torch_mla(qlen, causal
     assert slot.native_replans + slot.full_plans == planned + 1
 
 
-def test_a_graph_plan_for_upper_bound_lengths_lowered_on_the_device_matches_torch_mla():
-    """The early draft step's device lowering (VLLM_EARLY_DRAFT_DEVICE_LOWERING=1): the plan is
-    made for upper-bound host lengths while the metadata's device seq_lens hold the exact ones;
-    lower_decode_seq_lens_on_device, given only the host's lower bound (every draft rejected),
-    rewrites the plan from the device lengths, and FlashInfer then equals TORCH_MLA on them.
-    A lower bound below a chunk's lower edge is refused and changes nothing."""
+def _upper_bound_plan_case(plan_seed: int, case_seed: int):
+    """A DSpark block step (k = 4, non-causal Q=5 rows) whose graph plan is built for the
+    upper-bound host lengths [708, 2053, 70, 12] (every draft accepted: request 2 lists one
+    page more, 70 > 64; request 3 as is) while the device lengths are the exact
+    [704, 2050, 66, 12]. Returns (builder, the upper-bound metadata input, run(md) ->
+    (FlashInfer, TORCH_MLA) outputs, real query rows)."""
     from dataclasses import replace
-
-    import numpy as np
-    q_len = 5  # a DSpark block of k = 4
+    q_len = 5
     builder = _graph_builder(q_len, non_causal=True, max_model_len=8192)
-    _graph_step(builder, [700, 2049, 64, 9], [q_len] * 4, False, 72)  # records plan_args
-    exact = [704, 2050, 66, 12]
-    upper = [708, 2053, 70, 12]
-    lower = [704, 2049, 66, 8]  # at most k = 4 below the bound, at or under the exact lengths
-    case = make_case(exact, [q_len] * 4, num_heads=HEADS, causal=False, seed=73,
+    _graph_step(builder, [700, 2049, 64, 9], [q_len] * 4, False, plan_seed)  # plan_args
+    exact, upper = [704, 2050, 66, 12], [708, 2053, 70, 12]
+    case = make_case(exact, [q_len] * 4, num_heads=HEADS, causal=False, seed=case_seed,
                      dtype=torch.bfloat16)
+    # Unwritten cache slots hold 4.0 (finite: kernels load whole tiles and mask), so tokens
+    # read past a length move the result by far more than rounding.
     _, cache, cm, _ = build_rank(case, FlashInferMLAMetadataBuilder, 1, 0, 1, BLOCK,
                                  fill=4.0, device=DEVICE,
                                  builder_kwargs=dict(kernel_family="hopper"))
     table = torch.zeros(4, 2 + cm.block_table_cpu.shape[1], dtype=torch.int32)
-    table[:, : cm.block_table_cpu.shape[1]] = cm.block_table_cpu
+    table[:, : cm.block_table_cpu.shape[1]] = cm.block_table_cpu  # room for the bound's pages
     upper_cm = replace(cm, cudagraph=True, seq_lens_cpu=torch.tensor(upper, dtype=torch.int32),
                        block_table_cpu=table)
 
@@ -303,9 +301,21 @@ def test_a_graph_plan_for_upper_bound_lengths_lowered_on_the_device_matches_torc
             q, cache, md.decode)
         return fi, ref
 
+    return builder, upper_cm, run, case.q.shape[0]
+
+
+def test_a_graph_plan_for_upper_bound_lengths_lowered_on_the_device_matches_torch_mla():
+    """The early draft step's device lowering (VLLM_EARLY_DRAFT_DEVICE_LOWERING=1): the plan is
+    made for upper-bound host lengths while the metadata's device seq_lens hold the exact ones;
+    lower_decode_seq_lens_on_device, given only the host's lower bound (every draft rejected),
+    rewrites the plan from the device lengths, and FlashInfer then equals TORCH_MLA on them.
+    A lower bound below a chunk's lower edge is refused and changes nothing."""
+    import numpy as np
+    lower = [704, 2049, 66, 8]  # at most k = 4 below the bound, at or under the exact lengths
+    builder, upper_cm, run, rows = _upper_bound_plan_case(72, 73)
     md = builder.build(0, upper_cm)
     fi, ref = run(md)
-    assert not torch.allclose(fi[1][: case.q.shape[0]].float(), ref[1][: case.q.shape[0]].float(),
+    assert not torch.allclose(fi[1][:rows].float(), ref[1][:rows].float(),
                               atol=1e-2)  # the upper bound's extra tokens were read
     assert builder.lower_decode_seq_lens_on_device(md, np.array(lower))
     fi, ref = run(md)
@@ -330,39 +340,12 @@ def test_a_graph_plan_for_upper_bound_lengths_lowered_in_place_matches_torch_mla
     lowering FlashInfer reads the extra tokens (it must differ from TORCH_MLA on the exact
     lengths, so the check below can fail); after it, it equals TORCH_MLA. A lowering that
     would change a request's chunk count is refused and changes nothing."""
-    from dataclasses import replace
-
     import numpy as np
-    q_len = 5  # a DSpark block of k = 4
-    builder = _graph_builder(q_len, non_causal=True, max_model_len=8192)
-    _graph_step(builder, [700, 2049, 64, 9], [q_len] * 4, False, 70)  # records plan_args
     exact = [704, 2050, 66, 12]
-    upper = [708, 2053, 70, 12]  # request 2 lists one page more (70 > 64); request 3 as is
-    case = make_case(exact, [q_len] * 4, num_heads=HEADS, causal=False, seed=71,
-                     dtype=torch.bfloat16)
-    # Unwritten cache slots hold 4.0 (finite: kernels load whole tiles and mask), so tokens
-    # read past a length move the result by far more than rounding.
-    _, cache, cm, _ = build_rank(case, FlashInferMLAMetadataBuilder, 1, 0, 1, BLOCK,
-                                 fill=4.0, device=DEVICE,
-                                 builder_kwargs=dict(kernel_family="hopper"))
-    table = torch.zeros(4, 2 + cm.block_table_cpu.shape[1], dtype=torch.int32)
-    table[:, : cm.block_table_cpu.shape[1]] = cm.block_table_cpu  # room for the bound's pages
-    upper_cm = replace(cm, cudagraph=True, seq_lens_cpu=torch.tensor(upper, dtype=torch.int32),
-                       block_table_cpu=table)
-
-    def run(md):
-        q = torch.zeros(md.decode.num_decode_tokens, HEADS, case.q.shape[-1],
-                        dtype=case.q.dtype, device=DEVICE)
-        q[: case.q.shape[0]] = case.q.to(DEVICE)
-        fi = FlashInferMLAImpl(num_heads=HEADS, scale=case.scale).forward_decode(
-            q, cache, md.decode)
-        ref = TorchMLAImpl(num_heads=HEADS, scale=case.scale).forward_decode(
-            q, cache, md.decode)
-        return fi, ref
-
+    builder, upper_cm, run, rows = _upper_bound_plan_case(70, 71)
     md = builder.build(0, upper_cm)
     fi, ref = run(md)
-    assert not torch.allclose(fi[1][: case.q.shape[0]].float(), ref[1][: case.q.shape[0]].float(),
+    assert not torch.allclose(fi[1][:rows].float(), ref[1][:rows].float(),
                               atol=1e-2)  # the upper bound's extra tokens were read
     assert builder.refresh_decode_seq_lens(md, np.array(exact))
     fi, ref = run(md)

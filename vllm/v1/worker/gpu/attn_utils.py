@@ -151,6 +151,14 @@ def refresh_attn_metadata_seq_lens(
     (FlashInfer MLA plans). False as soon as a built group's builder cannot (no such method,
     or it refuses): the caller then builds again from the exact lengths. Groups refreshed
     before a refusal keep exact lengths, which a new build rewrites anyway."""
+    return _each_group_builder(attn_metadata_builders, kv_cache_config, attn_metadata,
+                               "refresh_decode_seq_lens", seq_lens_np, group_ids)
+
+
+def _each_group_builder(builders, kv_cache_config, attn_metadata, method: str, lengths,
+                        group_ids) -> bool:
+    """builder.<method>(metadata, lengths) for every selected group with layers, in order;
+    False at the first builder without the method or refusing (the rest are not asked)."""
     groups = kv_cache_config.kv_cache_groups
     selected = range(len(groups)) if group_ids is None else group_ids
     for group_id in selected:
@@ -158,8 +166,8 @@ def refresh_attn_metadata_seq_lens(
         if not names:
             continue
         metadata = attn_metadata.get(names[0])
-        refresh = getattr(attn_metadata_builders[group_id], "refresh_decode_seq_lens", None)
-        if metadata is None or refresh is None or not refresh(metadata, seq_lens_np):
+        call = getattr(builders[group_id], method, None)
+        if metadata is None or call is None or not call(metadata, lengths):
             return False
     return True
 
@@ -177,15 +185,5 @@ def lower_attn_metadata_on_device(
     host gives the lower bound its plans must still fit). False as soon as a group's builder
     cannot: the caller then refreshes or builds from the exact host lengths once it has them,
     which rewrites what the groups lowered before the refusal."""
-    groups = kv_cache_config.kv_cache_groups
-    selected = range(len(groups)) if group_ids is None else group_ids
-    for group_id in selected:
-        names = groups[group_id].layer_names
-        if not names:
-            continue
-        metadata = attn_metadata.get(names[0])
-        lower = getattr(attn_metadata_builders[group_id], "lower_decode_seq_lens_on_device",
-                        None)
-        if metadata is None or lower is None or not lower(metadata, lower_seq_lens_np):
-            return False
-    return True
+    return _each_group_builder(attn_metadata_builders, kv_cache_config, attn_metadata,
+                               "lower_decode_seq_lens_on_device", lower_seq_lens_np, group_ids)

@@ -926,6 +926,28 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
         decode.backend_state = state
         return metadata
 
+    def _held_graph_plan(self, metadata: MLACommonMetadata):
+        """(decode, plan inputs, wrapper slot, refresher, skeleton, planned backend) of a
+        decode-only Hopper CUDA-graph plan at DCP 1 that is still its slot's latest and has a
+        refreshable skeleton (what lowering a plan's lengths in place needs), else None."""
+        decode = metadata.decode
+        if (decode is None or metadata.num_prefills or self.dcp_world_size != 1
+                or self.kernel_family != "hopper" or not decode.cudagraph):
+            return None
+        state = decode.backend_state
+        inputs = getattr(state, "hopper_inputs", None)
+        slot = getattr(state, "wrapper_slot", None)
+        if (inputs is None or slot is None or state.planned_key is None
+                or inputs.request_rows is None or inputs.arrays is None
+                or slot.planned_for != state.planned_key):
+            return None  # not this slot's latest plan, or a layout this does not cover
+        refresher = slot.refresher
+        skeleton = None if refresher is None else refresher.skeleton
+        backend = getattr(slot.wrapper, "_planned_backend", None)
+        if skeleton is None or backend is None:
+            return None
+        return decode, inputs, slot, refresher, skeleton, backend
+
     def refresh_decode_seq_lens(self, metadata: MLACommonMetadata,
                                 seq_lens_np: np.ndarray) -> bool:
         """Lower the lengths of a CUDA-graph decode plan built for upper-bound host lengths to
@@ -943,24 +965,13 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
         sees its request's length), lengths within the planned pages and every request keeping
         its chunk count. Anything else returns False and changes nothing (the caller builds
         again with the exact lengths)."""
-        decode = metadata.decode
-        if (decode is None or metadata.num_prefills or self.dcp_world_size != 1
-                or self.kernel_family != "hopper" or not decode.cudagraph):
+        held = self._held_graph_plan(metadata)
+        if held is None:
             return False
-        state = decode.backend_state
-        inputs = getattr(state, "hopper_inputs", None)
-        slot = getattr(state, "wrapper_slot", None)
-        if (inputs is None or slot is None or state.planned_key is None
-                or inputs.request_rows is None or inputs.arrays is None
-                or inputs.staged_in is None or inputs.staged_in[0] is not slot.staging
-                or inputs.staged_in[1] != slot.staging.current_index
-                or slot.planned_for != state.planned_key):
-            return False  # not this slot's latest plan, or a layout this does not cover
-        refresher = slot.refresher
-        skeleton = None if refresher is None else refresher.skeleton
-        backend = getattr(slot.wrapper, "_planned_backend", None)
-        if skeleton is None or backend is None:
-            return False
+        decode, inputs, slot, refresher, skeleton, backend = held
+        if (inputs.staged_in is None or inputs.staged_in[0] is not slot.staging
+                or inputs.staged_in[1] != slot.staging.current_index):
+            return False  # its staged set has moved on: the host refresh writes through it
         qo, kv_indptr, kv_len = inputs.arrays
         rows = inputs.request_rows
         n = rows.shape[0]
@@ -994,22 +1005,10 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
         chunk counts, which `fits` of the lower bound shows (the upper bound was planned).
         Same scope as refresh_decode_seq_lens, and only for plans whose requests are the first
         decode rows in order; anything else returns False and changes nothing."""
-        decode = metadata.decode
-        if (decode is None or metadata.num_prefills or self.dcp_world_size != 1
-                or self.kernel_family != "hopper" or not decode.cudagraph):
+        held = self._held_graph_plan(metadata)
+        if held is None:
             return False
-        state = decode.backend_state
-        inputs = getattr(state, "hopper_inputs", None)
-        slot = getattr(state, "wrapper_slot", None)
-        if (inputs is None or slot is None or state.planned_key is None
-                or inputs.request_rows is None or inputs.arrays is None
-                or slot.planned_for != state.planned_key):
-            return False
-        refresher = slot.refresher
-        skeleton = None if refresher is None else refresher.skeleton
-        backend = getattr(slot.wrapper, "_planned_backend", None)
-        if skeleton is None or backend is None:
-            return False
+        decode, inputs, _, refresher, skeleton, backend = held
         qo, _, kv_len = inputs.arrays
         rows = inputs.request_rows
         n = rows.shape[0]
