@@ -23,6 +23,7 @@
 #   bash scripts/gpu_validation.sh ctxkv     # fused context-KV write + refresh slack: their GPU tests (~1 min)
 #   bash scripts/gpu_validation.sh ctxkvtrace # the same: never (fused) / never-perlayer / none / auto, B=8 trace A/B (~4 min)
 #   bash scripts/gpu_validation.sh taps      # seventeenth session: taps via sum_out, draft-plan slack, stream lookup, early device lowering (~12 min)
+#   bash scripts/gpu_validation.sh tapstests # ... its GPU tests only (~5 min); tapsbench: its measurements only (~7 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
 set -uo pipefail
 out="${OUT:-out}"; mkdir -p "$out"; out="$(cd "$out" && pwd)"
@@ -55,7 +56,11 @@ run_pytest() {  # name, then pytest arguments
   summary+=("$name rc=$rc $(tail -n 1 "$out/pytest_$name.log")")
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)" "$out/pytest_$name.log" | sed "s/^/[$name] /" | tail -n 80
 }
-for what in "$@"; do
+groups=()
+for what in "$@"; do  # "taps" is its two halves (~12 min: more than one device command may run)
+  case "$what" in taps) groups+=(tapstests tapsbench) ;; *) groups+=("$what") ;; esac
+done
+for what in "${groups[@]}"; do
   case "$what" in
     kernels) run_pytest kernels tests/v1/worker/test_block_table.py tests/v1/worker/test_cp_utils.py tests/v1/attention tests/model_executor tests/v1/sample tests/distributed ;;
     bench)
@@ -184,7 +189,7 @@ for what in "$@"; do
         --rounds 1 --output-len 768 --variants none never auto-nopay --context-kv-ab \
         --prompt-stagger ${CTXKV_STAGGER:-0} >"$out/ctxkv_trace.log" 2>&1
       summary+=("ctxkv trace rc=$?"); grep -E "^(==|engine|none|never|auto)|re-plans" "$out/ctxkv_trace.log" | tail -n 40 ;;
-    taps)  # the seventeenth session's changes (none ran on a GPU that session)
+    tapstests)  # the seventeenth session's changes (none ran on a GPU that session): GPU tests
       PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-300}" run_pytest taps \
         tests/v1/worker/test_cudagraph_runner_gpu.py tests/model_executor/layers/test_layernorm.py \
         tests/model_executor/test_models_gpu.py tests/test_cuda_streams.py \
@@ -192,7 +197,8 @@ for what in "$@"; do
         tests/v1/attention/test_flashinfer_mla_gpu.py
       PYTEST_TIMEOUT_S=150 run_pytest tapspolicy tests/v1/e2e/test_spec_policy_gpu.py \
         -k "float32 or (cannot_pay and write)"
-      grep -E "^cannot-pay" "$out/pytest_tapspolicy.log"
+      grep -E "^cannot-pay" "$out/pytest_tapspolicy.log" ;;
+    tapsbench)  # ... and their measurements: B=8 trace, spec-step phases, early device lowering A/B
       timeout 200 python3 scripts/trace_policy_steps.py --interleaved --batch-sizes 8 --rounds 1 \
         --output-len 768 --variants none never auto-nopay >"$out/taps_trace.log" 2>&1
       summary+=("taps trace rc=$?"); grep -E "^(==|engine|none|never|auto)|re-plans" "$out/taps_trace.log" | tail -n 30
@@ -200,6 +206,10 @@ for what in "$@"; do
         --attention-backend FLASHINFER_MLA --batch 1 8 --modes plain draft --steps 150 \
         >"$out/taps_phases.log" 2>&1
       summary+=("taps phases rc=$?"); grep -E "^\|" "$out/taps_phases.log" | tail -n 30
+      # what the drafter's presence and the policy add to a step's host time, by function
+      timeout 150 python3 scripts/diff_step_profiles.py --variants none never auto-nopay-noprobe \
+        --batch 8 --steps 300 --top 25 >"$out/taps_diff.log" 2>&1
+      summary+=("taps diff rc=$?"); grep -E "^(####|\| [+-])" "$out/taps_diff.log" | head -n 40
       # the early draft step's device lowering (opt-in), off then on (two processes: noisy)
       for lowering in 0 1; do
         VLLM_EARLY_DRAFT_DEVICE_LOWERING=$lowering timeout 150 python3 scripts/probe_early_draft.py \
