@@ -116,6 +116,9 @@ def test_cost_model_times_every_step_planned_ahead():
     model = sched.spec_policy.cost_model
     model.acceptance_override = 1.0  # drafting cannot pay: plain steps, overlapped
     model.step_time_fn = lambda kind, batch, context: 2.0 if kind == SPEC else 1.0
+    # Every step, settled ones too (the default times one settled step in 8: what is checked
+    # here is that a step planned ahead finds its own timing record).
+    model.config.settled_timing_interval = 1
     observed = []
     observe = model.observe_step
 

@@ -748,3 +748,60 @@ def test_a_settled_batch_is_judged_again_when_its_context_bucket_changes():
     assert model._settled is not None  # the next steps in this bucket take the shortcut
     assert model.decide([Candidate("r", 256)])["r"] == Decision(False, REASON_COST)
     assert model.decide([Candidate("r", 257)])["r"].draft
+
+
+@pytest.mark.parametrize("interval", [1, 4, 8])
+def test_a_settled_engine_times_one_step_in_the_interval(interval):
+    """Where drafting cannot pay the engine sits in the settled shortcut; recording and
+    observing a step time costs the host every step, so only one settled step in
+    `settled_timing_interval` is timed. Every step that is not settled, and every step while
+    a probe's cost is being audited, is still timed (the probe credit is charged what all of a
+    probe's steps measured). Oracle: the engine protocol played through the policy (Loop),
+    counting the step times the cost model receives."""
+    policy = auto_policy(settled_timing_interval=interval, probe_interval=40,
+                         max_probe_interval=40, probe_budget=0.5)
+    model = policy.cost_model
+    timed_steps = []
+    observe = model.observe_probe_step  # called for every timed step (policy.observe_step_time)
+    model.observe_probe_step = lambda step, s: (timed_steps.append(step), observe(step, s))[1]
+    loop = Loop(policy, {"a": 1.0, "b": 1.0}, t_spec=3.0)
+    settled, audited = [], []
+    for _ in range(600):
+        audit_open = model._probe_audit is not None
+        before = len(timed_steps)
+        loop.one_step()
+        timed = len(timed_steps) > before
+        if model.last_settled:
+            settled.append(timed)
+        else:
+            assert timed, loop.step - 1  # a step decided by the full loop is always timed
+        if audit_open:
+            audited.append(loop.step - 1)
+            assert timed, loop.step - 1
+    assert len(settled) >= 300, len(settled)  # the shortcut was taken
+    # One timed settled step in `interval`; every probe breaks the run of settled steps and
+    # restarts nothing (the count carries on), so the count is exact up to one per run.
+    assert len(settled) // interval - 1 <= sum(settled) <= len(settled) // interval + 1, (
+        sum(settled), len(settled))
+    assert audited and model.probe_costs, "no probe was audited: the test reached no probe"
+
+
+def test_wants_step_timed_counts_settled_steps_only():
+    model = SpeculationCostModel(K, CostModelConfig(min_samples=2, settled_timing_interval=3,
+                                                    probe_interval=10 ** 6,
+                                                    max_probe_interval=10 ** 6),
+                                 acceptance_override=1.0)
+    for _ in range(2):
+        model.observe_step(SPEC, 1, 100, 3.0)
+        model.observe_step(PLAIN, 1, 100, 1.0)
+    got = []
+    for _ in range(10):
+        assert model.decide([Candidate("r", 100)])["r"] == Decision(False, REASON_COST)
+        got.append((model.last_settled, model.wants_step_timed()))
+    # the first step judges everyone (full loop, timed); then one settled step in three
+    assert got == [(False, True)] + [(True, False), (True, False), (True, True)] * 3
+    # While a probe's cost is audited (the audit's window is open), every step is timed.
+    model._probe_audit = [model.last_step, model.last_step + 100, 1.0, 0.0, 0.0, 0]
+    for _ in range(5):
+        model.decide([Candidate("r", 100)])
+        assert model.last_settled and model.wants_step_timed()

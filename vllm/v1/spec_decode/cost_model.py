@@ -112,6 +112,11 @@ class CostModelConfig:
     # interval alone); sets the fewest steps between probes from the cost ratio.
     probe_budget: float | None = 0.02
     min_context_bucket: int = 256  # contexts below this share one bucket
+    # While settled (module doc), time one plain step in this many: recording and observing a
+    # step time costs the host ~4 us a step (CPU, scripts/time_step_host.py), a few % of a
+    # small model's step where drafting cannot pay, and a settled bucket's lower quartile
+    # moves slowly anyway. 1: time every step.
+    settled_timing_interval: int = 8
 
     def __post_init__(self):
         if not 0.0 < self.acceptance_alpha <= 1.0:
@@ -126,7 +131,8 @@ class CostModelConfig:
         if not 0.0 <= self.hysteresis < 1.0:
             raise ValueError(f"hysteresis={self.hysteresis!r} is invalid: it must be in [0, 1).")
         for name in ("time_window", "min_samples", "min_acceptance_samples", "probe_interval",
-                     "max_probe_interval", "probe_len", "plain_run_len", "min_context_bucket"):
+                     "max_probe_interval", "probe_len", "plain_run_len", "min_context_bucket",
+                     "settled_timing_interval"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} is invalid: it must be an int >= 1.")
@@ -278,8 +284,11 @@ class SpeculationCostModel:
         # so far, steps so far]; and the last probes' (start, estimate, measured) in plain steps.
         self._probe_audit: list | None = None
         self.probe_costs: deque = deque(maxlen=8)
-        # decide_step's last step index (the policy keys its timing records by it).
+        # decide_step's last step index (the policy keys its timing records by it), whether
+        # that step took the settled shortcut, and the settled steps left untimed in a row.
         self.last_step = -1
+        self.last_settled = False
+        self._settled_untimed = 0
 
     # ---- buckets and measurements ------------------------------------------------------------
     def bucket(self, batch_size: int, context_len: int) -> tuple[int, int]:
@@ -419,6 +428,7 @@ class SpeculationCostModel:
         they differ or None). A uniform step (everyone plain, everyone drafting, a settled
         batch) builds no per-request dict."""
         step = self.last_step = self._step
+        self.last_settled = False
         settled = self._settled
         if settled is not None and ids == settled.ids:
             # Settled (module doc): the same requests, all stopped for cost, nobody's
@@ -446,6 +456,7 @@ class SpeculationCostModel:
                                                    and credit < cost - 1e-12):
                         self._step = step + 1
                         self._probe_credit = credit
+                        self.last_settled = True
                         return ids, _SKIP_COST, None
         self._step = step + 1
         if not ids:
@@ -610,6 +621,19 @@ class SpeculationCostModel:
                 self._revived = False
                 self._probed_any = False
         return self._probe_start <= step < self._probe_start + self.config.probe_len
+
+    def wants_step_timed(self) -> bool:
+        """Whether the step decide_step just decided should be timed: always, but for steps
+        that took the settled shortcut, of which one in `settled_timing_interval` is (and
+        none is skipped while a probe's cost is being audited: observe_probe_step charges
+        what every step of the probe measured)."""
+        if not self.last_settled or self._probe_audit is not None:
+            return True
+        self._settled_untimed += 1
+        if self._settled_untimed < self.config.settled_timing_interval:
+            return False
+        self._settled_untimed = 0
+        return True
 
     def observe_probe_step(self, step: int, seconds: float) -> None:
         """The host time of decode step `step` (the index of its decide_step call), timed or

@@ -190,6 +190,8 @@ class SpeculationPolicy:
         self._timed.pop(id(output), None)  # (an id may be reused by a later output)
         if self.cost_model is None or not pure_decode or num_decodes == 0:
             return
+        if not self.cost_model.wants_step_timed():
+            return  # a settled step left untimed (CostModelConfig.settled_timing_interval)
         if plan.propose and num_with_drafts == num_decodes:
             kind = SPEC
         elif not plan.propose and num_with_drafts == 0:

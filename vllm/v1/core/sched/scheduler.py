@@ -668,7 +668,12 @@ class Scheduler:
                 continue  # finished or aborted while the step ran: its output is dropped
             sampled = all_sampled[row]
             if spec_out is not None and request.status == running_status:
-                self._keep_proposed(request, spec_out[row])
+                # keep the row's proposal (inline: every row of every step of a speculative engine)
+                proposed = spec_out[row]
+                if proposed:
+                    request.spec_token_ids = list(proposed)  # the runner's lists may be shared
+                elif request.spec_token_ids:
+                    request.spec_token_ids = []
             if len(sampled) != 1:
                 if not len(sampled):
                     continue  # an unfinished prefill chunk
@@ -700,13 +705,6 @@ class Scheduler:
             else:
                 outputs.append(EngineCoreOutput(req_id, [token], None, request.stop_reason))
         return outputs
-
-    @staticmethod
-    def _keep_proposed(request: Request, proposed) -> None:
-        if proposed:
-            request.spec_token_ids = list(proposed)  # the runner's lists may be shared
-        elif request.spec_token_ids:
-            request.spec_token_ids = []
 
     def _check_stop(self, request: Request, token: int) -> bool:
         """Append-time stop check of one sampled token (already in output_token_ids); sets the
