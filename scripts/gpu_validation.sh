@@ -24,6 +24,7 @@
 #   bash scripts/gpu_validation.sh ctxkvtrace # the same: never (fused) / never-perlayer / none / auto, B=8 trace A/B (~4 min)
 #   bash scripts/gpu_validation.sh taps      # seventeenth session: taps via sum_out, draft-plan slack, stream lookup, early device lowering (~12 min)
 #   bash scripts/gpu_validation.sh tapstests # ... its GPU tests only (~5 min); tapsbench: its measurements only (~7 min)
+#   bash scripts/gpu_validation.sh headline  # tiny DSpark vs none (always, 3 repeats) and the V3-rank DSpark overhead (~5 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
 set -uo pipefail
 out="${OUT:-out}"; mkdir -p "$out"; out="$(cd "$out" && pwd)"
@@ -131,6 +132,15 @@ for what in "${groups[@]}"; do
         --profile-steps 3 --out "$out/eager" >"$out/eager.log" 2>&1
       summary+=("graphs vs eager rc=$?"); grep -v "^{" "$out/eager.log" | tail -n 5
       timeout 150 python3 benchmarks/engine/benchmark_decode.py "${V3[@]}" \
+        --draft-model benchmarks/configs/deepseek_v3_tp8_rank_dspark --num-spec-tokens 4 \
+        --batch-sizes 1 32 --methods none dspark --modes graphs --steps 40 \
+        --steps-per-block 20 --profile-steps 3 --out "$out/dspark" >"$out/dspark.log" 2>&1
+      summary+=("dspark v3 rc=$?"); grep -v "^{" "$out/dspark.log" | tail -n 12 ;;
+    headline)  # issue #10's two speculative numbers: tiny DSpark / none, V3-rank overhead (~5 min)
+      timeout 200 python3 benchmarks/engine/benchmark_spec_policy.py --batch-sizes 1 8 \
+        --variants none always --repeats 3 --out "$out/tinyspec" >"$out/tinyspec.log" 2>&1
+      summary+=("tiny dspark rc=$?"); grep -v "^{" "$out/tinyspec.log" | tail -n 8
+      timeout 200 python3 benchmarks/engine/benchmark_decode.py "${V3[@]}" \
         --draft-model benchmarks/configs/deepseek_v3_tp8_rank_dspark --num-spec-tokens 4 \
         --batch-sizes 1 32 --methods none dspark --modes graphs --steps 40 \
         --steps-per-block 20 --profile-steps 3 --out "$out/dspark" >"$out/dspark.log" 2>&1
