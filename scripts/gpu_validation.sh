@@ -24,6 +24,7 @@
 #   bash scripts/gpu_validation.sh ctxkvtrace # the same: never (fused) / never-perlayer / none / auto, B=8 trace A/B (~4 min)
 #   bash scripts/gpu_validation.sh taps      # seventeenth session: taps via sum_out, draft-plan slack, stream lookup, early device lowering (~12 min)
 #   bash scripts/gpu_validation.sh tapstests # ... its GPU tests only (~5 min); tapsbench: its measurements only (~7 min)
+#   bash scripts/gpu_validation.sh regress   # exactness, async scheduling, workers, spec_decode, fp8, sampler GPU tests (~4 min)
 #   bash scripts/gpu_validation.sh headline  # tiny DSpark vs none (always, 3 repeats) and the V3-rank DSpark overhead (~5 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
 set -uo pipefail
@@ -136,6 +137,11 @@ for what in "${groups[@]}"; do
         --batch-sizes 1 32 --methods none dspark --modes graphs --steps 40 \
         --steps-per-block 20 --profile-steps 3 --out "$out/dspark" >"$out/dspark.log" 2>&1
       summary+=("dspark v3 rc=$?"); grep -v "^{" "$out/dspark.log" | tail -n 12 ;;
+    regress)  # the GPU suite's engine-level tests not in tapstests (~4 min): exactness, async, workers
+      PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-300}" run_pytest regress tests/v1/e2e/test_gpu_exactness.py \
+        tests/v1/worker tests/v1/engine/test_async_scheduling_gpu.py tests/v1/spec_decode \
+        tests/model_executor/test_fp8_gpu.py tests/v1/sample \
+        --deselect tests/v1/worker/test_cudagraph_runner_gpu.py ;;
     headline)  # issue #10's two speculative numbers: tiny DSpark / none, V3-rank overhead (~5 min)
       timeout 200 python3 benchmarks/engine/benchmark_spec_policy.py --batch-sizes 1 8 \
         --variants none always --repeats 3 --out "$out/tinyspec" >"$out/tinyspec.log" 2>&1
