@@ -60,7 +60,8 @@ These rules keep the decisions stable and the model fed:
   that still keeps the best of their acceptances below the restart threshold decide the same
   without the per-request loop (acceptances cannot move while nobody drafts; any acceptance
   sample or departure clears it). This is the state the engine sits in where drafting cannot
-  pay, so its host cost is the policy's overhead against no speculation.
+  pay, so its host cost is the policy's overhead against no speculation; for the same reason
+  only one settled step in `settled_timing_interval` is timed (wants_step_timed).
 
 Plain steps are measured in runs of `plain_run_len` because the first plain step after a
 verify step is not what a plain step costs in plain decoding: under async scheduling it runs
