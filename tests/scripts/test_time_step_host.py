@@ -1,0 +1,26 @@
+"""scripts/time_step_host.py stays runnable on CPU: a short interleaved run prints one row per
+variant (the first one's ratio exactly 1) and, with --phases, the phases every engine runs."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[2]
+SCRIPT = ROOT / "scripts" / "time_step_host.py"
+
+
+def test_short_run_prints_every_variant_and_phase():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, str(SCRIPT), "--variants", "none", "never",
+                           "--batch", "2", "--rounds", "2", "--block", "3", "--warmup-steps", "4",
+                           "--phases"], check=True, cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    rows = {line.split("|")[1].strip(): line for line in done.stdout.splitlines()
+            if line.startswith("| none |") or line.startswith("| never |")
+            or line.startswith("| scheduler.schedule |")}
+    assert set(rows) == {"none", "never", "scheduler.schedule"}, done.stdout
+    cells = [c.strip() for c in rows["none"].split("|")[1:-1]]
+    assert cells[-1] == "1.000" and cells[-2] == "+0.0", cells  # the base against itself
+    assert float(cells[1]) > 0  # host us per step
+    schedule = [c.strip() for c in rows["scheduler.schedule"].split("|")[1:-1]]
+    assert len(schedule) == 3 and all(float(v) > 0 for v in schedule[1:]), schedule
