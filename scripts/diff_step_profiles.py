@@ -1,6 +1,6 @@
 """Where one engine's host time per step exceeds another's, function by function: the engines of
 the speculation-policy cases (vllm.benchmarks.spec_policy: "none", "never", "auto-nopay", ...)
-are built, warmed up and stepped under cProfile one after another; the table lists, per
+are built, warmed up and stepped under cProfile in turn (blocks of --block steps); the table lists, per
 function, the own-time difference per step (us, cProfile roughly doubles Python's cost: read
 the order and the call counts, not the microseconds) and the calls per step of each engine.
 
@@ -22,32 +22,48 @@ from vllm.benchmarks.spec_policy import VARIANTS, SpecPolicyCase, build_engine
 NOPROBE = "auto-nopay-noprobe"
 
 
-def profile_steps(case: SpecPolicyCase, steps: int,
-                  stub: bool = False) -> dict[str, tuple[int, float]]:
-    """{function: (calls, own seconds)} over `steps` engine steps after the case's warm-up
-    (`stub`: the model forward replaced by fixed outputs, vllm/benchmarks/host_stub.py)."""
-    engine = build_engine(case)
-    if stub:
-        stub_forward(engine.executor.worker.model_runner)
+def profile_steps(cases: dict[str, SpecPolicyCase], steps: int, stub: bool = False,
+                  block: int = 25) -> dict[str, dict[str, tuple[int, float]]]:
+    """{variant: {function: (calls, own seconds)}} over `steps` engine steps of each case after
+    its warm-up (`stub`: the model forward replaced by fixed outputs,
+    vllm/benchmarks/host_stub.py). Every engine is built first and they are profiled in turn,
+    `block` steps at a time, one profiler each: on a shared node one engine profiled after
+    another once came out +348 us per step in every function alike (the machine's state, not
+    the engine; eighteenth session), which interleaving spreads over all engines."""
+    engines = {}
     try:
-        for _ in range(case.warmup_steps):
-            engine.step()
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(steps):
-            if not engine.has_unfinished_requests():
-                raise ValueError(f"{case.variant}: the requests finished before {steps} "
-                                 "profiled steps; raise --output-len")
-            engine.step()
-        profiler.disable()
-        stats = pstats.Stats(profiler).stats
+        for name, case in cases.items():
+            engine = engines[name] = build_engine(case)
+            if stub:
+                stub_forward(engine.executor.worker.model_runner)
+            for _ in range(case.warmup_steps):
+                engine.step()
+        profilers = {name: cProfile.Profile() for name in engines}
+        done = 0
+        while done < steps:
+            n = min(block, steps - done)
+            for name, engine in engines.items():
+                profiler = profilers[name]
+                profiler.enable()
+                for _ in range(n):
+                    if not engine.has_unfinished_requests():
+                        profiler.disable()
+                        raise ValueError(f"{name}: the requests finished before {steps} "
+                                         "profiled steps; raise --output-len")
+                    engine.step()
+                profiler.disable()
+            done += n
         out = {}
-        for (path, line, name), (_, calls, own, _, _) in stats.items():
-            key = f"{path.split('/vllm/')[-1] if '/vllm/' in path else path}:{line}({name})"
-            out[key] = (calls, own)
+        for name, profiler in profilers.items():
+            rows = {}
+            for (path, line, func), (_, calls, own, _, _) in pstats.Stats(profiler).stats.items():
+                key = f"{path.split('/vllm/')[-1] if '/vllm/' in path else path}:{line}({func})"
+                rows[key] = (calls, own)
+            out[name] = rows
         return out
     finally:
-        engine.shutdown()
+        for engine in engines.values():
+            engine.shutdown()
 
 
 def main() -> None:
@@ -62,6 +78,8 @@ def main() -> None:
     parser.add_argument("--scheduling", choices=("default", "sync"), default="default")
     parser.add_argument("--prompt-stagger", type=int, default=0)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--block", type=int, default=25,
+                        help="steps per engine per turn (the engines are profiled in turn)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--attention-backend", default="FLASHINFER_MLA")
@@ -74,7 +92,7 @@ def main() -> None:
     if len(args.variants) < 2:
         parser.error("--variants needs at least two engines to compare")
     output_len = args.output_len or args.warmup_steps + args.steps + 64
-    profiles = {}
+    cases = {}
     for name in args.variants:
         variant, extra = name, {}
         if name == NOPROBE:
@@ -86,8 +104,12 @@ def main() -> None:
                               dtype=args.dtype, attention_backend=args.attention_backend,
                               enforce_eager=args.enforce_eager,
                               async_scheduling=None if args.scheduling == "default" else False,
-                              prompt_stagger=args.prompt_stagger, **extra)
-        profiles[name] = profile_steps(case, args.steps, args.stub_forward)
+                              prompt_stagger=args.prompt_stagger,
+                              # all engines are alive at once: 1 GiB of KV cache each on a GPU
+                              kv_cache_memory_bytes=(1 << 30) if args.device == "cuda" else None,
+                              **extra)
+        cases[name] = case
+    profiles = profile_steps(cases, args.steps, args.stub_forward, args.block)
     base_name = args.variants[0]
     base = profiles[base_name]
     for name in args.variants[1:]:

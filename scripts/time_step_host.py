@@ -91,7 +91,10 @@ def _case(name: str, args) -> SpecPolicyCase:
                           warmup_steps=args.warmup_steps, device=args.device, dtype=args.dtype,
                           attention_backend=args.attention_backend, enforce_eager=True,
                           async_scheduling=None if args.scheduling == "default" else False,
-                          prompt_stagger=args.prompt_stagger, **extra)
+                          prompt_stagger=args.prompt_stagger,
+                          # all engines are alive at once: 1 GiB of KV cache each on a GPU
+                          kv_cache_memory_bytes=(1 << 30) if args.device == "cuda" else None,
+                          **extra)
 
 
 def main() -> None:
