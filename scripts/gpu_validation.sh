@@ -62,6 +62,18 @@ groups=()
 for what in "$@"; do  # "taps" is its two halves (~12 min: more than one device command may run)
   case "$what" in taps) groups+=(tapstests tapsbench) ;; *) groups+=("$what") ;; esac
 done
+tiny_dspark() {  # timeout s: tiny DSpark "always" against the default (async) engine, 3 repeats
+  timeout "$1" python3 benchmarks/engine/benchmark_spec_policy.py --batch-sizes 1 8 \
+    --variants none always --repeats 3 --out "$out/tinyspec" >"$out/tinyspec.log" 2>&1
+  summary+=("tiny dspark rc=$?"); grep -v "^{" "$out/tinyspec.log" | tail -n 8
+}
+dspark_v3() {  # timeout s: the V3-rank DSpark overhead factor (dummy drafter), B=1 and 32, graphs
+  timeout "$1" python3 benchmarks/engine/benchmark_decode.py "${V3[@]}" \
+    --draft-model benchmarks/configs/deepseek_v3_tp8_rank_dspark --num-spec-tokens 4 \
+    --batch-sizes 1 32 --methods none dspark --modes graphs --steps 40 \
+    --steps-per-block 20 --profile-steps 3 --out "$out/dspark" >"$out/dspark.log" 2>&1
+  summary+=("dspark v3 rc=$?"); grep -v "^{" "$out/dspark.log" | tail -n 12
+}
 for what in "${groups[@]}"; do
   case "$what" in
     kernels) run_pytest kernels tests/v1/worker/test_block_table.py tests/v1/worker/test_cp_utils.py tests/v1/attention tests/model_executor tests/v1/sample tests/distributed ;;
@@ -121,9 +133,7 @@ for what in "${groups[@]}"; do
         --count-ops 10 >"$out/probe_spec.log" 2>&1
       summary+=("probe spec rc=$?"); grep -v "Warn\|warn_once" "$out/probe_spec.log" | tail -n 40 ;;
     specbench)  # tiny DSpark vs the default (async) engine, async graphs vs async eager, DSpark V3
-      timeout 150 python3 benchmarks/engine/benchmark_spec_policy.py --batch-sizes 1 8 \
-        --variants none always --repeats 3 --out "$out/tinyspec" >"$out/tinyspec.log" 2>&1
-      summary+=("tiny dspark rc=$?"); grep -v "^{" "$out/tinyspec.log" | tail -n 8
+      tiny_dspark 150
       timeout 150 python3 benchmarks/engine/benchmark_spec_policy.py --batch-sizes 1 8 \
         --variants none never auto-nopay --repeats 3 \
         --out "$out/specasync" >"$out/specasync.log" 2>&1
@@ -132,25 +142,15 @@ for what in "${groups[@]}"; do
         --methods none --modes async-graphs async-eager --steps 40 --steps-per-block 20 \
         --profile-steps 3 --out "$out/eager" >"$out/eager.log" 2>&1
       summary+=("graphs vs eager rc=$?"); grep -v "^{" "$out/eager.log" | tail -n 5
-      timeout 150 python3 benchmarks/engine/benchmark_decode.py "${V3[@]}" \
-        --draft-model benchmarks/configs/deepseek_v3_tp8_rank_dspark --num-spec-tokens 4 \
-        --batch-sizes 1 32 --methods none dspark --modes graphs --steps 40 \
-        --steps-per-block 20 --profile-steps 3 --out "$out/dspark" >"$out/dspark.log" 2>&1
-      summary+=("dspark v3 rc=$?"); grep -v "^{" "$out/dspark.log" | tail -n 12 ;;
+      dspark_v3 150 ;;
     regress)  # the GPU suite's engine-level tests not in tapstests (~4 min): exactness, async, workers
       PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-300}" run_pytest regress tests/v1/e2e/test_gpu_exactness.py \
         tests/v1/worker tests/v1/engine/test_async_scheduling_gpu.py tests/v1/spec_decode \
         tests/model_executor/test_fp8_gpu.py tests/v1/sample \
         --deselect tests/v1/worker/test_cudagraph_runner_gpu.py ;;
     headline)  # issue #10's two speculative numbers: tiny DSpark / none, V3-rank overhead (~5 min)
-      timeout 200 python3 benchmarks/engine/benchmark_spec_policy.py --batch-sizes 1 8 \
-        --variants none always --repeats 3 --out "$out/tinyspec" >"$out/tinyspec.log" 2>&1
-      summary+=("tiny dspark rc=$?"); grep -v "^{" "$out/tinyspec.log" | tail -n 8
-      timeout 200 python3 benchmarks/engine/benchmark_decode.py "${V3[@]}" \
-        --draft-model benchmarks/configs/deepseek_v3_tp8_rank_dspark --num-spec-tokens 4 \
-        --batch-sizes 1 32 --methods none dspark --modes graphs --steps 40 \
-        --steps-per-block 20 --profile-steps 3 --out "$out/dspark" >"$out/dspark.log" 2>&1
-      summary+=("dspark v3 rc=$?"); grep -v "^{" "$out/dspark.log" | tail -n 12 ;;
+      tiny_dspark 200
+      dspark_v3 200 ;;
     policy)  # cannot-pay, B=1/8, sync/async: 4 interleaved engine pairs (~1 min)
       PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-480}" run_pytest policy \
         tests/v1/e2e/test_spec_policy_gpu.py -k "${POLICY_K:-cannot_pay}" ;;
