@@ -33,7 +33,7 @@ def policy_state(s: Scheduler) -> tuple | None:
     policy = s.spec_policy
     if policy is None:
         return None
-    timed = tuple(policy._timed.values())
+    timed = tuple(policy.pending_timings.values())
     model = dict(vars(policy.cost_model)) if policy.cost_model is not None else None
     stats = s.spec_decoding_stats.as_dict() if s.spec_decoding_stats is not None else None
     return (policy.num_drafted, dict(policy.num_skipped), timed, model, stats)

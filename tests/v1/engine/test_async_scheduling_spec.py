@@ -225,7 +225,7 @@ def test_cost_model_charges_each_step_its_own_launch(tiny):
         observe = policy.observe_step_time
 
         def recording_observe(so, seconds):
-            timed = policy._timed.get(id(so))
+            timed = policy.pending_timings.get(id(so))
             if timed is not None and timed[0] is not None:  # None: kept for probe costs only
                 recorded.append((timed[0], seconds))
             observe(so, seconds)

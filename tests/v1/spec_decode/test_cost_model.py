@@ -549,7 +549,7 @@ def test_plan_timing_counts_matches_plan_timing():
         by_dict.plan_timing(out, plan, drafts, [100, 300], pure_decode=pure)
         by_counts.plan_timing_counts(out, plan, len(drafts), sum(n > 0 for n in drafts.values()),
                                      200, pure_decode=pure)
-        assert by_dict._timed == by_counts._timed
+        assert by_dict.pending_timings == by_counts.pending_timings
 
 
 def test_slow_first_timings_do_not_hold_a_bucket():
@@ -631,15 +631,18 @@ def test_a_drafting_request_stops_only_when_even_its_optimistic_estimate_loses()
     assert not model_after([1.8, 1.8], 2.0).draft    # no spread: 1.8 loses either way
 
 
+@pytest.mark.parametrize("timed", [1.0, 0.25])
 @pytest.mark.parametrize("seed", range(6))
-def test_the_settled_shortcut_decides_what_the_full_loop_decides(seed):
+def test_the_settled_shortcut_decides_what_the_full_loop_decides(seed, timed):
     """Once every request has stopped, decide() skips its per-request loop until a request
     comes, goes or verifies drafts, a probe starts, or the ratio could restart the best of
     them. Oracle: the same model with the shortcut off, fed the same random engine (requests
     arriving and finishing, acceptances drifting between 1 and 4.5 and reported a step late as
     the engine reports them, plain steps whose cost jumps between 1x and 2.2x so that the
     cost ratio can restart a stopped request, the acceptance override switched on and off):
-    identical decisions at every step."""
+    identical decisions at every step. `timed`: the share of steps whose time is observed (a
+    settled engine times one step in settled_timing_interval, so the shortcut's values derived
+    from the ratio are reused across untimed steps and re-derived after a timed one)."""
     import random
     rng = random.Random(seed)
     fast, full = (SpeculationCostModel(K, CostModelConfig(probe_interval=8, probe_budget=0.1))
@@ -671,8 +674,9 @@ def test_the_settled_shortcut_decides_what_the_full_loop_decides(seed):
         drafting = [r for r, d in got.items() if d.draft]
         kind = SPEC if len(drafting) == len(got) else PLAIN if not drafting else None
         seconds = (2.5 if kind == SPEC else plain_cost) * (1.0 + 0.2 * rng.random())
+        observed = kind is not None and rng.random() < timed
         for m in models:
-            if kind is not None:
+            if observed:
                 m.observe_step(kind, len(got), 200 + 3 * step, seconds)
             for r, a in late.items():  # the previous step's verified drafts
                 if r in levels:

@@ -236,6 +236,15 @@ class _Settled:
     plain: _StepTimes | None
     borrowed: float              # ... or, when None, the ratio it borrowed
     pairs_gen: int               # _pairs_gen then (a borrowed ratio holds while it is unchanged)
+    # What the shortcut derives from the ratio, as of _pairs_gen == `gen` (every sample of a
+    # paired bucket moves _pairs_gen, so nothing they depend on moves while it holds): whether
+    # the best acceptance still stays below the restart threshold, and a probe's cost. -1: not
+    # derived yet. (Derived once, not at every settled step: a settled engine's policy work is
+    # its whole overhead against no speculation, and on the H100 node's host each attribute
+    # chain and call costs ~0.3-0.5 us.)
+    gen: int = -1
+    holds: bool = False
+    cost: float = 0.0
 
 
 class SpeculationCostModel:
@@ -428,6 +437,12 @@ class SpeculationCostModel:
         Returns (ids, one decision for all of them or None, the per-request decisions when
         they differ or None). A uniform step (everyone plain, everyone drafting, a settled
         batch) builds no per-request dict."""
+        return self.decide_step_total(ids, sum(contexts))
+
+    def decide_step_total(self, ids: list[str], total_context: int
+                          ) -> tuple[list[str], Decision | None, dict[str, Decision] | None]:
+        """decide_step on the summed contexts (all it reads of them: the bucket is of the mean,
+        total // len(ids)); the scheduler's steady path sums as it goes, no list."""
         step = self.last_step = self._step
         self.last_settled = False
         settled = self._settled
@@ -437,23 +452,18 @@ class SpeculationCostModel:
             # is the full path below, step for step, for a step that stays in the settled
             # bucket, starts no probe and restarts nobody; any other step falls through
             # before anything changed.
-            total = sum(contexts)
-            if (settled.sum_lo <= total <= settled.sum_hi and self.settled_fast_path
+            if (settled.sum_lo <= total_context <= settled.sum_hi and self.settled_fast_path
                     and settled.override == self.acceptance_override
                     and not self._review_pending):
-                if settled.spec is not None:
-                    ratio = settled.spec.value / settled.plain.value
-                elif settled.pairs_gen == self._pairs_gen:
-                    ratio = settled.borrowed
-                else:
-                    ratio = None  # the ratio it borrowed moved
-                cfg = self.config
-                if ratio is not None and settled.best / ratio <= 1.0 + cfg.hysteresis:
-                    cost = self._probe_cost(ratio)
+                if settled.gen != self._pairs_gen:
+                    self._derive_settled(settled)
+                if settled.holds:
+                    cost = settled.cost
+                    budget = self.config.probe_budget
                     credit = self._probe_credit
-                    if cfg.probe_budget is not None:
-                        credit = min(credit + cfg.probe_budget, cost)
-                    if step < self._next_probe or (cfg.probe_budget is not None
+                    if budget is not None:
+                        credit = min(credit + budget, cost)
+                    if step < self._next_probe or (budget is not None
                                                    and credit < cost - 1e-12):
                         self._step = step + 1
                         self._probe_credit = credit
@@ -464,7 +474,7 @@ class SpeculationCostModel:
             return ids, None, {}
         cfg = self.config
         batch = len(ids)
-        context = sum(contexts) // batch
+        context = total_context // batch
         bucket = self.bucket(batch, context)
         if self._plain_run_left > 0:
             # Inside a run of plain measurements (exploration or re-probe): all stay plain.
@@ -568,6 +578,21 @@ class SpeculationCostModel:
             sum_lo=batch * lo, sum_hi=batch * (hi + 1) - 1,
             spec=pair[0] if pair else None, plain=pair[1] if pair else None,
             borrowed=0.0 if pair else self._borrowed[bucket], pairs_gen=self._pairs_gen)
+
+    def _derive_settled(self, settled: _Settled) -> None:
+        """The settled shortcut's ratio-derived values for the current _pairs_gen: the
+        bucket's own ratio, or the borrowed one while no paired bucket moved since the settle
+        (else it holds no longer: the full path settles anew)."""
+        settled.gen = self._pairs_gen
+        if settled.spec is not None:
+            ratio = settled.spec.value / settled.plain.value
+        elif settled.pairs_gen == self._pairs_gen:
+            ratio = settled.borrowed
+        else:
+            settled.holds = False
+            return
+        settled.holds = settled.best / ratio <= 1.0 + self.config.hysteresis
+        settled.cost = self._probe_cost(ratio)
 
     def _review(self, step: int) -> None:
         """A probed request is judged once it has min_acceptance_samples fresh samples: the

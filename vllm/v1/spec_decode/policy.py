@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm.v1.spec_decode.cost_model import (PLAIN, REASON_BATCH, SHARED_DECISIONS, SPEC,
                                             Candidate, Decision, SpeculationCostModel)
@@ -40,6 +40,17 @@ class StepPlan:
     decisions: dict[str, Decision]
     propose: bool  # must the drafter run after this step?
     default: Decision | None = None
+    # True when no request drafts this step: a uniform plan that says so, or per-request
+    # decisions ("auto") that are all off. Such a step schedules plain decodes only. A field,
+    # not a property: the scheduler's steady path reads it at every step, and plans are never
+    # modified after they are made.
+    lets_nobody_draft: bool = field(init=False)
+
+    def __post_init__(self):
+        if self.decisions:
+            self.lets_nobody_draft = not any(d.draft for d in self.decisions.values())
+        else:
+            self.lets_nobody_draft = self.default is not None and not self.default.draft
 
     def decision(self, req_id: str) -> Decision | None:
         return self.decisions.get(req_id, self.default)
@@ -52,15 +63,6 @@ class StepPlan:
     def nobody_drafts(self) -> bool:
         """True for a uniform plan that lets nobody draft (the scheduler drops every draft)."""
         return not self.decisions and self.default is not None and not self.default.draft
-
-    @property
-    def lets_nobody_draft(self) -> bool:
-        """True when no request drafts this step: a uniform plan that says so, or per-request
-        decisions ("auto") that are all off. Such a step schedules plain decodes only."""
-        if self.decisions:
-            return not any(d.draft for d in self.decisions.values())
-        default = self.default
-        return default is not None and not default.draft
 
 
 _NO_POLICY_PLAN = StepPlan({}, propose=True)
@@ -97,6 +99,9 @@ class SpeculationPolicy:
         else:
             raise ValueError(f"disable_by_batch_size={disable_by_batch_size!r} is invalid: use an "
                              "int N >= 1, 'auto' or None.")
+        # False without a policy (disable_by_batch_size None): everyone drafts every step. (An
+        # attribute: the scheduler's steady path reads it at every step; the mode is fixed.)
+        self.active = self.mode != MODE_ALWAYS
         self.cost_model = None
         if self.mode == MODE_AUTO:
             self.cost_model = cost_model or SpeculationCostModel(self.num_spec_tokens)
@@ -105,12 +110,7 @@ class SpeculationPolicy:
         # Steps planned but not timed yet: id(output) -> (kind, batch, ctx). One entry in a
         # synchronous engine; with async scheduling, one per step in flight (a record whose step
         # never reports, e.g. a failed one, is dropped by age).
-        self._timed: dict[int, tuple[str, int, int]] = {}
-
-    @property
-    def active(self) -> bool:
-        """False without a policy (disable_by_batch_size None): everyone drafts every step."""
-        return self.mode != MODE_ALWAYS
+        self.pending_timings: dict[int, tuple[str, int, int]] = {}
 
     @classmethod
     def from_config(cls, spec_config) -> SpeculationPolicy:
@@ -129,14 +129,20 @@ class SpeculationPolicy:
                              num_running)
 
     def plan_ids(self, req_ids: list[str], contexts: list[int], num_running: int) -> StepPlan:
-        """plan() on the decoding requests' ids and planned token counts in two lists (the
-        scheduler's steady path fills them as it goes; only "auto" reads them)."""
+        """plan() on the decoding requests' ids and planned token counts in two lists (only
+        "auto" reads them)."""
+        return self.plan_ids_total(req_ids, sum(contexts), num_running)
+
+    def plan_ids_total(self, req_ids: list[str], total_context: int,
+                       num_running: int) -> StepPlan:
+        """plan_ids on the summed planned token counts (all the cost model reads of them; the
+        scheduler's steady path sums as it goes)."""
         if self.mode == MODE_ALWAYS:
             return _NO_POLICY_PLAN
         if self.mode == MODE_BATCH:
             return (_BATCH_OFF_PLAN if num_running >= self.disable_by_batch_size
                     else _BATCH_ON_PLAN)
-        ids, uniform, decisions = self.cost_model.decide_step(req_ids, contexts)
+        ids, uniform, decisions = self.cost_model.decide_step_total(req_ids, total_context)
         if not ids:
             # No decoding request yet (only prefills): draft, as the user configured, and measure.
             return _NO_POLICY_PLAN
@@ -171,13 +177,32 @@ class SpeculationPolicy:
             else:
                 self.num_skipped[decision.reason or "unknown"] += 1
 
+    def account_steady(self, output, plan: StepPlan, req_ids: list[str],
+                       total_context: int) -> None:
+        """count() and plan_timing_counts() of a steady step, in one call: every decode of
+        `plan` scheduled (`req_ids`, one token each, none with drafts), no prefill;
+        `total_context`: their summed planned token counts. The scheduler's steady path makes
+        it at every step of an engine whose policy lets nobody draft, so it is the policy's
+        per-step overhead against no speculation there."""
+        n = len(req_ids)
+        if plan.decisions:
+            self.count(plan, req_ids)
+        elif n:
+            decision = plan.default
+            if decision is None or decision.draft:
+                self.num_drafted += n
+            else:
+                self.num_skipped[decision.reason or "unknown"] += n
+        if self.cost_model is not None and n:
+            self.plan_timing_counts(output, plan, n, 0, total_context // n, pure_decode=True)
+
     def plan_timing(self, output, plan: StepPlan, decode_drafts: dict[str, int],
                     contexts: list[int], pure_decode: bool) -> None:
         """Remember what the step about to run measures: a SPEC step (every row verifies drafts
         and the drafter runs after) or a PLAIN one (no drafts, no draft pass); steps with
         prefills are not recorded, and a pure-decode mix of both gives no step time (it is
         recorded for the probe cost only, observe_probe_step)."""
-        self._timed.pop(id(output), None)
+        self.pending_timings.pop(id(output), None)
         if self.cost_model is None or not decode_drafts:
             return
         self.plan_timing_counts(output, plan, len(decode_drafts),
@@ -187,7 +212,7 @@ class SpeculationPolicy:
     def plan_timing_counts(self, output, plan: StepPlan, num_decodes: int,
                            num_with_drafts: int, mean_context: int, pure_decode: bool) -> None:
         """plan_timing from counts the scheduler already has (no per-request dict)."""
-        self._timed.pop(id(output), None)  # (an id may be reused by a later output)
+        self.pending_timings.pop(id(output), None)  # (an id may be reused by a later output)
         if self.cost_model is None or not pure_decode or num_decodes == 0:
             return
         if not self.cost_model.wants_step_timed():
@@ -198,14 +223,14 @@ class SpeculationPolicy:
             kind = PLAIN
         else:
             kind = None  # not a step time of either kind; a probe's cost still counts it
-        timed = self._timed
+        timed = self.pending_timings
         timed[id(output)] = (kind, num_decodes, mean_context, self.cost_model.last_step)
         while len(timed) > MAX_PENDING_TIMINGS:
             del timed[next(iter(timed))]
 
     def observe_step_time(self, output, seconds: float) -> None:
         """The engine's host wall time of the step that ran `output`."""
-        timed = self._timed.pop(id(output), None)
+        timed = self.pending_timings.pop(id(output), None)
         if timed is None:
             return
         kind, batch, context, step = timed

@@ -242,10 +242,9 @@ class Scheduler:
         scheduled: list[Request] = []
         grow: list[tuple[Request, int]] = []
         new_blocks_total = 0
-        # "auto" decides per request from its context (`planned`: its tokens plus the one in
-        # flight under async scheduling; the general path uses the same count).
-        contexts: list[int] | None = (
-            [] if policy is not None and policy.cost_model is not None else None)
+        # "auto" decides from the batch's summed contexts (`planned`: a request's tokens plus
+        # the one in flight under async scheduling; the general path uses the same count).
+        total_context = 0
         for request in self.running:
             num_out = len(request.output_token_ids)
             pending = request.num_output_placeholders
@@ -263,8 +262,7 @@ class Scheduler:
                 new_blocks_total += need
                 grow.append((request, num_tokens))
             scheduled.append(request)
-            if contexts is not None:
-                contexts.append(planned)
+            total_context += planned
         if len(scheduled) > self.max_num_batched_tokens:
             return None  # cannot happen (max_num_running_reqs); the general path asserts it
         plan = None
@@ -272,10 +270,9 @@ class Scheduler:
         if policy is not None:
             if not scheduled:
                 return None  # nothing runs: the general path (it asks the policy itself)
-            # The general path's call: the decoding requests in running order (ids and
-            # contexts only for "auto", the one mode that reads them).
-            plan = policy.plan_ids(req_ids if contexts is not None else (), contexts or (),
-                                   num_running=len(self.running))
+            # The general path's call: the decoding requests in running order (only "auto"
+            # reads the ids and contexts).
+            plan = policy.plan_ids_total(req_ids, total_context, len(self.running))
             if not plan.lets_nobody_draft:
                 return plan  # someone drafts: the general path schedules the drafts
         if new_blocks_total > kv.num_free_blocks:
@@ -304,14 +301,7 @@ class Scheduler:
                 request.num_output_placeholders += 1
         if plan is not None:
             # The general path's accounting of a step whose decodes were all scheduled.
-            n = len(scheduled)
-            if plan.decisions:
-                policy.count(plan, req_ids)
-            else:
-                policy.count(plan, (), n)
-            if contexts is not None:
-                policy.plan_timing_counts(output, plan, n, 0, sum(contexts) // n,
-                                          pure_decode=True)
+            policy.account_steady(output, plan, req_ids, total_context)
         return output
 
     def _schedule_general(self, plan: StepPlan | None = None) -> SchedulerOutput:
@@ -473,9 +463,12 @@ class Scheduler:
         model's measurement; the step already ends in the runner's one device->host copy). The
         policy keys its timing records by output, so a step scheduled ahead (async) finds its
         own."""
-        if self.spec_policy is None:
+        policy = self.spec_policy
+        # (no timing record pending: no step to time; a disable_by_batch_size engine never
+        # has one, a settled "auto" engine rarely does, CostModelConfig.settled_timing_interval)
+        if policy is None or not policy.pending_timings:
             return
-        self.spec_policy.observe_step_time(scheduler_output, seconds)
+        policy.observe_step_time(scheduler_output, seconds)
 
     def _step_in_flight(self) -> bool:
         """A step scheduled ahead whose tokens have not arrived (async scheduling): some
