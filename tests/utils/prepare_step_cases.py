@@ -57,8 +57,14 @@ def random_prep_case(seed: int, device) -> tuple[StepPrepBuffers, dict]:
     patch_keys = np.zeros(MAX_PATCHES, np.int64)
     patch_keys[:num_patches] = keys
     first = np.asarray(idx + [0] * (MAX_ROWS - B_pad), np.int64) * cells
-    lo = np.where(np.arange(MAX_ROWS) < B_pad, np.searchsorted(keys, first), 0)
-    hi = np.where(np.arange(MAX_ROWS) < B_pad, np.searchsorted(keys, first + cells), 0)
+    live = np.arange(MAX_ROWS) < B_pad
+    if num_patches <= 16 and g.random() < 0.5:
+        # InputBatchBuilder's few-patch ranges: every row scans all of them (a patch of another
+        # slot must change nothing)
+        lo, hi = np.zeros(MAX_ROWS, np.int64), np.where(live, num_patches, 0)
+    else:  # each row's own patches
+        lo = np.where(live, np.searchsorted(keys, first), 0)
+        hi = np.where(live, np.searchsorted(keys, first + cells), 0)
     bufs = StepPrepBuffers(
         input_ids=t(np.full(MAX_TOKENS, -9), torch.int64),
         positions=t(np.full(MAX_TOKENS, -9), torch.int64),

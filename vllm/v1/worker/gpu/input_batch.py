@@ -25,6 +25,11 @@ from vllm.v1.worker.gpu.prepare_step import (
     prepare_step_triton,
 )
 
+# Up to this many deferred block-table writes in a step, every batch row scans all of them in the
+# fused preparation (InputBatchBuilder.build says why); more (an admission's whole table) get
+# per-row ranges. The same bound as BlockTables' scalar patch path.
+_WHOLE_RANGE_PATCHES = 16
+
 
 class PackedStaging:
     """Several small host->device arrays in ONE pinned host buffer and ONE device buffer of the
@@ -179,7 +184,9 @@ class InputBatchBuilder:
         self.patch_hi = _StagedView(staging, "patch_hi")
         self.patch_keys = _StagedView(staging, "patch_keys")
         self.patch_values = _StagedView(staging, "patch_values")
-        self._patched = False  # patch_lo / patch_hi hold a previous step's ranges
+        # What patch_lo / patch_hi hold from a previous step: None (zeros), "whole" (lo 0, hi
+        # its patch count) or "ranges" (each row's own patches, binary-searched).
+        self._patched: str | None = None
         self.prefill_ids = CpuGpuBuffer(T, dtype=torch.int64, device=self.device)
         self.seq_lens_np = np.zeros(R, dtype=np.int32)
         self.dcp_local_np = np.zeros(R, dtype=np.int32)
@@ -344,18 +351,30 @@ class InputBatchBuilder:
         # Block ids appended since the last step reach the device in this step's one copy; each
         # row learns the range of its slot's patches (sorted keys, slot-major).
         num_patches = block_tables.take_patches(self.patch_keys.np, self.patch_values.np)
-        if num_patches:
+        if num_patches and num_patches <= _WHOLE_RANGE_PATCHES:
+            # A few patches (requests crossing into a new block): every row scans all of them.
+            # The kernel applies a patch only where its cell is one of the row's own (the key
+            # less the row's first cell must be a column of the row's table), so a range that
+            # holds other slots' patches too changes nothing, and this costs the host one fill
+            # instead of two binary searches and their arrays. Drifted batches (requests crossing
+            # blocks in different steps) take this path in about half their steps.
+            if self._patched == "ranges":
+                self.patch_lo.np[:] = 0
+            self.patch_hi.np[:B_pad] = num_patches
+            self._patched = "whole"
+        elif num_patches:
             keys = self.patch_keys.np[:num_patches]
             first = idx_np * block_tables._cells_per_slot
             # (the method, not np.searchsorted: its dispatch wrapper costs a few us a call)
             self.patch_lo.np[:B_pad] = keys.searchsorted(first)
             first += block_tables._cells_per_slot
             self.patch_hi.np[:B_pad] = keys.searchsorted(first)
-            self._patched = True
+            self._patched = "ranges"
         elif self._patched:
-            self.patch_lo.np[:] = 0
-            self.patch_hi.np[:] = 0
-            self._patched = False
+            if self._patched == "ranges":
+                self.patch_lo.np[:] = 0
+            self.patch_hi.np[:] = 0  # (patch_lo is 0 after "whole")
+            self._patched = None
 
         # ---- host -> device: ONE packed non-blocking copy (+ the prefill ids), no sync
         buf.staging.copy_to_gpu()
