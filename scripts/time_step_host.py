@@ -15,7 +15,13 @@ taken out of the "GPU-like" column, which is what a GPU node's host would pay (l
 launch itself). `--phases` also times the step's main phases (one clock wrapper each, ~1 us
 per call, so the step times grow a little) and lists each one's median per variant.
 
+`--prompt-stagger 0 2` builds every variant once per stagger (engines named `variant@stagger`)
+in the same process: what requests crossing KV blocks in different steps cost a step, read
+within one machine state. Such a batch has a crossing in about half its steps, so its step
+times are bimodal and the mean column, not the median, is what its tok/s follows.
+
     python3 scripts/time_step_host.py --variants none never auto-nopay-noprobe --batch 8
+    python3 scripts/time_step_host.py --variants none --batch 8 --prompt-stagger 0 2
 """
 from __future__ import annotations
 
@@ -80,7 +86,7 @@ def _time_prep() -> None:
     input_batch.prepare_step_torch = timed
 
 
-def _case(name: str, args) -> SpecPolicyCase:
+def _case(name: str, args, stagger: int) -> SpecPolicyCase:
     variant, extra = name, {}
     if name == NOPROBE:
         variant = "auto-nopay"
@@ -91,7 +97,7 @@ def _case(name: str, args) -> SpecPolicyCase:
                           warmup_steps=args.warmup_steps, device=args.device, dtype=args.dtype,
                           attention_backend=args.attention_backend, enforce_eager=True,
                           async_scheduling=None if args.scheduling == "default" else False,
-                          prompt_stagger=args.prompt_stagger,
+                          prompt_stagger=stagger,
                           # all engines are alive at once: 1 GiB of KV cache each on a GPU
                           kv_cache_memory_bytes=(1 << 30) if args.device == "cuda" else None,
                           **extra)
@@ -110,19 +116,26 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--attention-backend", default="TORCH_MLA")
     parser.add_argument("--phases", action="store_true", help="also time the main phases")
-    parser.add_argument("--prompt-stagger", type=int, default=0,
+    parser.add_argument("--prompt-stagger", type=int, nargs="+", default=[0],
                         help="request i's prompt is this many x i tokens longer (SpecPolicyCase): "
-                             "the requests then cross KV blocks in different steps")
+                             "the requests then cross KV blocks in different steps; several "
+                             "values build every variant once per value, in one process")
     args = parser.parse_args()
     if args.block < 1 or args.rounds < 1:
         parser.error(f"--block {args.block} / --rounds {args.rounds}: both must be >= 1")
+    if any(s < 0 for s in args.prompt_stagger) or len(set(args.prompt_stagger)) != len(
+            args.prompt_stagger):
+        parser.error(f"--prompt-stagger {args.prompt_stagger}: give distinct values >= 0")
+    several = len(args.prompt_stagger) > 1
+    cases = {(f"{name}@{stagger}" if several else name): (name, stagger)
+             for stagger in args.prompt_stagger for name in args.variants}
     _time_prep()
     if args.phases:
         _time_phases()
     engines = {}
     try:
-        for name in args.variants:
-            case = _case(name, args)
+        for name, (variant, stagger) in cases.items():
+            case = _case(variant, args, stagger)
             engine = engines[name] = build_engine(case)
             stub_forward(engine.executor.worker.model_runner)
             for _ in range(case.warmup_steps):
@@ -144,16 +157,18 @@ def main() -> None:
     finally:
         for engine in engines.values():
             engine.shutdown()
-    base = args.variants[0]
+    base = next(iter(cases))
     med = {n: (statistics.median(h for h, _ in s), statistics.median(h - p for h, p in s),
-               statistics.median(p for _, p in s)) for n, s in steps.items()}
+               statistics.median(p for _, p in s), statistics.fmean(h - p for h, p in s))
+           for n, s in steps.items()}
     print(f"B={args.batch}, {args.rounds} rounds of {args.block} steps per engine, "
           f"scheduling={args.scheduling}, device={args.device}, forward stubbed")
     print(f"| variant | host us/step | prep (torch) us | GPU-like us (host - prep) | "
-          f"GPU-like over {base} us | ratio |")
-    print("|---|---|---|---|---|---|")
-    for name, (host, like, prep) in med.items():
+          f"GPU-like mean us | mean over {base} us | GPU-like over {base} us | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (host, like, prep, mean) in med.items():
         print(f"| {name} | {host * 1e6:.1f} | {prep * 1e6:.1f} | {like * 1e6:.1f} | "
+              f"{mean * 1e6:.1f} | {(mean - med[base][3]) * 1e6:+.1f} | "
               f"{(like - med[base][1]) * 1e6:+.1f} | {like / med[base][1]:.3f} |")
     if args.phases:
         labels = sorted({label for p in phases.values() for label in p})
