@@ -315,9 +315,16 @@ class Scheduler:
         preempted: list[Request] = []
 
         # Decodes first (a decode is one request-step of 1 + drafts tokens, and
-        # max_num_running_reqs guarantees they all fit), then the unfinished prefills.
-        decodes = [r for r in self.running if not self._is_prefilling(r)]
-        prefills = [r for r in self.running if self._is_prefilling(r)]
+        # max_num_running_reqs guarantees they all fit), then the unfinished prefills
+        # (_is_prefilling, inlined: every step of an engine that drafts comes here).
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for r in self.running:
+            if (r.num_prompt_tokens + len(r.output_token_ids) + r.num_output_placeholders
+                    - r.num_computed_tokens > 1):
+                prefills.append(r)
+            else:
+                decodes.append(r)
         if self.async_scheduling:
             # A request whose in-flight token is its last finishes when that token arrives: it
             # is not scheduled, so the policy neither plans nor counts it either (counted, it
@@ -343,10 +350,15 @@ class Scheduler:
             # as they are: the engine leaves only steps that propose nothing in flight, and the
             # synchronous engine would find no drafts to verify after them either.
             keep_drafts = False
+        kv = self.kv_cache_manager
+        held_blocks, tokens_per_block = kv.req_to_blocks, kv.tokens_per_block
+        headroom = self.num_spec_tokens + 1  # _slots_needed's, inlined below
+        running_status = RequestStatus.RUNNING
         for request in order:
-            if request.status != RequestStatus.RUNNING:
+            if request.status != running_status:
                 continue  # preempted earlier in this step
-            remaining = self._num_planned_tokens(request) - request.num_computed_tokens
+            num_tokens = request.num_prompt_tokens + len(request.output_token_ids)
+            remaining = num_tokens + request.num_output_placeholders - request.num_computed_tokens
             if remaining > 1:  # unfinished prefill: the next chunk, no drafts
                 drafts: list[int] = []
                 num_new = min(remaining, token_budget)
@@ -359,12 +371,15 @@ class Scheduler:
                 else:
                     # Drafts must not run past max_model_len (the last token sits at
                     # num_tokens - 1).
-                    drafts = request.spec_token_ids[:max(0, self.max_model_len
-                                                         - request.num_tokens)]
+                    drafts = request.spec_token_ids[:max(0, self.max_model_len - num_tokens)]
                 num_new = 1 + len(drafts)
                 assert num_new <= token_budget, "max_num_running_reqs keeps decode steps in budget"
-            need = self._slots_needed(request, num_new)
-            new_blocks = self.kv_cache_manager.allocate_slots(request.request_id, need)
+            need = request.num_computed_tokens + num_new + headroom
+            held = held_blocks.get(request.request_id)
+            if held is not None and len(held) * tokens_per_block >= need:
+                new_blocks = []  # what allocate_slots returns when no block is missing
+            else:
+                new_blocks = kv.allocate_slots(request.request_id, need)
             while new_blocks is None:
                 victim = self._pick_victim(request, num_scheduled)
                 self.running.remove(victim)
@@ -538,55 +553,84 @@ class Scheduler:
     # ---- results of a step -------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        outputs: list[EngineCoreOutput] = []
-        spec_out = runner_output.spec_token_ids
         if scheduler_output.advanced:
             return self._update_from_async_output(scheduler_output, runner_output)
         if self.plain_update_fast_path and not scheduler_output.scheduled_spec_decode_tokens:
             # No drafts were verified: the acceptance bookkeeping below (spec stats, the
             # policy's acceptance) ignores zero-draft rows, so the lean pass is exact.
             return self._update_from_plain_output(scheduler_output, runner_output)
+        # Every synchronous step that verified drafts comes here (every step of an engine that
+        # drafts every step), so the loop binds what it reads once and checks a row's stops
+        # in one test where none can fire (_check_stop's conditions, for the row's last token).
+        outputs: list[EngineCoreOutput] = []
+        requests = self.requests
+        scheduled = scheduler_output.num_scheduled_tokens
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        all_sampled = runner_output.sampled_token_ids
+        spec_out = runner_output.spec_token_ids
+        stats = self.spec_decoding_stats
+        policy = self.spec_policy
+        running_status = RequestStatus.RUNNING
+        check_stop = self._check_stop
+        max_model_len = self.max_model_len
+        no_drafts = ()
         for row, req_id in enumerate(runner_output.req_ids):
-            request = self.requests.get(req_id)
-            num_scheduled = scheduler_output.num_scheduled_tokens.get(req_id)
-            if request is None or num_scheduled is None or request.status != RequestStatus.RUNNING:
+            request = requests.get(req_id)
+            num_scheduled = scheduled.get(req_id)
+            if request is None or num_scheduled is None or request.status != running_status:
                 continue  # finished or aborted while the step ran
-            sampled = list(runner_output.sampled_token_ids[row])
-            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, ())
-            if request.num_computed_tokens + num_scheduled < request.num_tokens:
+            sampled = all_sampled[row]
+            num_sampled = len(sampled)
+            num_drafts = len(spec_tokens.get(req_id, no_drafts))
+            output_ids = request.output_token_ids
+            num_out = len(output_ids)
+            if request.num_computed_tokens + num_scheduled < request.num_prompt_tokens + num_out:
                 # A prefill chunk that does not reach the end of the prompt samples nothing.
-                if sampled:
+                if num_sampled:
                     raise RuntimeError(
-                        f"model runner sampled {len(sampled)} tokens for request {req_id!r}, "
+                        f"model runner sampled {num_sampled} tokens for request {req_id!r}, "
                         f"whose prefill is unfinished ({request.num_computed_tokens} + "
                         f"{num_scheduled} of {request.num_tokens} tokens); expected none")
                 request.num_computed_tokens += num_scheduled
                 continue
-            if not 1 <= len(sampled) <= len(drafts) + 1:
+            if not 1 <= num_sampled <= num_drafts + 1:
                 raise RuntimeError(
-                    f"model runner returned {len(sampled)} tokens for request {req_id!r}, which "
-                    f"verified {len(drafts)} drafts; expected between 1 and {len(drafts) + 1}")
-            num_accepted = len(sampled) - 1
+                    f"model runner returned {num_sampled} tokens for request {req_id!r}, which "
+                    f"verified {num_drafts} drafts; expected between 1 and {num_drafts + 1}")
+            num_accepted = num_sampled - 1
             # The KV of rejected drafts is garbage: they do not count as computed.
-            request.num_computed_tokens += num_scheduled - (len(drafts) - num_accepted)
-            if self.spec_decoding_stats is not None:
-                self.spec_decoding_stats.observe(len(drafts), num_accepted)
-            if self.spec_policy is not None:
-                self.spec_policy.observe_acceptance(req_id, len(drafts), num_accepted)
-
-            new_tokens: list[int] = []
-            for token in sampled:
-                request.output_token_ids.append(token)
-                new_tokens.append(token)
-                if self._check_stop(request, token):
-                    break
-            if request.is_finished():
+            request.num_computed_tokens += num_scheduled - (num_drafts - num_accepted)
+            if num_drafts:  # (both ignore rows without drafts)
+                if stats is not None:
+                    stats.observe(num_drafts, num_accepted)
+                if policy is not None:
+                    policy.observe_acceptance(req_id, num_drafts, num_accepted)
+            last = num_out + num_sampled  # the output length after the row's last token
+            finished = False
+            if (last < request.max_tokens and not request.stop_token_ids
+                    and request.num_prompt_tokens + last < max_model_len
+                    and (request.ignore_eos or last < request.min_tokens
+                         or request.eos_token_id not in sampled)):
+                # No stop can fire on any of the row's tokens: every condition of _check_stop
+                # is false for the last one, hence for the earlier ones.
+                output_ids.extend(sampled)
+                new_tokens = list(sampled)
+            else:
+                new_tokens = []
+                for token in sampled:
+                    output_ids.append(token)
+                    new_tokens.append(token)
+                    if check_stop(request, token):
+                        finished = True
+                        break
+            if finished:
                 self.running.remove(request)
                 self._free_request(request)
+                outputs.append(EngineCoreOutput(req_id, new_tokens, request.get_finished_reason(),
+                                                request.stop_reason))
             else:
                 request.spec_token_ids = list(spec_out[row]) if spec_out is not None else []
-            outputs.append(EngineCoreOutput(req_id, new_tokens, request.get_finished_reason(),
-                                            request.stop_reason))
+                outputs.append(EngineCoreOutput(req_id, new_tokens, None, request.stop_reason))
         return outputs
 
     def _update_from_plain_output(self, scheduler_output: SchedulerOutput,
