@@ -16,9 +16,17 @@ def apply_verified_step(host: np.ndarray, num_draft: np.ndarray, sample_rows: li
     the rejected drafts, and return per-request (num_draft, num_accepted) lists.
     Sampling rows are distinct batch rows, so the fancy-indexed updates do not collide."""
     num_sample_rows = len(sample_rows)
-    rows_np = np.asarray(sample_rows, dtype=np.int64)
     n_emit = host[:num_sample_rows, -1].astype(np.int64)
     n_draft = np.asarray(num_draft[:num_sample_rows], dtype=np.int64)
+    if num_sample_rows == num_reqs:
+        # Every row samples (the steady verify step): the sampling rows are 0..num_reqs-1 in
+        # order, so slices replace the fancy indexing and the per-request scatter.
+        n_accepted = n_emit - 1
+        num_computed_new[:num_reqs] -= n_draft - n_accepted
+        for row, (toks, n) in enumerate(zip(host[:num_reqs].tolist(), n_emit.tolist())):
+            out_tokens[row] = toks[:n]
+        return n_draft.tolist(), n_accepted.tolist()
+    rows_np = np.asarray(sample_rows, dtype=np.int64)
     num_computed_new[rows_np] -= n_draft - (n_emit - 1)
     per_req = np.zeros((2, num_reqs), dtype=np.int64)
     per_req[0, rows_np] = n_draft
