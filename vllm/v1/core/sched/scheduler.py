@@ -91,6 +91,16 @@ class SpecDecodingStats:
         }
 
 
+def _sampled_unfinished_prefill(request: Request, num_scheduled: int,
+                                num_sampled: int) -> RuntimeError:
+    """The error of a runner output that sampled tokens for a prefill chunk short of the
+    prompt's end (both synchronous update paths raise it)."""
+    return RuntimeError(
+        f"model runner sampled {num_sampled} tokens for request {request.request_id!r}, whose "
+        f"prefill is unfinished ({request.num_computed_tokens} + {num_scheduled} of "
+        f"{request.num_tokens} tokens); expected none")
+
+
 class Scheduler:
 
     def __init__(self, vllm_config, num_blocks: int, block_pool=None):
@@ -587,10 +597,7 @@ class Scheduler:
             if request.num_computed_tokens + num_scheduled < request.num_prompt_tokens + num_out:
                 # A prefill chunk that does not reach the end of the prompt samples nothing.
                 if num_sampled:
-                    raise RuntimeError(
-                        f"model runner sampled {num_sampled} tokens for request {req_id!r}, "
-                        f"whose prefill is unfinished ({request.num_computed_tokens} + "
-                        f"{num_scheduled} of {request.num_tokens} tokens); expected none")
+                    raise _sampled_unfinished_prefill(request, num_scheduled, num_sampled)
                 request.num_computed_tokens += num_scheduled
                 continue
             if not 1 <= num_sampled <= num_drafts + 1:
@@ -656,10 +663,7 @@ class Scheduler:
             computed = request.num_computed_tokens + num_scheduled
             if computed < request.num_prompt_tokens + len(request.output_token_ids):
                 if num_sampled:
-                    raise RuntimeError(
-                        f"model runner sampled {num_sampled} tokens for request {req_id!r}, "
-                        f"whose prefill is unfinished ({request.num_computed_tokens} + "
-                        f"{num_scheduled} of {request.num_tokens} tokens); expected none")
+                    raise _sampled_unfinished_prefill(request, num_scheduled, num_sampled)
                 request.num_computed_tokens = computed
                 continue
             if num_sampled != 1:
