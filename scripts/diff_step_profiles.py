@@ -22,6 +22,10 @@ from vllm.benchmarks.spec_policy import VARIANTS, SpecPolicyCase, build_engine
 NOPROBE = "auto-nopay-noprobe"
 
 
+def _key(path: str, line: int, func: str) -> str:
+    return f"{path.split('/vllm/')[-1] if '/vllm/' in path else path}:{line}({func})"
+
+
 def profile_steps(cases: dict[str, SpecPolicyCase], steps: int, stub: bool = False,
                   block: int = 25) -> dict[str, dict[str, tuple[int, float]]]:
     """{variant: {function: (calls, own seconds)}} over `steps` engine steps of each case after
@@ -56,9 +60,13 @@ def profile_steps(cases: dict[str, SpecPolicyCase], steps: int, stub: bool = Fal
         out = {}
         for name, profiler in profilers.items():
             rows = {}
-            for (path, line, func), (_, calls, own, _, _) in pstats.Stats(profiler).stats.items():
-                key = f"{path.split('/vllm/')[-1] if '/vllm/' in path else path}:{line}({func})"
+            for (path, line, func), (_, calls, own, _, callers) in pstats.Stats(
+                    profiler).stats.items():
+                key = _key(path, line, func)
                 rows[key] = (calls, own)
+                # per call site: "function <- caller" (calls, own time spent under that caller)
+                for (c_path, c_line, c_func), (_, c_calls, c_own, _) in callers.items():
+                    rows[f"{key} <- {_key(c_path, c_line, c_func)}"] = (c_calls, c_own)
             out[name] = rows
         return out
     finally:
@@ -80,6 +88,9 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--block", type=int, default=25,
                         help="steps per engine per turn (the engines are profiled in turn)")
+    parser.add_argument("--callers", default=None, metavar="TEXT",
+                        help="also tabulate, call site by call site, the functions whose name "
+                             "contains TEXT (e.g. copy_): which caller's calls differ")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--attention-backend", default="FLASHINFER_MLA")
@@ -116,6 +127,8 @@ def main() -> None:
         other = profiles[name]
         rows = []
         for key in set(base) | set(other):
+            if " <- " in key:
+                continue  # call sites: the --callers table
             calls_a, own_a = base.get(key, (0, 0.0))
             calls_b, own_b = other.get(key, (0, 0.0))
             rows.append(((own_b - own_a) / args.steps * 1e6, key, calls_a / args.steps,
@@ -129,6 +142,21 @@ def main() -> None:
         print("|---|---|---|---|")
         for delta, key, calls_a, calls_b in rows[:args.top]:
             print(f"| {delta:+.1f} | {calls_a:.2f} | {calls_b:.2f} | {key} |")
+        if args.callers:
+            sites = []
+            for key in set(base) | set(other):
+                if " <- " not in key or args.callers not in key.split(" <- ")[0]:
+                    continue
+                calls_a, own_a = base.get(key, (0, 0.0))
+                calls_b, own_b = other.get(key, (0, 0.0))
+                sites.append(((own_b - own_a) / args.steps * 1e6, key, calls_a / args.steps,
+                              calls_b / args.steps, own_b / max(calls_b, 1) * 1e6))
+            sites.sort(reverse=True)
+            print(f"\n| own us/step {name} - {base_name} | calls/step {base_name} | calls/step "
+                  f"{name} | us/call {name} | call site ({args.callers!r}) |")
+            print("|---|---|---|---|---|")
+            for delta, key, calls_a, calls_b, per_call in sites[:args.top]:
+                print(f"| {delta:+.1f} | {calls_a:.2f} | {calls_b:.2f} | {per_call:.1f} | {key} |")
 
 
 if __name__ == "__main__":

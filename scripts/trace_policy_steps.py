@@ -116,10 +116,15 @@ def trace(case: SpecPolicyCase, freeze_gc: bool = False) -> dict:
             torch.cuda.synchronize()
         start = time.perf_counter()
         while engine.has_unfinished_requests():
-            log.append({"launches": [], "observed": [], "decided": None})
+            # rows: requests still running when the step starts (a speculative batch's
+            # requests finish in different steps: its last steps run part-empty)
+            log.append({"launches": [], "observed": [], "decided": None,
+                        "rows": len(engine.scheduler.running)})
+            before = engine._num_generation_tokens
             t0 = time.perf_counter()
             engine.step()
             log[-1]["ms"] = (time.perf_counter() - t0) * 1e3
+            log[-1]["tokens"] = engine._num_generation_tokens - before
         if cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
@@ -136,6 +141,20 @@ def trace(case: SpecPolicyCase, freeze_gc: bool = False) -> dict:
             "p90_ms": ordered[int(0.9 * (len(ordered) - 1))], "max_ms": ordered[-1],
             "sum_above_3x_median_ms": sum(m for m in ms if m > 3 * statistics.median(ms)),
             "slowest": [{"step": i, **log[i]} for i in slowest], "log": log}
+
+
+def tail_summary(log: list[dict], batch: int) -> str:
+    """Steps with the whole batch running against the tail after the first request finished:
+    their count, summed ms, tokens and tok/s (the tail is where a speculative batch loses to
+    a plain one that finishes all its requests in the same step)."""
+    parts = []
+    for name, steps in (("full batch", [s for s in log if s.get("rows") == batch]),
+                        ("tail", [s for s in log if s.get("rows", batch) < batch])):
+        ms = sum(s["ms"] for s in steps)
+        tokens = sum(s.get("tokens", 0) for s in steps)
+        rate = f"{tokens / ms * 1e3:.0f} tok/s" if ms else "-"
+        parts.append(f"{name}: {len(steps)} steps, {ms:.1f} ms, {tokens} tokens, {rate}")
+    return "; ".join(parts)
 
 
 def trace_interleaved(cases: dict[str, SpecPolicyCase], steps_per_block: int = 16) -> dict:
@@ -330,6 +349,7 @@ def main() -> None:
         print("   by launches: " + ", ".join(
             f"{k}: n={len(v)} med={statistics.median(v):.3f} sum={sum(v):.1f}"
             for k, v in sorted(kinds.items())))
+        print("   " + tail_summary(r["log"], r["batch"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -78,6 +78,10 @@ def main() -> None:
             ranked = sorted(variant_runs, key=lambda r: r["tok_s"])
             row = dict(ranked[(len(ranked) - 1) // 2])  # the median run (lower middle)
             row["tok_s_runs"] = [r["tok_s"] for r in variant_runs]
+            # tokens per engine step of the timed steps: with every step costing the same,
+            # tok/s would be this over no speculation's. A batch that finishes its requests in
+            # different steps (speculation) runs its last steps part-empty, which this counts.
+            row["tokens_per_step"] = row["timed_tokens"] / row["timed_steps"]
             row["x_none"], row["x_none_rounds"] = paired_ratio(variant_runs, runs["none"])
             row["all_runs_tokens_equal"] = all(r["tokens"] == runs["none"][0]["tokens"]
                                                for r in variant_runs)
@@ -85,8 +89,10 @@ def main() -> None:
             print(json.dumps({k: v for k, v in row.items() if k != "tokens"}), flush=True)
     base = {r["batch"]: r for r in rows if r["variant"] == "none"}
     # tok/s: the median run; x none: geometric mean of the per-round paired ratios
-    print(f"{'variant':11} {'B':>3} {'ctx':>6} {'tok/s':>9} {'x none':>7} {'AL':>5} "
-          f"{'drafted':>8} {'skipped':>24} {'greedy':>7}")
+    # tok/step x: tokens per step over no speculation's, the tok/s ratio at equal step cost
+    # (x none = tok/step x * none's step time / the variant's)
+    print(f"{'variant':11} {'B':>3} {'ctx':>6} {'tok/s':>9} {'x none':>7} {'tok/step x':>10} "
+          f"{'AL':>5} {'drafted':>8} {'skipped':>24} {'greedy':>7}")
     ok = True
     for r in rows:
         b = base[r["batch"]]
@@ -99,9 +105,12 @@ def main() -> None:
         ok &= r["greedy_equal"]
         policy = r["policy"] or {}
         al = r["mean_acceptance_length"]
+        r["x_none_per_step"] = r["tokens_per_step"] / b["tokens_per_step"]
         print(f"{r['variant']:11} {r['batch']:>3} {r['context']:>6} {r['tok_s']:9.1f} "
-              f"{r['x_none']:7.3f} {'-' if al is None else f'{al:.2f}':>5} "
-              f"{policy.get('num_drafted', '-')!s:>8} {json.dumps(policy.get('num_skipped', {})):>24} "
+              f"{r['x_none']:7.3f} {r['x_none_per_step']:10.3f} "
+              f"{'-' if al is None else f'{al:.2f}':>5} "
+              f"{policy.get('num_drafted', '-')!s:>8} "
+              f"{json.dumps(policy.get('num_skipped', {})):>24} "
               f"{'ok' if r['greedy_equal'] else 'DIFF':>7}")
     never = {r["batch"]: r for r in rows if r["variant"] == "never"}
     for r in rows:

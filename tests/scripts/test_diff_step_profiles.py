@@ -13,7 +13,7 @@ def test_interleaved_profiles_give_one_table_per_later_variant():
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, str(SCRIPT), "--variants", "none", "never",
                            "auto-nopay-noprobe", "--batch", "2", "--steps", "5", "--block", "2",
-                           "--warmup-steps", "4", "--top", "3", "--stub-forward", "--device",
+                           "--warmup-steps", "4", "--top", "3", "--stub-forward", "--callers", "copy_", "--device",
                            "cpu", "--dtype", "float32", "--attention-backend", "TORCH_MLA"],
                           check=True, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
@@ -22,4 +22,9 @@ def test_interleaved_profiles_give_one_table_per_later_variant():
     assert all(", 5 steps," in t for t in titles), titles
     rows = [line for line in done.stdout.splitlines() if line.startswith("| +")
             or line.startswith("| -")]
-    assert len(rows) == 6, done.stdout  # --top 3 rows in each table
+    assert len(rows) == 12, done.stdout  # --top 3 rows in each table and call-site table
+    # --callers: a call-site table per later variant, whose rows name the callers of copy_
+    sites = [line for line in done.stdout.splitlines() if "call site ('copy_')" in line]
+    assert len(sites) == 2, done.stdout
+    site_rows = [line for line in done.stdout.splitlines() if " <- " in line]
+    assert site_rows and all("copy_" in row.split(" <- ")[0] for row in site_rows), site_rows
