@@ -2,8 +2,8 @@
 would at its first launch): a CPU test then catches what only a real launch used to show, e.g.
 a loop variable typed int32 in one branch and int64 in another (GPU run A, 2026-11-30).
 
-`record_launches(module, name)` swaps the module's kernel for a recorder whose launches keep
-their arguments; `compile_launch(kernel, args, kwargs)` binds those arguments with Triton's own
+`record_launches(module, name)` swaps the module's kernel (and its LeanLaunch's) for a recorder
+whose launches keep their arguments; `compile_launch(kernel, args, kwargs)` binds those arguments with Triton's own
 launch-time specialization for the CUDA backend and compiles the result."""
 from __future__ import annotations
 
@@ -35,12 +35,22 @@ class _Recorder:
 
 @contextmanager
 def record_launches(module, name: str):
-    recorder = _Recorder(getattr(module, name))
+    """Swap `module.name` for a recorder, also inside the module's LeanLaunch objects that launch
+    that kernel (vllm/utils/triton_launch.py: they hold the kernel itself, not its name)."""
+    from vllm.utils.triton_launch import LeanLaunch
+    kernel = getattr(module, name)
+    recorder = _Recorder(kernel)
+    launchers = [v for v in vars(module).values()
+                 if isinstance(v, LeanLaunch) and v.kernel is kernel]
     setattr(module, name, recorder)
+    for launcher in launchers:
+        launcher.kernel = recorder
     try:
         yield recorder
     finally:
-        setattr(module, name, recorder.kernel)
+        setattr(module, name, kernel)
+        for launcher in launchers:
+            launcher.kernel = kernel
 
 
 # Hopper's largest dynamic shared memory per block (227 KiB): a launch needing more fails at load

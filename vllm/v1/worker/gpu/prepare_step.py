@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm.triton_utils import HAS_TRITON, tl, triton
+from vllm.utils.triton_launch import LeanLaunch
 from vllm.v1.worker.gpu.cp_utils import _slot_geometry
 
 if HAS_TRITON:
@@ -202,11 +203,18 @@ if HAS_TRITON:
                              mask=rows < max_rows)
 
 
+# The kernel takes ~45 arguments, all persistent buffers, their strides and per-step counts it
+# does not specialise on: launched through LeanLaunch (vllm/utils/triton_launch.py), which
+# skips Triton's per-call binding when VLLM_LEAN_TRITON_LAUNCH=1 (off by default).
+_PREPARE_LAUNCH = LeanLaunch(_prepare_step_kernel) if HAS_TRITON else None
+
+
 def prepare_step_triton(b: StepPrepBuffers, num_reqs: int, num_rows: int, num_tokens_padded: int,
                         cp_size: int, cp_rank: int, cp_interleave: int,
                         num_patches: int = 0) -> None:
     """One launch: grid = one program per padded row + one for the padding."""
-    _prepare_step_kernel[(num_rows + 1,)](
+    _PREPARE_LAUNCH(
+        (num_rows + 1,),
         b.input_ids, b.positions, b.seq_lens, b.logits_indices, b.dcp_local_seq_lens,
         b.slot_mappings, b.slot_mappings.stride(0), b.input_tables, b.input_tables.stride(0),
         b.input_tables.stride(1), b.query_start_loc, b.idx_mapping, b.is_prefill, b.prefill_ids,

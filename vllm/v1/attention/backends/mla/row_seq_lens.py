@@ -15,13 +15,14 @@ from __future__ import annotations
 import torch
 
 from vllm.triton_utils import HAS_TRITON, tl, triton
+from vllm.utils.triton_launch import LeanLaunch
 
 # Halvings of the binary search: fixed (one compiled variant) and enough for 65535 decode rows.
 _SEARCH_STEPS = 16
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_decodes", "num_tokens"])
     def _row_seq_lens_kernel(out_ptr, req_ptr, pos_ptr, qsl_ptr, local_ptr, global_ptr,
                              num_decodes, num_tokens, cp_size, cp_rank, cp_interleave,
                              CAUSAL: tl.constexpr, SEARCH_STEPS: tl.constexpr,
@@ -59,6 +60,10 @@ if HAS_TRITON:
         tl.store(pos_ptr + tok, pos.to(tl.int64), mask=in_range)
 
 
+# Through LeanLaunch (vllm/utils/triton_launch.py; off unless VLLM_LEAN_TRITON_LAUNCH=1).
+_ROW_SEQ_LENS_LAUNCH = LeanLaunch(_row_seq_lens_kernel) if HAS_TRITON else None
+
+
 def row_seq_lens_triton(out: torch.Tensor, req_out: torch.Tensor, pos_out: torch.Tensor,
                         query_start_loc: torch.Tensor, local_seq_lens: torch.Tensor,
                         global_seq_lens: torch.Tensor, num_decodes: int, num_tokens: int,
@@ -67,7 +72,7 @@ def row_seq_lens_triton(out: torch.Tensor, req_out: torch.Tensor, pos_out: torch
     block = 128
     if not 1 <= num_decodes < 2 ** _SEARCH_STEPS:
         raise ValueError(f"num_decodes={num_decodes} must lie in [1, {2 ** _SEARCH_STEPS})")
-    _row_seq_lens_kernel[(triton.cdiv(num_tokens, block),)](
-        out, req_out, pos_out, query_start_loc, local_seq_lens, global_seq_lens, num_decodes,
-        num_tokens, cp_size, cp_rank, cp_interleave, CAUSAL=bool(causal),
-        SEARCH_STEPS=_SEARCH_STEPS, BLOCK=block)
+    _ROW_SEQ_LENS_LAUNCH(
+        (triton.cdiv(num_tokens, block),), out, req_out, pos_out, query_start_loc,
+        local_seq_lens, global_seq_lens, num_decodes, num_tokens, cp_size, cp_rank,
+        cp_interleave, CAUSAL=bool(causal), SEARCH_STEPS=_SEARCH_STEPS, BLOCK=block)

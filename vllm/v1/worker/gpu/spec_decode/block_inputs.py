@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm.v1.worker.gpu.block_table import PAD_SLOT_ID, BlockTables
+from vllm.utils.triton_launch import LeanLaunch
 from vllm.v1.worker.gpu.cp_utils import HAS_TRITON, _slot_geometry, tl, triton
 if HAS_TRITON:
     from vllm.v1.worker.gpu.cp_utils import slot_geometry_tl
@@ -171,6 +172,10 @@ def _slots_torch(tables: BlockTables, group_ids: tuple[int, ...], positions: tor
         tables.slot_mappings[group, :num_tokens] = torch.where(owned & real, slots, PAD_SLOT_ID)
 
 
+# Through LeanLaunch (vllm/utils/triton_launch.py; off unless VLLM_LEAN_TRITON_LAUNCH=1).
+_BLOCK_INPUTS_LAUNCH = LeanLaunch(_block_draft_inputs_kernel) if HAS_TRITON else None
+
+
 def write_block_inputs_triton(tables: BlockTables, buffers: BlockInputBuffers, num_reqs: int,
                               padded: int, q: int, accepted: torch.Tensor,
                               next_token_ids: torch.Tensor, max_model_len: int,
@@ -184,8 +189,8 @@ def write_block_inputs_triton(tables: BlockTables, buffers: BlockInputBuffers, n
         base = next_token_ids
     next_offset = next_token_ids.storage_offset() - base.storage_offset()
     grid = (padded, len(buffers.group_ids_host))
-    _block_draft_inputs_kernel[grid](
-        buffers.input_ids, buffers.positions, buffers.seq_lens, buffers.anchors, accepted,
+    _BLOCK_INPUTS_LAUNCH(
+        grid, buffers.input_ids, buffers.positions, buffers.seq_lens, buffers.anchors, accepted,
         base, next_offset, next_token_ids.stride(0), buffers.group_ids, geometry.slot_mappings,
         geometry.slot_mappings.stride(0), geometry.input_block_tables,
         geometry.input_block_tables.stride(0), geometry.input_block_tables.stride(1),

@@ -1,0 +1,88 @@
+"""In-process A/B of lean Triton launches (vllm/utils/triton_launch.py): the speculation-policy
+cases (vllm.benchmarks.spec_policy; default: none and DSpark "always") with lean launches off
+and on, in alternating order round by round in one process, since one engine's tok/s moves by
+up to 2x between processes on the GPU node. Prints, per batch size and setting, the median
+tok/s and the median of the rounds' variant / none ratios, and the launch counts.
+
+Usage (GPU node): python scripts/ab_lean_launch.py --batch-sizes 1 8 --rounds 4
+CPU smoke run: ... --device cpu --dtype float32 --attention-backend TORCH_MLA --enforce-eager
+(the CPU path launches no Triton kernels: both settings run the same code)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+from vllm.benchmarks.spec_policy import VARIANTS, SpecPolicyCase, run_case
+from vllm.utils.triton_launch import launch_counts, set_lean_launches
+
+
+def run(args) -> dict:
+    tok_s: dict[tuple, list[float]] = {}
+    for rnd in range(args.warmup_rounds + args.rounds):
+        order = (False, True) if rnd % 2 == 0 else (True, False)
+        for lean in order:
+            set_lean_launches(lean)
+            for batch in args.batch_sizes:
+                for variant in args.variants:
+                    case = SpecPolicyCase(variant, batch, output_len=args.output_len,
+                                          warmup_steps=args.warmup_steps, device=args.device,
+                                          dtype=args.dtype,
+                                          attention_backend=args.attention_backend,
+                                          enforce_eager=args.enforce_eager)
+                    result = run_case(case)["tok_s"]
+                    if rnd >= args.warmup_rounds:
+                        tok_s.setdefault((lean, batch, variant), []).append(result)
+    set_lean_launches(False)
+    rows = []
+    base = args.variants[0]
+    for batch in args.batch_sizes:
+        for lean in (False, True):
+            row = {"batch": batch, "lean": lean}
+            for variant in args.variants:
+                runs = tok_s[(lean, batch, variant)]
+                row[variant] = statistics.median(runs)
+                if variant != base:
+                    row[f"{variant}/{base}"] = statistics.median(
+                        a / b for a, b in zip(runs, tok_s[(lean, batch, base)]))
+            rows.append(row)
+    return {"rows": rows, "tok_s": {f"{k[0]}:{k[1]}:{k[2]}": v for k, v in tok_s.items()},
+            "launches": launch_counts()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--variants", nargs="+", default=["none", "always"], choices=VARIANTS,
+                        help="the first is the baseline of the ratios")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--warmup-rounds", type=int, default=1)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--warmup-steps", type=int, default=32)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--attention-backend", default="FLASHINFER_MLA")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if len(args.variants) < 2:
+        parser.error("--variants needs a baseline and at least one more variant")
+    result = run(args)
+    base = args.variants[0]
+    others = args.variants[1:]
+    print("| B | lean | " + " | ".join(f"{v} tok/s" for v in args.variants) + " | "
+          + " | ".join(f"{v} / {base}" for v in others) + " |")
+    print("|---" * (2 + len(args.variants) + len(others)) + "|")
+    for row in result["rows"]:
+        print(f"| {row['batch']} | {'on' if row['lean'] else 'off'} | "
+              + " | ".join(f"{row[v]:.0f}" for v in args.variants) + " | "
+              + " | ".join(f"{row[f'{v}/{base}']:.3f}" for v in others) + " |")
+    print("launches (lean, through Triton):", result["launches"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
