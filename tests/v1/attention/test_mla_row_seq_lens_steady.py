@@ -1,7 +1,9 @@
-"""Steady plain decode writes only the live rows' lengths into the persistent row buffers; every
-step's row geometry still equals a brute-force walk over the rows, whatever came before it.
+"""Steady plain decode, and steady uniform blocks (causal verify blocks without DCP, non-causal
+draft blocks with or without it), write only the live rows' lengths into the persistent row
+buffers; every step's row geometry still equals a brute-force walk over the rows, whatever came
+before it.
 
-The shortcut (MLACommonMetadataBuilder._row_seq_lens) keeps req, pos and the zero tail of the
+The shortcuts (MLACommonMetadataBuilder._row_seq_lens) keep req, pos and the zero tail of the
 padding tokens from the last full write of the same layout. The oracle recomputes every token
 from scratch: its row, its index in the row, and what it sees (the caller's rank-local length
 for a row's last token, local(G - (Q-1-j)) from the global bound for the earlier rows of a
@@ -70,8 +72,8 @@ def test_steady_rows_equal_brute_force_across_layout_changes(seed, monkeypatch):
         elif event < 0.14:
             pad = rng.randint(0, 3)  # other CUDA-graph padding rows (and tokens)
             extra = rng.choice([0, 0, 1, 2])
-        elif event < 0.2:
-            q = 3  # a verify step between plain steps
+        elif event < 0.2 or (previous is not None and previous[0][0] == 3 and event < 0.5):
+            q = 3  # a verify step between plain steps (often a run of them)
         glob = [g + rng.choice([1, 1, 2]) for g in glob]
         prefill = rng.random() < 0.1  # a mixed step: a prompt chunk after the decode rows
         q_lens = [q] * live + ([6] if prefill else [0] * pad)
@@ -104,7 +106,67 @@ def test_steady_rows_equal_brute_force_across_layout_changes(seed, monkeypatch):
         assert decode.row_pos.tolist() == want[2], (step, q_lens)
         assert decode.row_seq_lens_cpu.tolist() == want[0]
         layout = (tuple(dec_lens), decode.num_decode_tokens)
-        hits += q == 1 and layout == previous  # plain rows laid out as in the last step
+        # plain rows laid out as in the last step; causal blocks (verify) likewise without DCP
+        hits += layout == previous and (q == 1 or dcp == 1)
         previous = layout
-    # the shortcut is taken exactly on the plain steps that repeat the last layout
+    # the shortcuts are taken exactly on the steps that repeat the last layout
     assert hits >= 10 and len(full_writes) == steps - hits
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_steady_non_causal_blocks_equal_brute_force(seed, monkeypatch):
+    # A block drafter's draft group: every row of a live block sees its request's whole
+    # rank-local length, under DCP too; padding rows see nothing. Steps that repeat the last
+    # layout take the shortcut, whatever the DCP size.
+    rng = random.Random(100 + seed)
+    dcp, inter = rng.choice([(1, 1), (2, 1), (4, 16)])
+    rank = rng.randrange(dcp)
+    b = TorchMLAMetadataBuilder(mla_spec(16, True), ["d0"], parallel_config(dcp, inter), "cpu",
+                                dcp_rank=rank)
+    full_writes = []
+    original = TorchMLAMetadataBuilder._row_seq_lens_torch
+
+    def counted(self, *args, **kwargs):
+        full_writes.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(TorchMLAMetadataBuilder, "_row_seq_lens_torch", counted)
+    live, pad, q, steps, hits, previous = rng.randint(1, 5), rng.randint(0, 3), 4, 40, 0, None
+    glob = [rng.randint(5, 300) for _ in range(12)]
+    for step in range(steps):
+        event = rng.random()
+        if event < 0.1:
+            live = max(1, min(8, live + rng.choice([-1, 1])))
+        elif event < 0.2:
+            pad = rng.randint(0, 3)
+        elif event < 0.25:
+            q = rng.choice([3, 4, 5])  # another block size
+        glob = [g + rng.randint(1, q) for g in glob]  # accepted drafts move every length
+        q_lens = [q] * live + [0] * pad
+        qsl = [0]
+        for n in q_lens:
+            qsl.append(qsl[-1] + n)
+        seq = glob[: len(q_lens)]
+        local = [_local(g, dcp, rank, inter) for g in seq]
+        qsl_t = torch.tensor(qsl, dtype=torch.int32)
+        cm = CommonAttentionMetadata(
+            query_start_loc=qsl_t.clone(), query_start_loc_cpu=qsl_t,
+            seq_lens=torch.tensor(seq, dtype=torch.int32), num_reqs=len(q_lens),
+            num_actual_tokens=qsl[-1], max_query_len=q, max_seq_len=max(seq),
+            block_table_tensor=torch.zeros(len(q_lens), 32, dtype=torch.int32),
+            slot_mapping=torch.zeros(qsl[-1], dtype=torch.int64),
+            dcp_local_seq_lens=torch.tensor(local, dtype=torch.int32) if dcp > 1 else None,
+            seq_lens_cpu=torch.tensor(seq, dtype=torch.int32),
+            dcp_local_seq_lens_cpu=torch.tensor(local, dtype=torch.int32) if dcp > 1 else None,
+            causal=False)
+        decode = b.build(0, cm).decode
+        want_out = [local[t // q] if t < live * q else 0 for t in range(decode.num_decode_tokens)]
+        assert decode.row_seq_lens.tolist() == want_out, (step, q_lens)
+        assert decode.row_req.tolist() == [min(t // q, live - 1) if t < live * q
+                                           else len(q_lens) - 1
+                                           for t in range(decode.num_decode_tokens)]
+        assert decode.row_seq_lens_cpu.tolist() == want_out
+        layout = tuple(q_lens)
+        hits += layout == previous
+        previous = layout
+    assert hits >= 15 and len(full_writes) == steps - hits

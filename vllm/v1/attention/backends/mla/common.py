@@ -122,6 +122,9 @@ class _BatchGeometry:
     multi: bool               # causal multi-token decode rows
     plain_rows: int | None    # live rows of a plain (one token per row) decode, else None
     decode_qsl_cpu: torch.Tensor  # [num_decodes+1] int32
+    # (live rows, Q) when every live decode row has the same Q > 1 tokens (verify and draft
+    # blocks), the live rows first and only empty padding rows after them, else None
+    uniform_rows: tuple[int, int] | None = None
 
 
 def _spec_is_non_causal(kv_cache_spec: Any) -> bool:
@@ -252,7 +255,8 @@ class MLACommonMetadataBuilder:
             num_decode_tokens=num_decode_tokens, num_prefill_tokens=num_prefill_tokens,
             max_query_len=max_query_len, multi=multi,
             plain_rows=self._plain_rows(qsl_np, max_query_len, num_decodes, multi),
-            decode_qsl_cpu=torch.from_numpy(qsl_np[: num_decodes + 1].astype(np.int32)))
+            decode_qsl_cpu=torch.from_numpy(qsl_np[: num_decodes + 1].astype(np.int32)),
+            uniform_rows=self._uniform_rows(qsl_np, max_query_len, num_decodes))
         # kept only without prefill rows: the prefill path gets fresh arrays every step
         self._held_geometry = geo if num_prefills == 0 else None
         return geo
@@ -342,7 +346,8 @@ class MLACommonMetadataBuilder:
             seq_lens, tot, max_seq_len = global_lens, None, cm.max_seq_len
         qsl_dev = self._alias(cm.query_start_loc, num_decodes + 1)
         row_seq_lens, row_req, row_pos = self._row_seq_lens(
-            cm, num_decodes, num_decode_tokens, geo.multi, seq_lens, plain_rows=geo.plain_rows)
+            cm, num_decodes, num_decode_tokens, geo.multi, seq_lens, plain_rows=geo.plain_rows,
+            uniform_rows=geo.uniform_rows)
         row_host = self._row_seq_lens_host(cm, num_decodes, num_decode_tokens, geo.qsl_np,
                                            geo.multi, seq_lens_host, geo.query_lens,
                                            geo.plain_rows)
@@ -372,9 +377,27 @@ class MLACommonMetadataBuilder:
         live = int(qsl_cpu[num_decodes])
         return live if live > 0 and int(qsl_cpu[live]) == live else None
 
+    @staticmethod
+    def _uniform_rows(qsl_np: np.ndarray, max_query_len: int,
+                      num_decodes: int) -> tuple[int, int] | None:
+        """(live rows, Q) when the decode rows are uniform blocks of Q > 1 tokens: the first
+        `live` rows Q tokens each, then only zero-length padding rows. None otherwise."""
+        q = int(max_query_len)
+        if q <= 1 or num_decodes == 0:
+            return None
+        total = int(qsl_np[num_decodes])
+        live = total // q
+        if total % q or not 0 < live <= num_decodes:
+            return None
+        if not (np.array_equal(qsl_np[: live + 1], np.arange(live + 1) * q)
+                and bool((qsl_np[live: num_decodes + 1] == total).all())):
+            return None
+        return live, q
+
     def _row_seq_lens(self, cm: CommonAttentionMetadata, num_decodes: int,
                       num_tokens: int, causal: bool, local_seq_lens: torch.Tensor,
-                      plain_rows: int | None = None):
+                      plain_rows: int | None = None,
+                      uniform_rows: tuple[int, int] | None = None):
         """Visible KV count on this rank for every decode query row (device, int32), plus the
         request and in-block index of every row; written into persistent buffers, no host sync.
 
@@ -392,7 +415,7 @@ class MLACommonMetadataBuilder:
         out, req_buf, pos_buf = self._row_views(num_tokens, device)
         if num_decodes == 0 or num_tokens == 0:
             out.zero_()
-            self._row_plain_key = None
+            self._row_plain_key = self._row_uniform_key = None
             return out, req_buf, pos_buf
         # Plain rows with the layout of the last write (steady Q=1 decode): req, pos and the
         # zero tail of the padding tokens are still in the buffers, so only the live rows'
@@ -405,9 +428,30 @@ class MLACommonMetadataBuilder:
                 live.copy_(local_seq_lens[:plain_rows] if local_seq_lens.shape[0] != plain_rows
                            else local_seq_lens)
                 return out, req_buf, pos_buf
-        # Any other write leaves the buffers in another layout: the shortcut waits for the
-        # next plain step written in full.
-        self._row_plain_key = None
+        # Uniform blocks of Q > 1 rows with the layout of the last write (steady verify and
+        # draft steps): likewise only the live rows' lengths move. A row of a non-causal block
+        # sees its request's whole (rank-local) length; row j of a causal block sees
+        # G - (Q-1-j) global positions, which is a length on this rank only without DCP
+        # (under DCP causal blocks take the kernel). One torch op instead of a Triton launch,
+        # twice in every DSpark step (its verify and draft groups; docs/performance.md,
+        # twentieth session).
+        ukey = None
+        if (uniform_rows is not None and (not causal or self.dcp_world_size == 1)
+                and local_seq_lens.dtype == out.dtype):
+            live, q = uniform_rows
+            ukey = (num_decodes, num_tokens, live, q, causal, out.data_ptr())
+            if getattr(self, "_row_uniform_key", None) == ukey:
+                view, offsets = self._row_uniform_view
+                lens = (local_seq_lens if local_seq_lens.shape[0] == live
+                        else local_seq_lens[:live]).unsqueeze(1)
+                if causal:
+                    torch.sub(lens, offsets, out=view)
+                else:
+                    view.copy_(lens.expand(live, q))
+                return out, req_buf, pos_buf
+        # Any other write leaves the buffers in another layout: the shortcuts wait for the
+        # next step of theirs written in full.
+        self._row_plain_key = self._row_uniform_key = None
         if device.type == "cuda" and HAS_TRITON:
             # One launch instead of the dozen below (the decode step is host-bound).
             row_seq_lens_triton(out, req_buf, pos_buf, cm.query_start_loc, local_seq_lens,
@@ -419,6 +463,12 @@ class MLACommonMetadataBuilder:
         if key is not None:
             self._row_plain_live = out[:plain_rows] if plain_rows != num_tokens else out
             self._row_plain_key = key
+        if ukey is not None:
+            live, q = uniform_rows
+            with torch.inference_mode(False):  # kept across builds in and out of inference mode
+                offsets = torch.arange(q - 1, -1, -1, dtype=out.dtype, device=device)
+                self._row_uniform_view = (out[: live * q].view(live, q), offsets)
+            self._row_uniform_key = ukey
         return out, req_buf, pos_buf
 
     def _row_views(self, num_tokens: int, device: torch.device):
