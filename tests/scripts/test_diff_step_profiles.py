@@ -1,22 +1,13 @@
 """scripts/diff_step_profiles.py stays runnable on CPU: engines profiled in turn (interleaved
 blocks) give one table per later variant, each with the steps asked for."""
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).parents[2]
-SCRIPT = ROOT / "scripts" / "diff_step_profiles.py"
+from tests.utils.scripts import run_script
 
 
 def test_interleaved_profiles_give_one_table_per_later_variant():
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, str(SCRIPT), "--variants", "none", "never",
-                           "auto-nopay-noprobe", "--batch", "2", "--steps", "5", "--block", "2",
-                           "--warmup-steps", "4", "--top", "3", "--stub-forward", "--callers", "copy_", "--device",
-                           "cpu", "--dtype", "float32", "--attention-backend", "TORCH_MLA"],
-                          check=True, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = run_script("diff_step_profiles.py", "--variants", "none", "never",
+                      "auto-nopay-noprobe", "--batch", "2", "--steps", "5", "--block", "2",
+                      "--warmup-steps", "4", "--top", "3", "--stub-forward", "--callers", "copy_",
+                      "--device", "cpu", "--dtype", "float32", "--attention-backend", "TORCH_MLA")
     titles = [line for line in done.stdout.splitlines() if line.startswith("#### ")]
     assert [t.split(" over ")[0] for t in titles] == ["#### never", "#### auto-nopay-noprobe"]
     assert all(", 5 steps," in t for t in titles), titles

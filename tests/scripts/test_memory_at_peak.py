@@ -5,28 +5,15 @@ The oracle is brute force over the ground truth of a generated allocation progra
 allocation's [alloc, free) interval is known, and the peak is the maximum, over every event
 time, of the summed sizes of the intervals open at that time."""
 import gzip
-import importlib.util
 import pickle
 import random
-import sys
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[2]
-SCRIPT = ROOT / "scripts" / "memory_at_peak.py"
+from tests.utils.scripts import load_script
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("memory_at_peak", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-MAP = _load()
+MAP = load_script("memory_at_peak.py")
 
 SITES = [
     [{"filename": "/usr/lib/python3/site-packages/torch/nn/functional.py", "line": 10, "name": "linear"},

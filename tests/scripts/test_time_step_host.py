@@ -1,21 +1,12 @@
 """scripts/time_step_host.py stays runnable on CPU: a short interleaved run prints one row per
 variant (the first one's ratio exactly 1) and, with --phases, the phases every engine runs;
 several --prompt-stagger values give one engine per (variant, stagger) in the same process."""
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).parents[2]
-SCRIPT = ROOT / "scripts" / "time_step_host.py"
+from tests.utils.scripts import run_script
 
 
 def test_short_run_prints_every_variant_and_phase():
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, str(SCRIPT), "--variants", "none", "never",
-                           "--batch", "2", "--rounds", "2", "--block", "3", "--warmup-steps", "4",
-                           "--phases"], check=True, cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = run_script("time_step_host.py", "--variants", "none", "never", "--batch", "2",
+                      "--rounds", "2", "--block", "3", "--warmup-steps", "4", "--phases")
     rows = {line.split("|")[1].strip(): line for line in done.stdout.splitlines()
             if line.startswith("| none |") or line.startswith("| never |")
             or line.startswith("| scheduler.schedule |")}
@@ -28,16 +19,13 @@ def test_short_run_prints_every_variant_and_phase():
 
 
 def test_several_staggers_build_one_engine_each():
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, str(SCRIPT), "--variants", "none", "--batch", "2",
-                           "--rounds", "2", "--block", "3", "--warmup-steps", "4",
-                           "--prompt-stagger", "0", "3"], check=True, cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = run_script("time_step_host.py", "--variants", "none", "--batch", "2", "--rounds",
+                      "2", "--block", "3", "--warmup-steps", "4", "--prompt-stagger", "0", "3")
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
             for line in done.stdout.splitlines() if line.startswith("| none@")}
     assert set(rows) == {"none@0", "none@3"}, done.stdout
     assert rows["none@0"][-3:] == ["+0.0", "+0.0", "1.000"], rows  # the base against itself
     assert float(rows["none@3"][4]) > 0  # its mean host us per step (GPU-like)
-    bad = subprocess.run([sys.executable, str(SCRIPT), "--prompt-stagger", "2", "2"], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=120)
+    bad = run_script("time_step_host.py", "--prompt-stagger", "2", "2", check=False,
+                     timeout=120)
     assert bad.returncode == 2 and "distinct values" in bad.stderr, bad.stderr

@@ -46,14 +46,33 @@ def _oracle(q_lens, glob, local, num_tokens, dcp, rank, inter):
     return out, req, pos
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_steady_rows_equal_brute_force_across_layout_changes(seed, monkeypatch):
-    rng = random.Random(seed)
-    dcp, inter = rng.choice([(1, 1), (2, 1), (2, 4)])
-    rank = rng.randrange(dcp)
-    b = TorchMLAMetadataBuilder(mla_spec(16, False), ["l0"], parallel_config(dcp, inter), "cpu",
-                                dcp_rank=rank)
-    b.reorder_batch_threshold = 4
+def _metadata(q_lens, glob, extra_tokens, dcp, rank, inter, causal):
+    """The step's CommonAttentionMetadata for rows of `q_lens` tokens (lengths from `glob`),
+    with `extra_tokens` padding tokens past the last row; also (qsl, seq, local) lists."""
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    num_tokens = qsl[-1] + extra_tokens
+    seq = glob[: len(q_lens)]
+    local = [_local(g, dcp, rank, inter) for g in seq]
+    qsl_t = torch.tensor(qsl, dtype=torch.int32)
+    local_t = torch.tensor(local, dtype=torch.int32) if dcp > 1 else None
+    cm = CommonAttentionMetadata(
+        query_start_loc=qsl_t.clone(), query_start_loc_cpu=qsl_t,
+        seq_lens=torch.tensor(seq, dtype=torch.int32), num_reqs=len(q_lens),
+        num_actual_tokens=num_tokens, max_query_len=max(q_lens), max_seq_len=max(seq),
+        block_table_tensor=torch.zeros(len(q_lens), 32, dtype=torch.int32),
+        slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),
+        dcp_local_seq_lens=local_t, seq_lens_cpu=torch.tensor(seq, dtype=torch.int32),
+        dcp_local_seq_lens_cpu=None if local_t is None else local_t.clone(), causal=causal)
+    return cm, qsl, seq, local
+
+
+def _counting_builder(monkeypatch, non_causal: bool, dcp: int, inter: int, rank: int):
+    """A torch MLA builder of one group and the list its full row writes append to (a step
+    that takes a shortcut appends nothing)."""
+    builder = TorchMLAMetadataBuilder(mla_spec(16, non_causal), ["l0"],
+                                      parallel_config(dcp, inter), "cpu", dcp_rank=rank)
     full_writes = []
     original = TorchMLAMetadataBuilder._row_seq_lens_torch
 
@@ -62,6 +81,16 @@ def test_steady_rows_equal_brute_force_across_layout_changes(seed, monkeypatch):
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(TorchMLAMetadataBuilder, "_row_seq_lens_torch", counted)
+    return builder, full_writes
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_steady_rows_equal_brute_force_across_layout_changes(seed, monkeypatch):
+    rng = random.Random(seed)
+    dcp, inter = rng.choice([(1, 1), (2, 1), (2, 4)])
+    rank = rng.randrange(dcp)
+    b, full_writes = _counting_builder(monkeypatch, False, dcp, inter, rank)
+    b.reorder_batch_threshold = 4
     live, pad, extra, steps = rng.randint(1, 6), 0, 0, 60
     hits, previous = 0, None
     glob = [rng.randint(5, 300) for _ in range(16)]
@@ -77,22 +106,9 @@ def test_steady_rows_equal_brute_force_across_layout_changes(seed, monkeypatch):
         glob = [g + rng.choice([1, 1, 2]) for g in glob]
         prefill = rng.random() < 0.1  # a mixed step: a prompt chunk after the decode rows
         q_lens = [q] * live + ([6] if prefill else [0] * pad)
-        qsl = [0]
-        for n in q_lens:
-            qsl.append(qsl[-1] + n)
-        num_tokens = qsl[-1] + (extra if q == 1 and not prefill else 0)
-        seq = glob[: len(q_lens)]
-        local = [_local(g, dcp, rank, inter) for g in seq]
-        qsl_t = torch.tensor(qsl, dtype=torch.int32)
-        cm = CommonAttentionMetadata(
-            query_start_loc=qsl_t.clone(), query_start_loc_cpu=qsl_t,
-            seq_lens=torch.tensor(seq, dtype=torch.int32), num_reqs=len(q_lens),
-            num_actual_tokens=num_tokens, max_query_len=max(q_lens), max_seq_len=max(seq),
-            block_table_tensor=torch.zeros(len(q_lens), 32, dtype=torch.int32),
-            slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),
-            dcp_local_seq_lens=torch.tensor(local, dtype=torch.int32) if dcp > 1 else None,
-            seq_lens_cpu=torch.tensor(seq, dtype=torch.int32),
-            dcp_local_seq_lens_cpu=torch.tensor(local, dtype=torch.int32) if dcp > 1 else None)
+        extra_tokens = extra if q == 1 and not prefill else 0
+        cm, qsl, seq, local = _metadata(q_lens, glob, extra_tokens, dcp, rank, inter, True)
+        num_tokens = qsl[-1] + extra_tokens
         md = b.build(0, cm)
         decode = md.decode
         dec_lens = q_lens[:live] if prefill else q_lens
@@ -121,16 +137,7 @@ def test_steady_non_causal_blocks_equal_brute_force(seed, monkeypatch):
     rng = random.Random(100 + seed)
     dcp, inter = rng.choice([(1, 1), (2, 1), (4, 16)])
     rank = rng.randrange(dcp)
-    b = TorchMLAMetadataBuilder(mla_spec(16, True), ["d0"], parallel_config(dcp, inter), "cpu",
-                                dcp_rank=rank)
-    full_writes = []
-    original = TorchMLAMetadataBuilder._row_seq_lens_torch
-
-    def counted(self, *args, **kwargs):
-        full_writes.append(1)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(TorchMLAMetadataBuilder, "_row_seq_lens_torch", counted)
+    b, full_writes = _counting_builder(monkeypatch, True, dcp, inter, rank)
     live, pad, q, steps, hits, previous = rng.randint(1, 5), rng.randint(0, 3), 4, 40, 0, None
     glob = [rng.randint(5, 300) for _ in range(12)]
     for step in range(steps):
@@ -143,22 +150,7 @@ def test_steady_non_causal_blocks_equal_brute_force(seed, monkeypatch):
             q = rng.choice([3, 4, 5])  # another block size
         glob = [g + rng.randint(1, q) for g in glob]  # accepted drafts move every length
         q_lens = [q] * live + [0] * pad
-        qsl = [0]
-        for n in q_lens:
-            qsl.append(qsl[-1] + n)
-        seq = glob[: len(q_lens)]
-        local = [_local(g, dcp, rank, inter) for g in seq]
-        qsl_t = torch.tensor(qsl, dtype=torch.int32)
-        cm = CommonAttentionMetadata(
-            query_start_loc=qsl_t.clone(), query_start_loc_cpu=qsl_t,
-            seq_lens=torch.tensor(seq, dtype=torch.int32), num_reqs=len(q_lens),
-            num_actual_tokens=qsl[-1], max_query_len=q, max_seq_len=max(seq),
-            block_table_tensor=torch.zeros(len(q_lens), 32, dtype=torch.int32),
-            slot_mapping=torch.zeros(qsl[-1], dtype=torch.int64),
-            dcp_local_seq_lens=torch.tensor(local, dtype=torch.int32) if dcp > 1 else None,
-            seq_lens_cpu=torch.tensor(seq, dtype=torch.int32),
-            dcp_local_seq_lens_cpu=torch.tensor(local, dtype=torch.int32) if dcp > 1 else None,
-            causal=False)
+        cm, qsl, seq, local = _metadata(q_lens, glob, 0, dcp, rank, inter, False)
         decode = b.build(0, cm).decode
         want_out = [local[t // q] if t < live * q else 0 for t in range(decode.num_decode_tokens)]
         assert decode.row_seq_lens.tolist() == want_out, (step, q_lens)
