@@ -350,7 +350,7 @@ class MLACommonMetadataBuilder:
             uniform_rows=geo.uniform_rows)
         row_host = self._row_seq_lens_host(cm, num_decodes, num_decode_tokens, geo.qsl_np,
                                            geo.multi, seq_lens_host, geo.query_lens,
-                                           geo.plain_rows)
+                                           geo.plain_rows, geo.uniform_rows)
         return MLACommonDecodeMetadata(
             block_table=self._alias(cm.block_table_tensor, num_decodes),
             seq_lens=seq_lens, dcp_tot_seq_lens=tot, query_start_loc=qsl_dev,
@@ -510,13 +510,28 @@ class MLACommonMetadataBuilder:
                            qsl_cpu: np.ndarray, causal: bool,
                            seq_lens_host: np.ndarray,
                            query_lens: np.ndarray | None = None,
-                           plain_rows: int | None = None) -> torch.Tensor:
+                           plain_rows: int | None = None,
+                           uniform_rows: tuple[int, int] | None = None) -> torch.Tensor:
         """Host twin of row_seq_lens for host planners, from host twins only (numpy: this runs
         on the host every step)."""
         n, r, inter = self.dcp_world_size, self.dcp_rank, self.dcp_interleave
         out = np.zeros(num_tokens, dtype=np.int32)
         if num_decodes == 0:
             return torch.from_numpy(out)
+        if uniform_rows is not None:
+            # Uniform Q-token blocks (a DSpark step's verify and draft groups): one broadcast
+            # instead of the general path's repeat / gather / offset arrays (the same rule as
+            # _row_seq_lens' shortcut: causal rows need no DCP, non-causal ones the local twin).
+            live, q = uniform_rows
+            rows = out[: live * q].reshape(live, q)
+            if causal and n == 1:
+                rows[:] = seq_lens_host[:live, None] - np.arange(q - 1, -1, -1)
+                return torch.from_numpy(out)
+            if not causal and (n == 1 or cm.dcp_local_seq_lens_cpu is not None):
+                lens = (seq_lens_host if n == 1
+                        else cm.dcp_local_seq_lens_cpu[:num_decodes].numpy())
+                rows[:] = lens[:live, None]
+                return torch.from_numpy(out)
         qsl = qsl_cpu[: num_decodes + 1]
         live = int(qsl[-1])
         glob = seq_lens_host[:num_decodes]
