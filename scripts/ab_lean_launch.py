@@ -14,7 +14,13 @@ import argparse
 import json
 import statistics
 
-from vllm.benchmarks.spec_policy import VARIANTS, SpecPolicyCase, run_case
+from vllm.benchmarks.spec_policy import (
+    VARIANTS,
+    SpecPolicyCase,
+    add_engine_args,
+    engine_kwargs,
+    run_case,
+)
 from vllm.utils.triton_launch import launch_counts, set_lean_launches
 
 
@@ -27,10 +33,7 @@ def run(args) -> dict:
             for batch in args.batch_sizes:
                 for variant in args.variants:
                     case = SpecPolicyCase(variant, batch, output_len=args.output_len,
-                                          warmup_steps=args.warmup_steps, device=args.device,
-                                          dtype=args.dtype,
-                                          attention_backend=args.attention_backend,
-                                          enforce_eager=args.enforce_eager)
+                                          warmup_steps=args.warmup_steps, **engine_kwargs(args))
                     result = run_case(case)["tok_s"]
                     if rnd >= args.warmup_rounds:
                         tok_s.setdefault((lean, batch, variant), []).append(result)
@@ -60,10 +63,7 @@ def main() -> None:
     parser.add_argument("--warmup-rounds", type=int, default=1)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--warmup-steps", type=int, default=32)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--attention-backend", default="FLASHINFER_MLA")
-    parser.add_argument("--enforce-eager", action="store_true")
+    add_engine_args(parser)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if len(args.variants) < 2:

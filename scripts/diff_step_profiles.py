@@ -16,7 +16,13 @@ import cProfile
 import pstats
 
 from vllm.benchmarks.host_stub import stub_forward
-from vllm.benchmarks.spec_policy import VARIANTS, SpecPolicyCase, build_engine
+from vllm.benchmarks.spec_policy import (
+    VARIANTS,
+    SpecPolicyCase,
+    add_engine_args,
+    build_engine,
+    engine_kwargs,
+)
 
 # "auto-nopay" without re-probes (as scripts/trace_policy_steps.py --interleaved adds it)
 NOPROBE = "auto-nopay-noprobe"
@@ -91,10 +97,7 @@ def main() -> None:
     parser.add_argument("--callers", default=None, metavar="TEXT",
                         help="also tabulate, call site by call site, the functions whose name "
                              "contains TEXT (e.g. copy_): which caller's calls differ")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--attention-backend", default="FLASHINFER_MLA")
-    parser.add_argument("--enforce-eager", action="store_true")
+    add_engine_args(parser)
     parser.add_argument("--stub-forward", action="store_true",
                         help="replace the model forward by fixed outputs (host work only; for "
                              "engines that do not draft: none, never, auto-nopay-noprobe after "
@@ -111,9 +114,7 @@ def main() -> None:
             extra["cost_model_config"] = (("probe_interval", 10 ** 6),
                                           ("max_probe_interval", 10 ** 6))
         case = SpecPolicyCase(variant, args.batch, output_len=output_len,
-                              warmup_steps=args.warmup_steps, device=args.device,
-                              dtype=args.dtype, attention_backend=args.attention_backend,
-                              enforce_eager=args.enforce_eager,
+                              warmup_steps=args.warmup_steps, **engine_kwargs(args),
                               async_scheduling=None if args.scheduling == "default" else False,
                               prompt_stagger=args.prompt_stagger,
                               # all engines are alive at once: 1 GiB of KV cache each on a GPU

@@ -22,7 +22,13 @@ import json
 import statistics
 import time
 
-from vllm.benchmarks.spec_policy import VARIANTS, SpecPolicyCase, build_engine
+from vllm.benchmarks.spec_policy import (
+    VARIANTS,
+    SpecPolicyCase,
+    add_engine_args,
+    build_engine,
+    engine_kwargs,
+)
 
 
 def _hook(engine, log: list, record_policy: bool = True) -> None:
@@ -262,10 +268,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--warmup-steps", type=int, default=32)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--attention-backend", default="FLASHINFER_MLA")
-    parser.add_argument("--enforce-eager", action="store_true")
+    add_engine_args(parser)
     parser.add_argument("--freeze-gc", action="store_true",
                         help="gc.freeze the start-up heap after the build, as the API server "
                              "does (an A/B)")
@@ -305,9 +308,7 @@ def main() -> None:
                         extra["defer_context_kv"] = True
                     cases[name] = SpecPolicyCase(
                         variant, batch, output_len=args.output_len,
-                        warmup_steps=args.warmup_steps, device=args.device, dtype=args.dtype,
-                        attention_backend=args.attention_backend,
-                        enforce_eager=args.enforce_eager,
+                        warmup_steps=args.warmup_steps, **engine_kwargs(args),
                         async_scheduling=None if args.scheduling == "default" else False,
                         prompt_stagger=stagger, **extra)
                 result = trace_interleaved(cases)
@@ -326,8 +327,7 @@ def main() -> None:
             for variant in args.variants:
                 case = SpecPolicyCase(
                     variant, batch, output_len=args.output_len, warmup_steps=args.warmup_steps,
-                    device=args.device, dtype=args.dtype,
-                    attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+                    **engine_kwargs(args),
                     async_scheduling=None if args.scheduling == "default" else False,
                     prompt_stagger=args.prompt_stagger[0])
                 results.append(trace(case, args.freeze_gc))

@@ -24,7 +24,14 @@ import argparse
 import json
 import os
 
-from vllm.benchmarks.spec_policy import VARIANTS, SpecPolicyCase, paired_ratio, run_rounds
+from vllm.benchmarks.spec_policy import (
+    VARIANTS,
+    SpecPolicyCase,
+    add_engine_args,
+    engine_kwargs,
+    paired_ratio,
+    run_rounds,
+)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -47,10 +54,7 @@ def main() -> None:
                              "ratios to 'none' pair runs of the same round (geometric mean)")
     parser.add_argument("--warmup-rounds", type=int, default=1,
                         help="rounds run first and dropped (one-time costs of the first engines)")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--attention-backend", default="FLASHINFER_MLA")
-    parser.add_argument("--enforce-eager", action="store_true")
+    add_engine_args(parser)
     parser.add_argument("--scheduling", choices=("default", "sync"), default="default",
                         help="default: every engine schedules as the engine does by default "
                              "(plain decoding and DFlash/DSpark under a policy async, drafting "
@@ -69,8 +73,7 @@ def main() -> None:
             warmup_steps=args.warmup_steps, method=args.method,
             num_spec_tokens=args.num_spec_tokens, model=args.model,
             draft_model=args.draft_model, forced_acceptance=args.forced_acceptance,
-            device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
-            enforce_eager=args.enforce_eager,
+            **engine_kwargs(args),
             async_scheduling=None if args.scheduling == "default" else False)
             for variant in ["none"] + [v for v in args.variants if v != "none"]}
         runs = run_rounds(cases, args.repeats, warmup_rounds=args.warmup_rounds)

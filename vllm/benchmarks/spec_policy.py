@@ -82,6 +82,22 @@ class SpecPolicyCase:
                              f"{self.output_len}: nothing would be timed")
 
 
+def add_engine_args(parser) -> None:
+    """The engine options every policy tool takes (GPU defaults): --device, --dtype,
+    --attention-backend, --enforce-eager; `engine_kwargs(args)` turns them into
+    SpecPolicyCase fields."""
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--attention-backend", default="FLASHINFER_MLA")
+    parser.add_argument("--enforce-eager", action="store_true")
+
+
+def engine_kwargs(args) -> dict:
+    """SpecPolicyCase fields from the options add_engine_args declared."""
+    return dict(device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
+                enforce_eager=args.enforce_eager)
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         import torch
