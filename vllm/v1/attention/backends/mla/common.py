@@ -122,8 +122,9 @@ class _BatchGeometry:
     multi: bool               # causal multi-token decode rows
     plain_rows: int | None    # live rows of a plain (one token per row) decode, else None
     decode_qsl_cpu: torch.Tensor  # [num_decodes+1] int32
-    # (live rows, Q) when every live decode row has the same Q > 1 tokens (verify and draft
-    # blocks), the live rows first and only empty padding rows after them, else None
+    # (live rows, Q) when every live decode row has the same Q tokens (plain decode: Q = 1;
+    # verify and draft blocks: Q = 1 + k), the live rows first and only empty padding rows
+    # after them, else None
     uniform_rows: tuple[int, int] | None = None
 
 
@@ -249,14 +250,15 @@ class MLACommonMetadataBuilder:
         num_prefill_tokens = int(qsl_np[num_decodes + num_prefills]) - int(qsl_np[num_decodes])
         max_query_len = int(query_lens[:num_decodes].max()) if num_decodes else 0
         multi = causal and max_query_len > 1
+        uniform = self._uniform_rows(qsl_np, max_query_len, num_decodes)
         geo = _BatchGeometry(
             key=key, qsl_np=qsl_np, query_lens=query_lens, causal=causal,
             num_decodes=num_decodes, num_prefills=num_prefills,
             num_decode_tokens=num_decode_tokens, num_prefill_tokens=num_prefill_tokens,
             max_query_len=max_query_len, multi=multi,
-            plain_rows=self._plain_rows(qsl_np, max_query_len, num_decodes, multi),
+            plain_rows=uniform[0] if uniform is not None and uniform[1] == 1 else None,
             decode_qsl_cpu=torch.from_numpy(qsl_np[: num_decodes + 1].astype(np.int32)),
-            uniform_rows=self._uniform_rows(qsl_np, max_query_len, num_decodes))
+            uniform_rows=uniform)
         # kept only without prefill rows: the prefill path gets fresh arrays every step
         self._held_geometry = geo if num_prefills == 0 else None
         return geo
@@ -346,7 +348,7 @@ class MLACommonMetadataBuilder:
             seq_lens, tot, max_seq_len = global_lens, None, cm.max_seq_len
         qsl_dev = self._alias(cm.query_start_loc, num_decodes + 1)
         row_seq_lens, row_req, row_pos = self._row_seq_lens(
-            cm, num_decodes, num_decode_tokens, geo.multi, seq_lens, plain_rows=geo.plain_rows,
+            cm, num_decodes, num_decode_tokens, geo.multi, seq_lens,
             uniform_rows=geo.uniform_rows)
         row_host = self._row_seq_lens_host(cm, num_decodes, num_decode_tokens, geo.qsl_np,
                                            geo.multi, seq_lens_host, geo.query_lens,
@@ -366,24 +368,12 @@ class MLACommonMetadataBuilder:
             cudagraph=bool(cm.cudagraph))
 
     @staticmethod
-    def _plain_rows(qsl_cpu: np.ndarray, max_query_len: int, num_decodes: int,
-                    multi: bool) -> int | None:
-        """The number of live rows when the decode rows are plain: one token per live row, the
-        live rows first (token i is row i), then only zero-length padding rows. None otherwise.
-        (Query lengths of 0/1 step qsl by at most one, so qsl[live] == live holds exactly when
-        the first `live` rows are the live ones.)"""
-        if multi or num_decodes == 0 or max_query_len > 1:
-            return None
-        live = int(qsl_cpu[num_decodes])
-        return live if live > 0 and int(qsl_cpu[live]) == live else None
-
-    @staticmethod
     def _uniform_rows(qsl_np: np.ndarray, max_query_len: int,
                       num_decodes: int) -> tuple[int, int] | None:
-        """(live rows, Q) when the decode rows are uniform blocks of Q > 1 tokens: the first
+        """(live rows, Q) when the decode rows are uniform blocks of Q >= 1 tokens: the first
         `live` rows Q tokens each, then only zero-length padding rows. None otherwise."""
         q = int(max_query_len)
-        if q <= 1 or num_decodes == 0:
+        if q < 1 or num_decodes == 0:
             return None
         total = int(qsl_np[num_decodes])
         live = total // q
@@ -396,7 +386,6 @@ class MLACommonMetadataBuilder:
 
     def _row_seq_lens(self, cm: CommonAttentionMetadata, num_decodes: int,
                       num_tokens: int, causal: bool, local_seq_lens: torch.Tensor,
-                      plain_rows: int | None = None,
                       uniform_rows: tuple[int, int] | None = None):
         """Visible KV count on this rank for every decode query row (device, int32), plus the
         request and in-block index of every row; written into persistent buffers, no host sync.
@@ -415,43 +404,34 @@ class MLACommonMetadataBuilder:
         out, req_buf, pos_buf = self._row_views(num_tokens, device)
         if num_decodes == 0 or num_tokens == 0:
             out.zero_()
-            self._row_plain_key = self._row_uniform_key = None
+            self._row_layout_key = None
             return out, req_buf, pos_buf
-        # Plain rows with the layout of the last write (steady Q=1 decode): req, pos and the
-        # zero tail of the padding tokens are still in the buffers, so only the live rows'
-        # lengths move, in one copy (a Triton launch costs the host several times that).
+        # Uniform rows with the layout of the last write (live blocks of Q tokens first, then
+        # only empty padding rows; steady plain decode: Q = 1, a DSpark step's verify and draft
+        # groups: Q = 1 + k): req, pos and the zero tail of the padding tokens are still in the
+        # buffers, so only the live rows' lengths move, in one torch op (a Triton launch costs
+        # the host several times that: docs/performance.md, fourteenth and twentieth
+        # sessions). A one-token row and every row of a non-causal block see the request's
+        # whole rank-local length; row j of a causal block sees G - (Q-1-j) global positions,
+        # a length on this rank only without DCP (under DCP causal blocks take the kernel).
         key = None
-        if plain_rows is not None:
-            key = (num_decodes, num_tokens, plain_rows, out.data_ptr())
-            if getattr(self, "_row_plain_key", None) == key:
-                live = self._row_plain_live
-                live.copy_(local_seq_lens[:plain_rows] if local_seq_lens.shape[0] != plain_rows
-                           else local_seq_lens)
-                return out, req_buf, pos_buf
-        # Uniform blocks of Q > 1 rows with the layout of the last write (steady verify and
-        # draft steps): likewise only the live rows' lengths move. A row of a non-causal block
-        # sees its request's whole (rank-local) length; row j of a causal block sees
-        # G - (Q-1-j) global positions, which is a length on this rank only without DCP
-        # (under DCP causal blocks take the kernel). One torch op instead of a Triton launch,
-        # twice in every DSpark step (its verify and draft groups; docs/performance.md,
-        # twentieth session).
-        ukey = None
-        if (uniform_rows is not None and (not causal or self.dcp_world_size == 1)
-                and local_seq_lens.dtype == out.dtype):
+        if uniform_rows is not None and (not causal or (
+                self.dcp_world_size == 1 and local_seq_lens.dtype == out.dtype)):
             live, q = uniform_rows
-            ukey = (num_decodes, num_tokens, live, q, causal, out.data_ptr())
-            if getattr(self, "_row_uniform_key", None) == ukey:
-                view, offsets = self._row_uniform_view
-                lens = (local_seq_lens if local_seq_lens.shape[0] == live
-                        else local_seq_lens[:live]).unsqueeze(1)
-                if causal:
-                    torch.sub(lens, offsets, out=view)
+            key = (num_decodes, num_tokens, live, q, causal, out.data_ptr())
+            if getattr(self, "_row_layout_key", None) == key:
+                view, offsets = self._row_layout_view
+                lens = local_seq_lens if local_seq_lens.shape[0] == live else local_seq_lens[:live]
+                if q == 1:
+                    view.copy_(lens)
+                elif causal:
+                    torch.sub(lens.unsqueeze(1), offsets, out=view)
                 else:
-                    view.copy_(lens.expand(live, q))
+                    view.copy_(lens.unsqueeze(1).expand(live, q))
                 return out, req_buf, pos_buf
-        # Any other write leaves the buffers in another layout: the shortcuts wait for the
-        # next step of theirs written in full.
-        self._row_plain_key = self._row_uniform_key = None
+        # Any other write leaves the buffers in another layout: the shortcut waits for the next
+        # step written in full.
+        self._row_layout_key = None
         if device.type == "cuda" and HAS_TRITON:
             # One launch instead of the dozen below (the decode step is host-bound).
             row_seq_lens_triton(out, req_buf, pos_buf, cm.query_start_loc, local_seq_lens,
@@ -461,14 +441,15 @@ class MLACommonMetadataBuilder:
             self._row_seq_lens_torch(cm, num_decodes, num_tokens, causal, local_seq_lens, out,
                                      req_buf, pos_buf)
         if key is not None:
-            self._row_plain_live = out[:plain_rows] if plain_rows != num_tokens else out
-            self._row_plain_key = key
-        if ukey is not None:
             live, q = uniform_rows
             with torch.inference_mode(False):  # kept across builds in and out of inference mode
-                offsets = torch.arange(q - 1, -1, -1, dtype=out.dtype, device=device)
-                self._row_uniform_view = (out[: live * q].view(live, q), offsets)
-            self._row_uniform_key = ukey
+                if q == 1:
+                    view, offsets = (out[:live] if live != num_tokens else out), None
+                else:
+                    view = out[: live * q].view(live, q)
+                    offsets = torch.arange(q - 1, -1, -1, dtype=out.dtype, device=device)
+            self._row_layout_view = (view, offsets)
+            self._row_layout_key = key
         return out, req_buf, pos_buf
 
     def _row_views(self, num_tokens: int, device: torch.device):
@@ -536,7 +517,7 @@ class MLACommonMetadataBuilder:
         live = int(qsl[-1])
         glob = seq_lens_host[:num_decodes]
         if plain_rows is not None and not causal:
-            # plain rows (MLACommonMetadataBuilder._plain_rows): token i is row i for i < live,
+            # plain rows (uniform rows of one token, _uniform_rows): token i is row i for i < live,
             # the rest are padding rows
             num_decodes = live = plain_rows
             g = glob = glob[:live]
