@@ -76,11 +76,14 @@ def test_fixed_kv_size_wins_and_planned_bytes_sum_the_measured_parts():
     assert "fixed by num_gpu_blocks_override" in p.kv_line()
     assert p.planned_bytes is None  # initialize_kv_cache has not run
     p.kv_cache_bytes, p.graph_buffer_bytes, p.runner_buffer_bytes = 5 * GIB, GIB // 4, GIB // 8
-    assert p.planned_bytes == 20 * GIB + GIB // 8 + 5 * GIB + 3 * GIB + GIB // 4
+    p.first_step_cache_bytes = 32 << 20  # a cuBLAS workspace the profile step left
+    assert p.static_bytes == 20 * GIB + GIB // 8 + (32 << 20) + 5 * GIB + GIB // 4
+    assert p.planned_bytes == p.static_bytes + 3 * GIB
 
 
 def test_log_writes_the_upstream_start_up_lines(caplog):
     p = _profile(load_seconds=1.5, kv_cache_bytes=10 * GIB, num_blocks=1000,
+                 first_step_cache_bytes=32 << 20,
                  graph_buffer_bytes=GIB // 2, graph_capture_seconds=3.0,
                  graph_capture_bytes=GIB // 4, num_graphs=5)
     with caplog.at_level(logging.INFO, logger=mp.__name__):
@@ -88,6 +91,7 @@ def test_log_writes_the_upstream_start_up_lines(caplog):
     text = caplog.text
     for needle in ("Model loading took 20.0000 GiB and 1.50 seconds", "Memory profiling takes",
                    "torch peak memory increase: 3.00GiB", "8192-token step",
+                   "first-step caches 0.03GiB",
                    f"Available KV cache memory: {p.kv_budget_bytes / GIB:.2f} GiB",
                    "KV cache: 1000 blocks, 10.00 GiB",
                    "Graph capturing finished in 3 secs, took 0.25 GiB"):

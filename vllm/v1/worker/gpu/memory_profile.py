@@ -58,6 +58,11 @@ class MemoryProfile:
     # Torch allocation once the profile is over (weights + persistent runner buffers + any
     # cache a first step creates for good).
     torch_in_use_bytes: int = 0
+    # What the profile run left allocated for good: the caches a process's first forward
+    # creates and keeps (cuBLAS / cuBLASLt per-stream workspaces, 32 MiB a stream on Hopper,
+    # allocated through torch's allocator). Zero when an earlier engine in this process
+    # already made them.
+    first_step_cache_bytes: int = 0
     # Non-torch device memory the process grew since the worker started (library workspaces,
     # NCCL buffers), after the profile.
     non_torch_bytes: int = 0
@@ -140,8 +145,16 @@ class MemoryProfile:
         plan (allocated bytes, the measure of torch.cuda.max_memory_allocated)."""
         if self.kv_cache_bytes is None or self.graph_buffer_bytes is None:
             return None
-        return int(self.weights_bytes + self.runner_buffer_bytes + self.kv_cache_bytes
-                   + self.activation_peak_bytes + self.graph_buffer_bytes)
+        return int(self.static_bytes + self.activation_peak_bytes)
+
+    @property
+    def static_bytes(self) -> int | None:
+        """What the process holds between steps by this plan: weights + runner buffers +
+        first-step caches + KV + graphs/buffers (None until initialize_kv_cache ran)."""
+        if self.kv_cache_bytes is None or self.graph_buffer_bytes is None:
+            return None
+        return int(self.weights_bytes + self.runner_buffer_bytes + self.first_step_cache_bytes
+                   + self.kv_cache_bytes + self.graph_buffer_bytes)
 
     # ------------------------------------------------------------------------ logging
     def profile_line(self) -> str:
@@ -151,7 +164,9 @@ class MemoryProfile:
                 f"{self.profile_tokens}-token step after {self.profile_context_tokens} context "
                 f"tokens, {self.profile_logit_rows} logit rows); non-torch forward increase "
                 f"memory: {_gib(self.non_torch_bytes)}GiB; weights memory: "
-                f"{_gib(self.weights_bytes)}GiB; CUDA graph + runner buffer estimate: "
+                f"{_gib(self.weights_bytes)}GiB; first-step caches "
+                f"{_gib(self.first_step_cache_bytes)}GiB (cuBLAS workspaces); CUDA graph + "
+                f"runner buffer estimate: "
                 f"{_gib(self.graph_buffer_estimate_bytes)}GiB")
 
     def kv_line(self) -> str:

@@ -138,13 +138,14 @@ class Worker:
         profile = self.memory_profile
         if profile is None:
             raise RuntimeError("profile_memory() runs on a GPU worker after load_model()")
-        # Memory cached by an earlier engine in this process would otherwise count as used.
-        gc.collect()
-        torch.cuda.empty_cache()
+        # Memory cached by an earlier engine in this process would otherwise count as used
+        # (read() collects and empties the cache first).
+        before = DeviceMemory.read(self.device).allocated
         run = self.model_runner.profile_run(estimate_graphs=fixed is None)
         after = DeviceMemory.read(self.device)
         baseline = self._init_memory.non_torch if self._init_memory is not None else 0
         profile.torch_in_use_bytes = after.allocated
+        profile.first_step_cache_bytes = max(0, after.allocated - before)
         profile.non_torch_bytes = max(0, after.non_torch - baseline)
         profile.free_bytes = after.free
         profile.activation_peak_bytes = run.activation_peak_bytes
