@@ -313,8 +313,10 @@ class AsyncLLM:
         self.metrics.record_iteration(int(getattr(self.engine, "last_iteration_tokens", 0) or 0))
         take_errors = getattr(self.engine, "take_request_errors", None)
         errors = take_errors() if take_errors is not None else {}
-        self._dispatch(outputs, time.perf_counter(), errors)
+        # Snapshot first: a client that got its last token and reads /metrics right away must
+        # see the step that made it (its blocks freed), not the one before.
         self._refresh_snapshot()
+        self._dispatch(outputs, time.perf_counter(), errors)
 
     def _handle_commands(self, block: bool) -> None:
         changed = False
