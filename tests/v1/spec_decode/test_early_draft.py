@@ -15,9 +15,13 @@ from vllm.v1.worker.gpu.spec_decode.early_draft import ENV_FLAG, EarlyDraftTuner
 PROMPTS = [[(7 * i + 13 * j) % 200 + 20 for j in range(10 + 7 * i)] for i in range(3)]
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+# Enough verify steps for the tuner's trial in one batch bucket (3 late + 3 early + after),
+# however well the shipped drafter drafts.
+LONG = SamplingParams(temperature=0.0, max_tokens=3 * MAX_TOKENS, ignore_eos=True)
 
 
-def generate(method: str | None, mode: str, monkeypatch, trace: dict | None = None):
+def generate(method: str | None, mode: str, monkeypatch, trace: dict | None = None,
+             params: SamplingParams = GREEDY):
     monkeypatch.setenv(ENV_FLAG, mode)
     spec = None if method is None else {"method": method, "num_speculative_tokens": 4}
     with LLM(device="cpu", max_model_len=128, max_num_seqs=4, speculative_config=spec) as llm:
@@ -49,7 +53,7 @@ def generate(method: str | None, mode: str, monkeypatch, trace: dict | None = No
                 return inner_propose(inputs)
 
             speculator.prepare_early, speculator.propose = prepare_early, propose
-        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
         counts = (None if speculator is None
                   else (speculator.early_refreshes, speculator.early_rebuilds))
     return [list(o.outputs[0].token_ids) for o in outputs], accepted_per_step, counts
@@ -148,7 +152,7 @@ def test_the_tuner_judges_each_batch_bucket_alone_and_again_after_recheck_steps(
         EarlyDraftTuner(trial_steps=1)
 
 
-def test_the_runner_times_eligible_steps_for_the_tuner_and_follows_it(plain, monkeypatch):
+def test_the_runner_times_eligible_steps_for_the_tuner_and_follows_it(monkeypatch):
     """On the CPU "auto" is never eligible, so mode "1" with a tuner attached drives the same
     runner path: eligible steps are timed and reported with the path they took, the decision
     is followed (no early preparation once it says late), and greedy output is unchanged."""
@@ -172,8 +176,9 @@ def test_the_runner_times_eligible_steps_for_the_tuner_and_follows_it(plain, mon
         tuner.observe, speculator.prepare_early = observe, prepare_early
         # the decision after the trial: late, whatever the CPU timings say
         tuner.min_gain = 0.999
-        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outputs] == plain
+        outputs = llm.generate(PROMPTS, LONG, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == generate(None, "0", monkeypatch,
+                                                                       params=LONG)[0]
     assert seen and all(s > 0 for _, _, s in seen)
     # Per batch bucket: 3 late steps, 3 early ones, then late (the decision) from then on.
     by_bucket = {}
