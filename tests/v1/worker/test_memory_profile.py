@@ -164,6 +164,27 @@ def test_fixed_options_still_profile_without_graphs(monkeypatch, caplog):
     assert worker.memory_profile.fixed_kv_source == "kv_cache_memory_bytes"
 
 
+def test_worker_records_what_the_profile_step_kept(monkeypatch, caplog):
+    """Allocation after the profile run minus before it (a cuBLAS workspace on the GPU) is the
+    plan's first-step caches: logged, and part of what the process holds between steps."""
+    worker, _ = _gpu_worker(monkeypatch, CacheConfig(block_size=16), free=68 * GIB,
+                            allocated=11 * GIB)
+    readings = iter([11 * GIB, 11 * GIB + (32 << 20)])  # before the profile run, after it
+
+    def read(cls, *args, **kwargs):
+        allocated = next(readings)
+        return mp.DeviceMemory(free=68 * GIB, total=80 * GIB, allocated=allocated,
+                               reserved=allocated)
+
+    monkeypatch.setattr(mp.DeviceMemory, "read", classmethod(read))
+    with caplog.at_level(logging.INFO):
+        worker.determine_num_available_blocks()
+    plan = worker.memory_profile
+    assert plan.first_step_cache_bytes == 32 << 20
+    assert plan.torch_in_use_bytes == 11 * GIB + (32 << 20)
+    assert "first-step caches 0.03GiB" in caplog.text
+
+
 def test_worker_raises_the_budget_error(monkeypatch):
     worker, _ = _gpu_worker(monkeypatch, CacheConfig(block_size=16, gpu_memory_utilization=0.15),
                             free=68 * GIB, allocated=11 * GIB)
