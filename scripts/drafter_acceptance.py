@@ -49,8 +49,7 @@ def main(argv=None) -> int:
         draft_cfg["block_size"] = args.block_size
     if args.output_len <= draft_cfg["block_size"] + 1:
         raise SystemExit(f"--output-len {args.output_len} must exceed block size + 1")
-    target_p = tiny.load_shipped_weights({"target": configs["target"], **{
-        n: configs[n] for n in ("eagle", "mtp", "dflash", "dspark")}})["target"]
+    target_p = tiny.load_shipped_weights(configs)["target"]
     prompts = {"bench": da.benchmark_prompts, "textwrap": da.textwrap_prompts}
     rows = []
     print("| drafter | prompts | every anchor | engine walk: tok/step (min..max) | "

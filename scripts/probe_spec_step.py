@@ -34,6 +34,7 @@ import statistics
 import time
 from collections import defaultdict
 
+from vllm.benchmarks.datasets import spec_bench_prompt
 from vllm.benchmarks.spec_step_kinds import StepKinds, set_probe_interval
 
 MODES = {"plain": None, "nodraft": 1, "draft": "always", "nopay": "auto"}
@@ -197,8 +198,7 @@ def probe(mode: str, batch: int, args) -> dict:
         total = (args.steps + args.warmup + args.count_ops) * (args.k + 1) + 8
         params = SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True)
         for i in range(batch):
-            engine.add_request(f"r{i}", [(7 * i + 13 * j) % 200 + 20 for j in range(args.context)],
-                               params)
+            engine.add_request(f"r{i}", spec_bench_prompt(i, args.context), params)
         for _ in range(args.warmup):
             engine.step()
         if mode == "nopay" and args.probe_interval:

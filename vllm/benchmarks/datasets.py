@@ -44,3 +44,10 @@ def random_text_prompts(num_prompts: int, input_len: int, seed: int = 0) -> list
             text = f"{text} {word}" if text else word
         prompts.append(text[:input_len])
     return prompts
+
+
+def spec_bench_prompt(i: int, length: int) -> list[int]:
+    """Request i's prompt in the speculative-decoding benchmarks and probes (spec_policy,
+    spec_step_kinds, drafter_acceptance, probe_spec_step): `length` byte tokens of a stride-13
+    walk mod 200 (20..219), offset by request; deterministic, no tokenizer needed."""
+    return [(7 * i + 13 * j) % 200 + 20 for j in range(length)]

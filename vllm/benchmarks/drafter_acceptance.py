@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm.benchmarks.datasets import spec_bench_prompt
 from vllm.model_executor.models import tiny_train as tt
 
 
@@ -91,7 +92,7 @@ def dspark_acceptance(target_p: dict, target_cfg: dict, draft_p: dict, draft_cfg
 
 def benchmark_prompts(batch: int, context: int) -> torch.Tensor:
     """The prompts of vllm.benchmarks.spec_policy (request i, token j)."""
-    return torch.tensor([[(7 * i + 13 * j) % 200 + 20 for j in range(context)] for i in range(batch)])
+    return torch.tensor([spec_bench_prompt(i, context) for i in range(batch)])
 
 
 def textwrap_prompts(batch: int, context: int, stride: int = 1500) -> torch.Tensor:

@@ -13,6 +13,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from vllm.benchmarks.datasets import spec_bench_prompt
 from vllm.benchmarks.rounds import alternating_rounds
 from vllm.benchmarks.rounds import paired_ratio as paired_tok_ratio
 
@@ -169,8 +170,7 @@ def build_engine(case: SpecPolicyCase):
                 speculator.set_early_draft_mode(case.early_draft)
         params = SamplingParams(temperature=0.0, max_tokens=case.output_len, ignore_eos=True)
         for i in range(case.batch):
-            prompt = [(7 * i + 13 * j) % 200 + 20
-                      for j in range(case.context + i * case.prompt_stagger)]
+            prompt = spec_bench_prompt(i, case.context + i * case.prompt_stagger)
             engine.add_request(f"r{i}", prompt, params)
     except BaseException:
         engine.shutdown()

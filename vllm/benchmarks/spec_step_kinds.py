@@ -11,6 +11,9 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
+from vllm.benchmarks.datasets import spec_bench_prompt
+
+
 def set_probe_interval(cost_model, interval: int) -> None:
     """--probe-interval: the "auto" policy re-probes every `interval` steps (never backing off,
     no cost-based spacing), so that a short run times many probe steps."""
@@ -145,8 +148,7 @@ def measure_step_kinds(disable_by_batch_size, batch: int, *, steps: int = 120,
             model.acceptance_override = forced_acceptance
         params = SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True)
         for i in range(batch):
-            engine.add_request(f"r{i}", [(7 * i + 13 * j) % 200 + 20 for j in range(context)],
-                               params)
+            engine.add_request(f"r{i}", spec_bench_prompt(i, context), params)
         for _ in range(warmup):
             engine.step()
         if model is not None and probe_interval:

@@ -120,7 +120,6 @@ class _BatchGeometry:
     num_prefill_tokens: int
     max_query_len: int
     multi: bool               # causal multi-token decode rows
-    plain_rows: int | None    # live rows of a plain (one token per row) decode, else None
     decode_qsl_cpu: torch.Tensor  # [num_decodes+1] int32
     # (live rows, Q) when every live decode row has the same Q tokens (plain decode: Q = 1;
     # verify and draft blocks: Q = 1 + k), the live rows first and only empty padding rows
@@ -256,7 +255,6 @@ class MLACommonMetadataBuilder:
             num_decodes=num_decodes, num_prefills=num_prefills,
             num_decode_tokens=num_decode_tokens, num_prefill_tokens=num_prefill_tokens,
             max_query_len=max_query_len, multi=multi,
-            plain_rows=uniform[0] if uniform is not None and uniform[1] == 1 else None,
             decode_qsl_cpu=torch.from_numpy(qsl_np[: num_decodes + 1].astype(np.int32)),
             uniform_rows=uniform)
         # kept only without prefill rows: the prefill path gets fresh arrays every step
@@ -352,7 +350,7 @@ class MLACommonMetadataBuilder:
             uniform_rows=geo.uniform_rows)
         row_host = self._row_seq_lens_host(cm, num_decodes, num_decode_tokens, geo.qsl_np,
                                            geo.multi, seq_lens_host, geo.query_lens,
-                                           geo.plain_rows, geo.uniform_rows)
+                                           geo.uniform_rows)
         return MLACommonDecodeMetadata(
             block_table=self._alias(cm.block_table_tensor, num_decodes),
             seq_lens=seq_lens, dcp_tot_seq_lens=tot, query_start_loc=qsl_dev,
@@ -491,7 +489,6 @@ class MLACommonMetadataBuilder:
                            qsl_cpu: np.ndarray, causal: bool,
                            seq_lens_host: np.ndarray,
                            query_lens: np.ndarray | None = None,
-                           plain_rows: int | None = None,
                            uniform_rows: tuple[int, int] | None = None) -> torch.Tensor:
         """Host twin of row_seq_lens for host planners, from host twins only (numpy: this runs
         on the host every step)."""
@@ -499,43 +496,34 @@ class MLACommonMetadataBuilder:
         out = np.zeros(num_tokens, dtype=np.int32)
         if num_decodes == 0:
             return torch.from_numpy(out)
-        if uniform_rows is not None:
-            # Uniform Q-token blocks (a DSpark step's verify and draft groups): one broadcast
-            # instead of the general path's repeat / gather / offset arrays (the same rule as
-            # _row_seq_lens' shortcut: causal rows need no DCP, non-causal ones the local twin).
+        if uniform_rows is not None and (n == 1 or (
+                not causal and cm.dcp_local_seq_lens_cpu is not None)):
+            # Uniform Q-token blocks (plain decode: Q = 1; a DSpark step's verify and draft
+            # groups): one broadcast instead of the general path's repeat / gather / offset
+            # arrays (the rule of _row_seq_lens' shortcut: a causal block's row j sees
+            # G - (Q-1-j), without DCP only; every row of a one-token or non-causal block sees
+            # its request's rank-local length, under DCP from the local twin).
             live, q = uniform_rows
             rows = out[: live * q].reshape(live, q)
-            if causal and n == 1:
+            if causal:
                 rows[:] = seq_lens_host[:live, None] - np.arange(q - 1, -1, -1)
-                return torch.from_numpy(out)
-            if not causal and (n == 1 or cm.dcp_local_seq_lens_cpu is not None):
-                lens = (seq_lens_host if n == 1
-                        else cm.dcp_local_seq_lens_cpu[:num_decodes].numpy())
+            else:
+                lens = seq_lens_host if n == 1 else cm.dcp_local_seq_lens_cpu[:live].numpy()
                 rows[:] = lens[:live, None]
-                return torch.from_numpy(out)
+            return torch.from_numpy(out)
         qsl = qsl_cpu[: num_decodes + 1]
         live = int(qsl[-1])
         glob = seq_lens_host[:num_decodes]
-        if plain_rows is not None and not causal:
-            # plain rows (uniform rows of one token, _uniform_rows): token i is row i for i < live,
-            # the rest are padding rows
-            num_decodes = live = plain_rows
-            g = glob = glob[:live]
+        qlen = qsl[1:] - qsl[:-1] if query_lens is None else query_lens[:num_decodes]
+        req = np.repeat(np.arange(num_decodes), qlen)
+        if causal:
+            offset = qlen[req] - 1 - (np.arange(live) - qsl[req])
+            g = glob[req] - offset
         else:
-            qlen = qsl[1:] - qsl[:-1] if query_lens is None else query_lens[:num_decodes]
-            if not causal and live == num_decodes and qlen.max() <= 1:
-                g = glob  # one token per row (plain decode): row i is token i
-            else:
-                req = np.repeat(np.arange(num_decodes), qlen)
-                if causal:
-                    offset = qlen[req] - 1 - (np.arange(live) - qsl[req])
-                    g = glob[req] - offset
-                else:
-                    g = glob[req]
+            g = glob[req]
         if n > 1:
             if cm.dcp_local_seq_lens_cpu is not None and not causal:
-                local = cm.dcp_local_seq_lens_cpu[:num_decodes].numpy()
-                out[:live] = local if g is glob else local[req]
+                out[:live] = cm.dcp_local_seq_lens_cpu[:num_decodes].numpy()[req]
             else:
                 # the foundation's formula, on a zero-copy view of the host array
                 out[:live] = dcp_local_lengths(torch.from_numpy(g.astype(np.int64)), n, r,
