@@ -1,6 +1,8 @@
 """A/B of the block drafters' early draft step (early_draft.py) in one process: a DSpark engine
-drafting every step with the early path off ("0"), on ("auto-fixed") and as the default "auto"
-decides (its measured A/B, EarlyDraftTuner), and a plain engine, all
+drafting every step with the early path off ("0"), on ("auto-fixed", its plans lowered on the
+host after the wait), on with the plans lowered on the device and the draft step launched before
+the wait ("lowered": VLLM_EARLY_DRAFT_DEVICE_LOWERING=1 for that engine alone) and as the default
+"auto" decides (its measured A/B, EarlyDraftTuner), and a plain engine, all
 alive at once and stepped in turn in 16-step blocks (vllm.benchmarks.spec_policy.run_interleaved;
 the GPU node's process-to-process noise is larger than the effect).
 
@@ -11,7 +13,8 @@ overhead factor):
            --draft-model benchmarks/configs/deepseek_v3_tp8_rank_dspark --load-format dummy \
            --batch-sizes 1 32 --output-len 160
 Prints per batch size: tok/s of each engine, early / late and each over plain, and how many
-early steps were lowered in place (FlashInfer) or built again; greedy tokens are compared.
+early steps were lowered in place on the host (FlashInfer), built again, or launched before the
+wait; greedy tokens are compared.
 """
 from __future__ import annotations
 
@@ -35,8 +38,8 @@ def main() -> None:
                         help="prompt tokens (None: 64 for the tiny model, else 1024)")
     parser.add_argument("--num-spec-tokens", type=int, default=4)
     args = parser.parse_args()
-    print("B  engine        tok/s   x none  x late  early refreshed/rebuilt  greedy vs late/none  "
-          "AL")
+    print("B  engine        tok/s   x none  x late  early refreshed/rebuilt/launched  "
+          "greedy vs late/none  AL")
     for batch in args.batch_sizes:
         base = SpecPolicyCase(variant="always", batch=batch, output_len=args.output_len,
                               device=args.device, dtype=args.dtype,
@@ -47,16 +50,26 @@ def main() -> None:
         cases = {"none": dataclasses.replace(base, variant="none", async_scheduling=None),
                  "late": dataclasses.replace(base, early_draft="0"),
                  "early": dataclasses.replace(base, early_draft="auto-fixed"),
+                 "lowered": dataclasses.replace(base, early_draft="auto-fixed"),
                  "tuned": dataclasses.replace(base, early_draft="auto")}
         speculators = {}
-        result = run_interleaved(cases, on_warm=lambda name, engine: speculators.__setitem__(
-            name, engine.executor.worker.model_runner.speculator))
+
+        def on_warm(name, engine):
+            spec = speculators[name] = engine.executor.worker.model_runner.speculator
+            if spec is not None and name in ("early", "lowered"):
+                # "early": host lowering after the wait; "lowered": on the device before it,
+                # and the draft step launched right after (the flag's two settings, one
+                # process)
+                spec.device_lowering = name == "lowered"
+
+        result = run_interleaved(cases, on_warm=on_warm)
         none = result["none"]["tok_s"]
         for name in cases:
             r = result[name]
             spec = speculators.get(name)
             counts = ("-" if spec is None
-                      else f"{spec.early_refreshes}/{spec.early_rebuilds}")
+                      else f"{spec.early_refreshes}/{spec.early_rebuilds}/"
+                           f"{spec.early_launches}")
             same = ("-" if name == "none" else
                     ("same" if r["tokens"] == result["late"]["tokens"] else "DIFF")
                     + "/" + ("same" if r["tokens"] == result["none"]["tokens"] else "DIFF"))

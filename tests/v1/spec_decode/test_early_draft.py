@@ -55,7 +55,8 @@ def generate(method: str | None, mode: str, monkeypatch, trace: dict | None = No
             speculator.prepare_early, speculator.propose = prepare_early, propose
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
         counts = (None if speculator is None
-                  else (speculator.early_refreshes, speculator.early_rebuilds))
+                  else (speculator.early_refreshes, speculator.early_rebuilds,
+                        speculator.early_launches))
     return [list(o.outputs[0].token_ids) for o in outputs], accepted_per_step, counts
 
 
@@ -71,11 +72,13 @@ def plain():
 @pytest.mark.parametrize("method", ["dspark", "dflash"])
 def test_early_draft_steps_equal_the_late_ones(plain, method, monkeypatch):
     trace = {"prepared": [], "proposed": []}
-    tokens, accepted, (refreshes, rebuilds) = generate(method, "1", monkeypatch, trace)
+    tokens, accepted, (refreshes, rebuilds, launches) = generate(method, "1", monkeypatch,
+                                                                 trace)
     late_tokens, late_accepted, late_counts = generate(method, "0", monkeypatch)
     assert tokens == late_tokens == plain
     assert accepted == late_accepted  # the same drafts in every step
-    assert late_counts == (0, 0)
+    assert late_counts == (0, 0, 0)
+    assert launches == 0  # without device lowering the draft step waits for the host lengths
     # Every proposal that found an early draft step pairs with the prepare_early before it:
     # the device's new computed counts are the host's exact ones, the planners' bound above.
     early_steps = [exact for early, exact in trace["proposed"] if early]
@@ -96,7 +99,7 @@ def test_auto_leaves_eager_cpu_engines_alone(monkeypatch):
     in place (FlashInfer MLA); an eager CPU engine has neither."""
     trace = {"prepared": [], "proposed": []}
     tokens, _, counts = generate("dspark", "auto", monkeypatch, trace)
-    assert trace["prepared"] == [] and counts == (0, 0)
+    assert trace["prepared"] == [] and counts == (0, 0, 0)
     assert len(tokens) == len(PROMPTS)
 
 
@@ -201,6 +204,7 @@ def test_device_lowering_is_asked_with_the_all_rejected_bound_and_replaces_the_h
     stand-in that accepts stands in for FlashInfer's (its plans read the device lengths, which
     are exact, so the drafts must not change). Off by default."""
     from vllm.v1.attention.backends.mla.torch_mla import TorchMLAMetadataBuilder
+    from vllm.v1.worker.gpu.spec_decode.block_speculator import BlockSpeculator
     from vllm.v1.worker.gpu.spec_decode.early_draft import (DEVICE_LOWERING_FLAG,
                                                             device_lowering_enabled)
     monkeypatch.delenv(DEVICE_LOWERING_FLAG, raising=False)
@@ -213,12 +217,39 @@ def test_device_lowering_is_asked_with_the_all_rejected_bound_and_replaces_the_h
 
     monkeypatch.setattr(TorchMLAMetadataBuilder, "lower_decode_seq_lens_on_device",
                         lower_on_device, raising=False)
-    late_tokens, late_accepted, _ = generate("dspark", "0", monkeypatch)
     monkeypatch.setenv(DEVICE_LOWERING_FLAG, "1")
     trace = {"prepared": [], "proposed": []}
-    tokens, accepted, (refreshes, rebuilds) = generate("dspark", "1", monkeypatch, trace)
+    forwards, inside = [], [False]
+    inner_block_step, inner_prepare = BlockSpeculator._block_step, BlockSpeculator.prepare_early
+
+    def block_step(self, *args):
+        forwards.append(inside[0])  # True: a draft forward inside prepare_early
+        return inner_block_step(self, *args)
+
+    def prepare_early(self, *args, **kwargs):
+        inside[0] = True
+        try:
+            return inner_prepare(self, *args, **kwargs)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(BlockSpeculator, "_block_step", block_step)
+    monkeypatch.setattr(BlockSpeculator, "prepare_early", prepare_early)
+    late_tokens, late_accepted, _ = generate("dspark", "0", monkeypatch)
+    late_forwards = len(forwards)
+    forwards.clear()
+    tokens, accepted, (refreshes, rebuilds, launches) = generate("dspark", "1", monkeypatch,
+                                                                 trace)
+    # The same drafts in every step (the accepted counts), though each early draft step ran
+    # before the host had the step's output: it reads only device data.
     assert tokens == late_tokens == plain and accepted == late_accepted
     assert trace["prepared"] and refreshes == rebuilds == 0
+    # every lowered early step launched its draft step in prepare_early, and the proposal
+    # used those drafts (no second draft forward)
+    assert launches == len(trace["prepared"])
+    assert forwards.count(True) == launches
+    # ... and those proposals ran no second one: one draft forward per proposal, as late
+    assert len(forwards) == late_forwards
     block = 4  # the tiny DSpark drafter's block (tiny.py: block_size 4)
     # one call per prepared step: its lower bound of the new computed counts, + the block
     assert asked == [[lo + block for lo in lower] for _, _, lower in trace["prepared"]]

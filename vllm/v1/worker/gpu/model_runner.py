@@ -575,6 +575,12 @@ class GPUModelRunner:
         # every draft rejected: one token per row (the emitted one)
         spec.prepare_early(n, out, next_tokens, upper, batch.seq_lens_np[:n],
                            lower_num_computed_new=upper - (q - 1))
+        drafts = spec.launched_early_drafts()
+        if drafts is not None:
+            # The draft step was launched already (its plans lowered on the device): its drafts
+            # go to their slots now too, in stream order, so that after the wait the proposal
+            # is bookkeeping only (_propose).
+            self.requests.draft_tokens[batch.idx_mapping[:n]] = drafts
 
     def _copy_step_output(self, sampled: torch.Tensor, num_sampled: torch.Tensor, rows: int,
                           wait: bool = True):
@@ -829,6 +835,15 @@ class GPUModelRunner:
     def _propose(self, batch: InputBatch, hidden: torch.Tensor, aux_hidden, sample_rows,
                  num_computed_new: np.ndarray, out_tokens: list[list[int]]) -> list[list[int]]:
         num_reqs = batch.num_reqs
+        placeholder = [-1] * self.num_spec_tokens
+        drafts = self.speculator.consume_early_launch()
+        if drafts is not None:
+            # Launched before the wait and written to their slots (_prepare_draft_early):
+            # greedy drafts (no q), every row sampled (the early path's condition).
+            self._last_drafts = (batch.req_ids, drafts)
+            self._draft_probs = None
+            self._has_draft_probs[batch.idx_mapping_np[:num_reqs]] = False
+            return [placeholder] * num_reqs
         ncn = self._num_computed_new
         ncn.np[:num_reqs] = num_computed_new
         ncn.copy_to_gpu(num_reqs)
@@ -877,7 +892,6 @@ class GPUModelRunner:
         # Placeholders: the drafts stay on the device; the scheduler only needs their number
         # (it copies each list). An unfinished prefill chunk proposes nothing (its drafts are
         # never verified).
-        placeholder = [-1] * self.num_spec_tokens
         if all_sample:
             return [placeholder] * num_reqs
         return [placeholder if s else [] for s in samples.tolist()]

@@ -171,6 +171,11 @@ class BlockSpeculator(Speculator):
     early_refreshes = 0  # early metadata whose lengths were lowered in place
     early_rebuilds = 0   # early metadata built again from the exact lengths
     early_device_lowerings = 0  # early metadata lowered on the device before the wait
+    early_launches = 0  # of those, draft steps launched before the wait (prepare_early)
+    # Lower early plans on the device (and launch the draft step before the wait): None reads
+    # VLLM_EARLY_DRAFT_DEVICE_LOWERING; a bool decides for this speculator (an in-process A/B
+    # of engines alive at once, scripts/probe_early_draft.py).
+    device_lowering: bool | None = None
 
     def wants_early_draft(self) -> bool:
         """Whether prepare_early may run before the runner waits for a step's output
@@ -231,17 +236,46 @@ class BlockSpeculator(Speculator):
         attn_metadata = self._block_attn_metadata(num_reqs, padded, graph_size, target, upper,
                                                   slot_mappings)
         lowered = False
-        if lower_num_computed_new is not None and device_lowering_enabled():
+        lowering = self.device_lowering
+        if lowering is None:
+            lowering = device_lowering_enabled()
+        if lower_num_computed_new is not None and lowering:
             lower = np.minimum(np.asarray(lower_num_computed_new, dtype=np.int64)[:num_reqs] + q,
                                self.max_model_len)
             lowered = lower_attn_metadata_on_device(
                 attn_metadata_builders=self.attn_metadata_builders,
                 kv_cache_config=self.kv_cache_config, attn_metadata=attn_metadata,
                 lower_seq_lens_np=lower, group_ids=self.group_ids)
+        drafts = None
+        if lowered and self.draft_sample_method == "greedy" and not self.defers_context:
+            # Lowered on the device, the draft step needs nothing more from the host: launch
+            # it now, behind the verify step in stream order. After the wait the host then
+            # only does the step's bookkeeping, and this step's draft host work (the replay)
+            # runs while the host would otherwise wait for the verify step. Not with deferred
+            # context KV (the runner flushes the queued rows just before the draft pass) nor
+            # with probabilistic drafts (their sampling metadata comes with the proposal).
+            # The drafts are the same: the same device inputs, exact lengths on the device.
+            if graph_size is not None:
+                drafts = self.cudagraphs.replay(graph_size)[0][:num_reqs]
+            else:
+                drafts = self._block_step(attn_metadata, padded, anchors)[0]
         self._early = EarlyDraft(num_reqs=num_reqs, padded=padded, graph_size=graph_size,
                                  attn_metadata=attn_metadata, anchors=anchors,
                                  slot_mappings=slot_mappings, target_seq_lens=target,
-                                 lowered_on_device=lowered)
+                                 lowered_on_device=lowered, drafts=drafts)
+
+    def launched_early_drafts(self) -> torch.Tensor | None:
+        early = self.__dict__.get("_early")
+        return None if early is None else early.drafts
+
+    def consume_early_launch(self) -> torch.Tensor | None:
+        early = self.__dict__.get("_early")
+        if early is None or early.drafts is None:
+            return None
+        self._early = None
+        self.early_device_lowerings += 1
+        self.early_launches += 1
+        return early.drafts
 
     def _write_block(self, num_reqs: int, padded: int, accepted: torch.Tensor,
                      next_token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,6 +78,8 @@ class EarlyDraft:
     target_seq_lens: np.ndarray     # the verify step's lengths (the builders' upper bound)
     # every group's plan was lowered on the device before the wait (nothing left after it)
     lowered_on_device: bool = False
+    # the drafts of a draft step launched right after that lowering (prepare_early), or None
+    drafts: torch.Tensor | None = None
 
 
 def _bucket(num_reqs: int) -> int:
