@@ -25,6 +25,7 @@
 #   bash scripts/gpu_validation.sh taps      # seventeenth session: taps via sum_out, draft-plan slack, stream lookup, early device lowering (~12 min)
 #   bash scripts/gpu_validation.sh tapstests # ... its GPU tests only (~5 min); tapsbench: its measurements only (~7 min)
 #   bash scripts/gpu_validation.sh regress   # exactness, async scheduling, workers, spec_decode, fp8, sampler GPU tests (~4 min)
+#   bash scripts/gpu_validation.sh earlylaunch # device-lowered early draft step launched before the wait: tests, A/B, B=1 headline (~8 min)
 #   bash scripts/gpu_validation.sh headline  # tiny DSpark vs none (always, 3 repeats) and the V3-rank DSpark overhead (~5 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
 set -uo pipefail
@@ -232,6 +233,17 @@ for what in "${groups[@]}"; do
           --batch-sizes 1 8 --output-len 384 >"$out/taps_early_$lowering.log" 2>&1
         summary+=("taps early lowering=$lowering rc=$?"); tail -n 12 "$out/taps_early_$lowering.log"
       done ;;
+    earlylaunch)  # early draft plans lowered on the device + the draft step launched before the wait
+      VLLM_EARLY_DRAFT_METADATA=1 VLLM_EARLY_DRAFT_DEVICE_LOWERING=1 PYTEST_TIMEOUT_S=240 \
+        run_pytest earlylaunch tests/v1/e2e/test_gpu_exactness.py \
+        tests/v1/attention/test_flashinfer_mla_gpu.py -k "dcp1 or lowered"
+      timeout 240 python3 scripts/probe_early_draft.py --batch-sizes 1 8 --output-len 384 \
+        >"$out/early_launch.log" 2>&1
+      summary+=("early launch probe rc=$?"); grep -v "Warn\|warn_once" "$out/early_launch.log" | tail -n 14
+      VLLM_EARLY_DRAFT_DEVICE_LOWERING=1 timeout 150 python3 benchmarks/engine/benchmark_spec_policy.py \
+        --batch-sizes 1 --variants none always --repeats 3 --out "$out/launch_headline" \
+        >"$out/launch_headline.log" 2>&1
+      summary+=("headline B=1 (device lowering on) rc=$?"); grep -v "^{" "$out/launch_headline.log" | tail -n 8 ;;
     hostprofile)  # where a speculative step's host time goes, by phase and by function
       timeout 200 python3 scripts/probe_spec_step.py --device cuda --dtype bfloat16 \
         --attention-backend FLASHINFER_MLA --batch 1 8 --modes plain draft --steps 100 \

@@ -51,7 +51,13 @@ def device_lowering_enabled() -> bool:
     are on the device already, and the host knows, before the wait, a lower bound (every draft
     rejected) whose fit proves every outcome fits. What it removes: the host refresh after the
     wait (two refreshes and a copy per step, which made the early path lose on the tiny model,
-    thirteenth session). Not measured yet: "1" turns it on for an A/B."""
+    thirteenth session). Lowered so, the draft step needs nothing more from the host and is
+    launched right there, before the wait, its drafts written to their slots in stream order
+    (BlockSpeculator.prepare_early, GPUModelRunner._prepare_draft_early): after the wait the
+    proposal is bookkeeping only. Not measured yet on a GPU (eighteenth session: the lowering
+    alone, no consistent gain; the launch before the wait was added in the twenty-second,
+    when no GPU came): "1" turns it on for an A/B (scripts/probe_early_draft.py runs both
+    settings in one process)."""
     return switch_flag(DEVICE_LOWERING_FLAG, False, "lower early draft plans on the device "
                        "before the wait", "on the host after it")
 
