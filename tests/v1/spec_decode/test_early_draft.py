@@ -37,6 +37,7 @@ def generate(method: str | None, mode: str, monkeypatch, trace: dict | None = No
         runner.execute_model = execute_model
         speculator = runner.speculator
         if trace is not None:
+            trace["query_len"] = speculator.query_len
             inner_prepare, inner_propose = speculator.prepare_early, speculator.propose
 
             def prepare_early(num_reqs, accepted, next_ids, upper, target,
@@ -195,8 +196,9 @@ def test_the_runner_times_eligible_steps_for_the_tuner_and_follows_it(monkeypatc
     assert sorted(prepared) == [i for i, (_, early, _) in enumerate(seen) if early]
 
 
+@pytest.mark.parametrize("method", ["dspark", "dflash"])
 def test_device_lowering_is_asked_with_the_all_rejected_bound_and_replaces_the_host_refresh(
-        plain, monkeypatch):
+        plain, method, monkeypatch):
     """VLLM_EARLY_DRAFT_DEVICE_LOWERING=1: prepare_early asks every drafter group's builder to
     lower its plan on the device, giving the lower bound (every draft rejected: the verify
     step's rows advance by one token), and a proposal whose early plans were all lowered uses
@@ -235,10 +237,10 @@ def test_device_lowering_is_asked_with_the_all_rejected_bound_and_replaces_the_h
 
     monkeypatch.setattr(BlockSpeculator, "_block_step", block_step)
     monkeypatch.setattr(BlockSpeculator, "prepare_early", prepare_early)
-    late_tokens, late_accepted, _ = generate("dspark", "0", monkeypatch)
+    late_tokens, late_accepted, _ = generate(method, "0", monkeypatch)
     late_forwards = len(forwards)
     forwards.clear()
-    tokens, accepted, (refreshes, rebuilds, launches) = generate("dspark", "1", monkeypatch,
+    tokens, accepted, (refreshes, rebuilds, launches) = generate(method, "1", monkeypatch,
                                                                  trace)
     # The same drafts in every step (the accepted counts), though each early draft step ran
     # before the host had the step's output: it reads only device data.
@@ -250,7 +252,7 @@ def test_device_lowering_is_asked_with_the_all_rejected_bound_and_replaces_the_h
     assert forwards.count(True) == launches
     # ... and those proposals ran no second one: one draft forward per proposal, as late
     assert len(forwards) == late_forwards
-    block = 4  # the tiny DSpark drafter's block (tiny.py: block_size 4)
+    block = trace["query_len"]  # the drafter's block (tiny DSpark: block_size 4)
     # one call per prepared step: its lower bound of the new computed counts, + the block
     assert asked == [[lo + block for lo in lower] for _, _, lower in trace["prepared"]]
     for device, upper, lower in trace["prepared"]:
