@@ -235,8 +235,9 @@ for what in "${groups[@]}"; do
       done ;;
     earlylaunch)  # early draft plans lowered on the device + the draft step launched before the wait
       VLLM_EARLY_DRAFT_METADATA=1 VLLM_EARLY_DRAFT_DEVICE_LOWERING=1 PYTEST_TIMEOUT_S=240 \
-        run_pytest earlylaunch tests/v1/e2e/test_gpu_exactness.py \
-        tests/v1/attention/test_flashinfer_mla_gpu.py -k "dcp1 or lowered"
+        run_pytest earlylaunch tests/v1/spec_decode/test_early_draft_launch_gpu.py \
+        tests/v1/e2e/test_gpu_exactness.py tests/v1/attention/test_flashinfer_mla_gpu.py \
+        -k "launch or dcp1 or lowered"
       timeout 240 python3 scripts/probe_early_draft.py --batch-sizes 1 8 --output-len 384 \
         >"$out/early_launch.log" 2>&1
       summary+=("early launch probe rc=$?"); grep -v "Warn\|warn_once" "$out/early_launch.log" | tail -n 14
