@@ -17,3 +17,23 @@ def exempt_from_sync_debug(fn, calls: list):
         finally:
             torch.cuda.set_sync_debug_mode(mode)
     return exempt
+
+
+def is_decode_only(scheduler_output) -> bool:
+    """A step of running requests only (no new request's prefill), with something to do."""
+    return (not scheduler_output.scheduled_new_reqs
+            and scheduler_output.total_num_scheduled_tokens > 0)
+
+
+def run_under_sync_debug(execute, scheduler_output, transfers: list):
+    """execute(scheduler_output) with torch.cuda.set_sync_debug_mode("error") (any other host
+    sync raises); asserts that it made exactly one exempted transfer (`transfers`, the list
+    given to exempt_from_sync_debug) and returns its output."""
+    before = len(transfers)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = execute(scheduler_output)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(transfers) - before == 1, f"{len(transfers) - before} exempted transfers"
+    return out

@@ -15,10 +15,10 @@ Run on the GPU node: `bash scripts/gpu_validation.sh earlylaunch`.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.utils.runner_harness import Scenario, make_config, make_runner, run_scenario
-from tests.utils.sync_debug import exempt_from_sync_debug
+from tests.utils.sync_debug import (exempt_from_sync_debug, is_decode_only,
+                                     run_under_sync_debug)
 from vllm.model_executor.models.tiny import write_tiny_models
 from vllm.v1.worker.gpu.spec_decode.early_draft import DEVICE_LOWERING_FLAG, ENV_FLAG
 
@@ -74,17 +74,10 @@ def test_a_step_with_the_launch_has_one_device_to_host_transfer(paths, method, k
     real_execute = runner.execute_model
 
     def execute(scheduler_output):
-        decode_only = (not scheduler_output.scheduled_new_reqs
-                       and scheduler_output.total_num_scheduled_tokens > 0)
-        if not decode_only or runner.speculator.early_launches < 2:
+        if not is_decode_only(scheduler_output) or runner.speculator.early_launches < 2:
             return real_execute(scheduler_output)
-        before, launches = len(transfers), runner.speculator.early_launches
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            out = real_execute(scheduler_output)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        assert len(transfers) - before == 1
+        launches = runner.speculator.early_launches
+        out = run_under_sync_debug(real_execute, scheduler_output, transfers)
         checked["steps"] += 1
         checked["launched"] += runner.speculator.early_launches - launches
         return out

@@ -9,11 +9,11 @@ Run on the H200 node: `pytest -m gpu tests/v1/worker/test_cudagraph_runner_gpu.p
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.utils.runner_harness import (Scenario, greedy_oracle, make_config, make_runner,
                                         run_scenario)
-from tests.utils.sync_debug import exempt_from_sync_debug
+from tests.utils.sync_debug import (exempt_from_sync_debug, is_decode_only,
+                                     run_under_sync_debug)
 from vllm.model_executor.models.tiny import write_tiny_models
 
 pytestmark = pytest.mark.gpu
@@ -73,16 +73,8 @@ def test_steady_decode_step_has_one_device_to_host_transfer(paths, backend, meth
 
     def checked(scheduler_output):
         steps["n"] += 1
-        decode_only = (not scheduler_output.scheduled_new_reqs
-                       and scheduler_output.total_num_scheduled_tokens > 0)
-        if steps["n"] >= 4 and decode_only:
-            before = len(transfers)
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                out = real_execute(scheduler_output)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-            assert len(transfers) - before == 1
+        if steps["n"] >= 4 and is_decode_only(scheduler_output):
+            out = run_under_sync_debug(real_execute, scheduler_output, transfers)
             steps.setdefault("checked", 0)
             steps["checked"] += 1
             return out
