@@ -25,7 +25,9 @@
 #   bash scripts/gpu_validation.sh taps      # seventeenth session: taps via sum_out, draft-plan slack, stream lookup, early device lowering (~12 min)
 #   bash scripts/gpu_validation.sh tapstests # ... its GPU tests only (~5 min); tapsbench: its measurements only (~7 min)
 #   bash scripts/gpu_validation.sh regress   # exactness, async scheduling, workers, spec_decode, fp8, sampler GPU tests (~4 min)
-#   bash scripts/gpu_validation.sh earlylaunch # device-lowered early draft step launched before the wait: tests, A/B, B=1 headline (~8 min)
+#   bash scripts/gpu_validation.sh earlylaunch # device-lowered early draft step launched before the wait (~10 min: two commands)
+#   bash scripts/gpu_validation.sh earlylaunchtests # ... its GPU tests (+ sync budget) with the flags on (~4 min)
+#   bash scripts/gpu_validation.sh earlylaunchbench # ... its in-process A/B and the B=1 headline with it on (~6 min)
 #   bash scripts/gpu_validation.sh headline  # tiny DSpark vs none (always, 3 repeats) and the V3-rank DSpark overhead (~5 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
 set -uo pipefail
@@ -61,7 +63,11 @@ run_pytest() {  # name, then pytest arguments
 }
 groups=()
 for what in "$@"; do  # "taps" is its two halves (~12 min: more than one device command may run)
-  case "$what" in taps) groups+=(tapstests tapsbench) ;; *) groups+=("$what") ;; esac
+  case "$what" in
+    taps) groups+=(tapstests tapsbench) ;;
+    earlylaunch) groups+=(earlylaunchtests earlylaunchbench) ;;
+    *) groups+=("$what") ;;
+  esac
 done
 tiny_dspark() {  # timeout s: tiny DSpark "always" against the default (async) engine, 3 repeats
   timeout "$1" python3 benchmarks/engine/benchmark_spec_policy.py --batch-sizes 1 8 \
@@ -233,11 +239,12 @@ for what in "${groups[@]}"; do
           --batch-sizes 1 8 --output-len 384 >"$out/taps_early_$lowering.log" 2>&1
         summary+=("taps early lowering=$lowering rc=$?"); tail -n 12 "$out/taps_early_$lowering.log"
       done ;;
-    earlylaunch)  # early draft plans lowered on the device + the draft step launched before the wait
+    earlylaunchtests)  # early draft plans lowered on the device + the draft step launched before the wait
       VLLM_EARLY_DRAFT_METADATA=1 VLLM_EARLY_DRAFT_DEVICE_LOWERING=1 PYTEST_TIMEOUT_S=240 \
         run_pytest earlylaunch tests/v1/spec_decode/test_early_draft_launch_gpu.py \
         tests/v1/e2e/test_gpu_exactness.py tests/v1/attention/test_flashinfer_mla_gpu.py \
-        -k "launch or dcp1 or lowered"
+        tests/v1/worker/test_cudagraph_runner_gpu.py -k "launch or dcp1 or lowered or device_to_host" ;;
+    earlylaunchbench)  # ... its in-process A/B at B=1 and 8, then the B=1 headline with it on
       timeout 240 python3 scripts/probe_early_draft.py --batch-sizes 1 8 --output-len 384 \
         >"$out/early_launch.log" 2>&1
       summary+=("early launch probe rc=$?"); grep -v "Warn\|warn_once" "$out/early_launch.log" | tail -n 14
