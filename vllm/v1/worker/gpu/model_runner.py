@@ -573,9 +573,8 @@ class GPUModelRunner:
         upper = batch.num_computed_np[:n] + batch.num_scheduled_np[:n]
         next_tokens = self.requests.last_sampled[batch.idx_mapping[:n]]
         # every draft rejected: one token per row (the emitted one)
-        spec.prepare_early(n, out, next_tokens, upper, batch.seq_lens_np[:n],
-                           lower_num_computed_new=upper - (q - 1))
-        drafts = spec.launched_early_drafts()
+        drafts = spec.prepare_early(n, out, next_tokens, upper, batch.seq_lens_np[:n],
+                                    lower_num_computed_new=upper - (q - 1))
         if drafts is not None:
             # The draft step was launched already (its plans lowered on the device): its drafts
             # go to their slots now too, in stream order, so that after the wait the proposal

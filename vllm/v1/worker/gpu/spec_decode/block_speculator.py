@@ -216,7 +216,8 @@ class BlockSpeculator(Speculator):
 
     def prepare_early(self, num_reqs: int, accepted: torch.Tensor, next_token_ids: torch.Tensor,
                       upper_num_computed_new: np.ndarray, target_seq_lens: np.ndarray,
-                      lower_num_computed_new: np.ndarray | None = None) -> None:
+                      lower_num_computed_new: np.ndarray | None = None
+                      ) -> torch.Tensor | None:
         """Write the draft block's inputs and build its attention metadata before the step's
         accepted counts reach the host. `accepted` [num_reqs] holds, on the device, the exact
         new computed counts (the runner derives them from the verify step's device output, in
@@ -225,7 +226,9 @@ class BlockSpeculator(Speculator):
         lengths to the exact ones. Only where the shared base says the lowered lengths are
         the whole change (Speculator.early_draft_lengths_exact). With
         `lower_num_computed_new` (every draft rejected) and VLLM_EARLY_DRAFT_DEVICE_LOWERING=1
-        the lowering is enqueued here, on the device, where the lower bound shows it valid."""
+        the lowering is enqueued here, on the device, where the lower bound shows it valid,
+        and the draft step is launched right after it: then its drafts [num_reqs, k] are
+        returned (the proposal takes them through consume_early_launch), else None."""
         q = self.query_len
         graph_size = self._graph_size(num_reqs)
         padded = graph_size or num_reqs
@@ -263,10 +266,7 @@ class BlockSpeculator(Speculator):
                                  attn_metadata=attn_metadata, anchors=anchors,
                                  slot_mappings=slot_mappings, target_seq_lens=target,
                                  lowered_on_device=lowered, drafts=drafts)
-
-    def launched_early_drafts(self) -> torch.Tensor | None:
-        early = self.__dict__.get("_early")
-        return None if early is None else early.drafts
+        return drafts
 
     def consume_early_launch(self) -> torch.Tensor | None:
         early = self.__dict__.get("_early")

@@ -157,11 +157,6 @@ class Speculator:
         lowering global lengths does not lower them rank by rank."""
         return self.dcp_size == 1
 
-    def launched_early_drafts(self) -> torch.Tensor | None:
-        """The drafts [num_reqs, k] of a draft step prepare_early launched before the wait,
-        else None (block drafters only: BlockSpeculator)."""
-        return None
-
     def consume_early_launch(self) -> torch.Tensor | None:
         """This step's proposal when prepare_early launched the draft step already: its
         drafts (counted, and the early step consumed), else None and nothing changes."""
