@@ -24,8 +24,22 @@ from vllm.benchmarks.spec_policy import (
 from vllm.utils.triton_launch import launch_counts, set_lean_launches
 
 
+def _count_delta(before: dict, after: dict) -> dict[str, tuple[int, int]]:
+    """Launches made between two launch_counts() snapshots, per kernel (lean, through Triton)."""
+    delta = {}
+    for name, (lean, triton) in after.items():
+        lean0, triton0 = before.get(name, (0, 0))
+        if lean - lean0 or triton - triton0:
+            delta[name] = (lean - lean0, triton - triton0)
+    return delta
+
+
 def run(args) -> dict:
     tok_s: dict[tuple, list[float]] = {}
+    # per (batch, variant), lean on: launches by kernel, summed over the timed rounds. A kernel
+    # going through Triton every step in one case (a specialization that changes step to step)
+    # would cost that case the binding the lean path saves, and more (it re-learns each time).
+    case_launches: dict[tuple, dict[str, list[int]]] = {}
     for rnd in range(args.warmup_rounds + args.rounds):
         order = (False, True) if rnd % 2 == 0 else (True, False)
         for lean in order:
@@ -34,9 +48,16 @@ def run(args) -> dict:
                 for variant in args.variants:
                     case = SpecPolicyCase(variant, batch, output_len=args.output_len,
                                           warmup_steps=args.warmup_steps, **engine_kwargs(args))
+                    before = launch_counts()
                     result = run_case(case)["tok_s"]
                     if rnd >= args.warmup_rounds:
                         tok_s.setdefault((lean, batch, variant), []).append(result)
+                        if lean:
+                            sums = case_launches.setdefault((batch, variant), {})
+                            for name, counts in _count_delta(before, launch_counts()).items():
+                                total = sums.setdefault(name, [0, 0])
+                                total[0] += counts[0]
+                                total[1] += counts[1]
     set_lean_launches(False)
     rows = []
     base = args.variants[0]
@@ -51,7 +72,9 @@ def run(args) -> dict:
                         a / b for a, b in zip(runs, tok_s[(lean, batch, base)]))
             rows.append(row)
     return {"rows": rows, "tok_s": {f"{k[0]}:{k[1]}:{k[2]}": v for k, v in tok_s.items()},
-            "launches": launch_counts()}
+            "launches": launch_counts(),
+            "case_launches": {f"{b}:{v}": {n: tuple(c) for n, c in counts.items()}
+                              for (b, v), counts in case_launches.items()}}
 
 
 def main() -> None:
@@ -79,6 +102,8 @@ def main() -> None:
               + " | ".join(f"{row[v]:.0f}" for v in args.variants) + " | "
               + " | ".join(f"{row[f'{v}/{base}']:.3f}" for v in others) + " |")
     print("launches (lean, through Triton):", result["launches"])
+    for case, counts in result["case_launches"].items():
+        print(f"lean on, B:variant {case}: (lean, through Triton) per kernel {counts}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
