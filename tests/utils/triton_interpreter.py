@@ -21,6 +21,7 @@ ROOT = UTILS.parents[1]
 BATCHED = (
     ("triton_merge_interpret_driver.py", ()),
     ("triton_row_seq_lens_interpret_driver.py", ()),
+    ("triton_plan_lowering_interpret_driver.py", ()),
     ("triton_interpret_driver.py", ()),
     ("triton_input_batch_interpret_driver.py", ()),
     ("triton_fused_ops_interpret_driver.py", ("kv_cache",)),

@@ -1021,9 +1021,8 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
         lengths[:n] = lower
         if not skeleton.fits(qo, lengths):
             return False
-        exact = decode.seq_lens[:n]
-        refresher.lower_on_device(exact)
-        backend._kv_len_arr_buf[:n].copy_(exact)
+        # the work arrays and the wrapper's kv_len_arr, in one launch on CUDA
+        refresher.lower_on_device(decode.seq_lens, n, backend._kv_len_arr_buf)
         decode.row_seq_lens_cpu = None  # the upper bound's host rows are stale now
         return True
 

@@ -45,7 +45,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm.triton_utils import HAS_TRITON
 from vllm.utils.cuda_streams import record_event
+from vllm.v1.attention.backends.mla.plan_lowering import lower_plan_torch, lower_plan_triton
 
 # MLAPlanInfo::ToVector order (scheduler.cuh); byte offsets into the int workspace.
 PLAN_INFO_FIELDS = (
@@ -365,9 +367,10 @@ class PlanRefresher:
         return self._host[i], ("own", i)
 
     def _index_on_device(self) -> tuple:
-        """(kv_len positions, their requests, kv_end positions, their requests) of the held
-        skeleton's real works in the int32 workspace, as device tensors (one non-blocking copy
-        from pinned memory per skeleton: no host sync)."""
+        """(index, n, m) of the held skeleton: `index` the flat int64 device tensor [kv_len
+        positions (n), their requests (n), kv_end positions (m), their requests (m)] of its
+        real works in the int32 workspace (plan_lowering.py), one non-blocking copy from
+        pinned memory per skeleton: no host sync."""
         index = self._device_index
         if index is None:
             sk = self.skeleton
@@ -382,26 +385,30 @@ class PlanRefresher:
             if self._pin:
                 staged = staged.pin_memory()
             flat = staged.to(self.device_ws.device, non_blocking=True)
-            n, m = len(real), len(ends)
-            index = self._device_index = (flat[:n], flat[n:2 * n], flat[2 * n:2 * n + m],
-                                          flat[2 * n + m:])
+            index = self._device_index = (flat, len(real), len(ends))
         return index
 
-    def lower_on_device(self, new_lens: torch.Tensor) -> None:
-        """Write request lengths held on the device (`new_lens` [num_real], the held plan's
-        requests in order) into its work arrays with stream-ordered device ops: every real
-        work's kv_len and every last work's kv_end, what `fill` writes for them (kv_indptr and
-        the padding works keep their values). For a plan made from host upper bounds whose
+    def lower_on_device(self, new_lens: torch.Tensor, num_reqs: int | None = None,
+                        kv_len_arr: torch.Tensor | None = None) -> None:
+        """Write request lengths held on the device (`new_lens`, the held plan's requests in
+        order; its first `num_reqs`, default all) into its work arrays with stream-ordered
+        device writes: every real work's kv_len and every last work's kv_end, what `fill`
+        writes for them (kv_indptr and the padding works keep their values), and, given
+        `kv_len_arr`, kv_len_arr[:num_reqs] too. For a plan made from host upper bounds whose
         exact lengths only the device has yet (the early draft step, early_draft.py). The
         caller has checked on the host that the skeleton fits every length the device may
-        hold (`fits` of the lowest and of the planned ones)."""
+        hold (`fits` of the lowest and of the planned ones). On CUDA one Triton launch
+        (plan_lowering.py), else torch ops."""
         if self.skeleton is None:
             raise RuntimeError("lower_on_device needs a held plan skeleton")
-        len_pos, len_req, end_pos, end_req = self._index_on_device()
-        values = new_lens.to(torch.int32)
+        index, n, m = self._index_on_device()
+        num_reqs = new_lens.shape[0] if num_reqs is None else int(num_reqs)
         ws = self.device_ws
-        ws.index_copy_(0, len_pos, values.index_select(0, len_req))
-        ws.index_copy_(0, end_pos, values.index_select(0, end_req))
+        if ws.is_cuda and HAS_TRITON and (kv_len_arr is None or kv_len_arr.is_cuda):
+            lower_plan_triton(ws, index, new_lens, ws if kv_len_arr is None else kv_len_arr,
+                              n, m, num_reqs if kv_len_arr is not None else 0)
+        else:
+            lower_plan_torch(ws, index, new_lens, kv_len_arr, n, m, num_reqs)
         self.device_lowerings += 1
 
     def try_refresh(self, qo_indptr: np.ndarray, kv_indptr: np.ndarray,
