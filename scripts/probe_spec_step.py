@@ -126,6 +126,13 @@ def _instrument(engine) -> None:
         _wrap(BlockSpeculator, "_write_block", "speculator block inputs write")
         _wrap(BlockSpeculator, "_block_step", "speculator block forward (draft model)")
         _wrap(BlockSpeculator, "precompute_context", "speculator precompute_context (in fwd)")
+        # The early draft step (before the wait): its whole, and, with the device lowering on,
+        # the lowering (the draft replay inside it is under CudaGraphManager.replay).
+        if runner_cls.__dict__.get("_prepare_draft_early") is not None:
+            _wrap(runner_cls, "_prepare_draft_early", "runner._prepare_draft_early (before the wait)")
+        from vllm.v1.worker.gpu.spec_decode import block_speculator as block_module
+        _wrap(block_module, "lower_attn_metadata_on_device",
+              "speculator early plan lowered on the device")
     try:
         from vllm.v1.attention.backends.mla.flashinfer_mla import FlashInferMLAMetadataBuilder
     except ImportError:
