@@ -21,6 +21,7 @@ from vllm.benchmarks.spec_policy import (
     engine_kwargs,
     run_case,
 )
+from vllm.benchmarks.host_waits import HostWaits
 from vllm.utils.triton_launch import launch_counts, set_lean_launches
 
 
@@ -40,6 +41,10 @@ def run(args) -> dict:
     # going through Triton every step in one case (a specialization that changes step to step)
     # would cost that case the binding the lean path saves, and more (it re-learns each time).
     case_launches: dict[tuple, dict[str, list[int]]] = {}
+    # --host-waits: per (lean, batch, variant), where the host blocked on the GPU in the timed
+    # steps (event synchronizations by call site, host_waits.py), summed over the rounds
+    host_waits: dict[tuple, dict[str, list]] = {}
+    host_steps: dict[tuple, int] = {}
     for rnd in range(args.warmup_rounds + args.rounds):
         order = (False, True) if rnd % 2 == 0 else (True, False)
         for lean in order:
@@ -49,9 +54,19 @@ def run(args) -> dict:
                     case = SpecPolicyCase(variant, batch, output_len=args.output_len,
                                           warmup_steps=args.warmup_steps, **engine_kwargs(args))
                     before = launch_counts()
-                    result = run_case(case)["tok_s"]
+                    waits = HostWaits() if args.host_waits else None
+                    done = run_case(case, timed_region=waits)
+                    result = done["tok_s"]
                     if rnd >= args.warmup_rounds:
                         tok_s.setdefault((lean, batch, variant), []).append(result)
+                        if waits is not None:
+                            key = (lean, batch, variant)
+                            host_steps[key] = host_steps.get(key, 0) + done["timed_steps"]
+                            sums = host_waits.setdefault(key, {})
+                            for site, (calls, seconds) in waits.snapshot().items():
+                                total = sums.setdefault(site, [0, 0.0])
+                                total[0] += calls
+                                total[1] += seconds
                         if lean:
                             sums = case_launches.setdefault((batch, variant), {})
                             for name, counts in _count_delta(before, launch_counts()).items():
@@ -73,6 +88,10 @@ def run(args) -> dict:
             rows.append(row)
     return {"rows": rows, "tok_s": {f"{k[0]}:{k[1]}:{k[2]}": v for k, v in tok_s.items()},
             "launches": launch_counts(),
+            "host_waits": {f"{'on' if k[0] else 'off'}:{k[1]}:{k[2]}": {
+                site: (calls / host_steps[k], seconds * 1e3 / host_steps[k])
+                for site, (calls, seconds) in sorted(sites.items(), key=lambda x: -x[1][1])}
+                for k, sites in host_waits.items()},
             "case_launches": {f"{b}:{v}": {n: tuple(c) for n, c in counts.items()}
                               for (b, v), counts in case_launches.items()}}
 
@@ -87,6 +106,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--warmup-steps", type=int, default=32)
     add_engine_args(parser)
+    parser.add_argument("--host-waits", action="store_true",
+                        help="time the host's CUDA event waits by call site in the timed steps "
+                        "(vllm/benchmarks/host_waits.py)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if len(args.variants) < 2:
@@ -104,6 +126,12 @@ def main() -> None:
     print("launches (lean, through Triton):", result["launches"])
     for case, counts in result["case_launches"].items():
         print(f"lean on, B:variant {case}: (lean, through Triton) per kernel {counts}")
+    for case, sites in result["host_waits"].items():
+        total = sum(ms for _, ms in sites.values())
+        print(f"host waits, lean:B:variant {case}: {total:.3f} ms per timed step; top sites "
+              "(waits per step, ms per step): "
+              + "; ".join(f"{site} {calls:.2f} {ms:.3f}" for site, (calls, ms)
+                          in list(sites.items())[:4]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -28,7 +28,7 @@
 #   bash scripts/gpu_validation.sh earlylaunch # device-lowered early draft step launched before the wait (~10 min: two commands)
 #   bash scripts/gpu_validation.sh earlylaunchtests # ... its GPU tests (+ sync budget) with the flags on (~4 min)
 #   bash scripts/gpu_validation.sh earlylaunchbench # ... its in-process A/B and the B=1 headline with it on (~6 min)
-#   bash scripts/gpu_validation.sh leanb8    # lean Triton launches off/on at B=8, launches per case (~5 min)
+#   bash scripts/gpu_validation.sh leanb8    # lean Triton launches off/on at B=8, launches and host waits per case (~5 min)
 #   bash scripts/gpu_validation.sh headline  # tiny DSpark vs none (always, 3 repeats) and the V3-rank DSpark overhead (~5 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
 set -uo pipefail
@@ -254,7 +254,7 @@ for what in "${groups[@]}"; do
         >"$out/launch_headline.log" 2>&1
       summary+=("headline B=1 (device lowering on) rc=$?"); grep -v "^{" "$out/launch_headline.log" | tail -n 8 ;;
     leanb8)  # why no drafts at B=8 was slower with lean launches (HB, HG): per-case launch counts
-      timeout 330 python3 scripts/ab_lean_launch.py --batch-sizes 8 --rounds 3 \
+      timeout 330 python3 scripts/ab_lean_launch.py --batch-sizes 8 --rounds 3 --host-waits \
         --json "$out/leanb8.json" >"$out/leanb8.log" 2>&1
       summary+=("lean B=8 rc=$?"); grep -v "Warn\|warn_once" "$out/leanb8.log" | tail -n 10 ;;
     hostprofile)  # where a speculative step's host time goes, by phase and by function

@@ -8,10 +8,12 @@ draft counted as rejected: drafting cannot pay, so the engine must stop drafting
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from vllm.benchmarks.datasets import spec_bench_prompt
 from vllm.benchmarks.rounds import alternating_rounds
@@ -178,8 +180,10 @@ def build_engine(case: SpecPolicyCase):
     return engine
 
 
-def run_case(case: SpecPolicyCase) -> dict:
-    """Greedy decode of `batch` requests; tok/s over the steps after the warm-up."""
+def run_case(case: SpecPolicyCase, timed_region: Any = None) -> dict:
+    """Greedy decode of `batch` requests; tok/s over the steps after the warm-up.
+    `timed_region`: a context manager entered around the timed steps only (a diagnostic such
+    as host_waits.HostWaits; none by default)."""
     engine = build_engine(case)
     try:
         outputs: dict[str, list[int]] = {}
@@ -193,13 +197,14 @@ def run_case(case: SpecPolicyCase) -> dict:
                 step()
         tokens_before = engine._num_generation_tokens
         _sync(case.device)
-        start = time.perf_counter()
-        timed_steps = 0
-        while engine.has_unfinished_requests():
-            step()
-            timed_steps += 1
-        _sync(case.device)
-        seconds = time.perf_counter() - start
+        with timed_region if timed_region is not None else contextlib.nullcontext():
+            start = time.perf_counter()
+            timed_steps = 0
+            while engine.has_unfinished_requests():
+                step()
+                timed_steps += 1
+            _sync(case.device)
+            seconds = time.perf_counter() - start
         tokens = engine._num_generation_tokens - tokens_before
         if tokens == 0:
             raise ValueError(f"{case.variant} B={case.batch}: every token was generated in the "
