@@ -14,7 +14,8 @@ overhead factor):
            --batch-sizes 1 32 --output-len 160
 Prints per batch size: tok/s of each engine, early / late and each over plain, and how many
 early steps were lowered in place on the host (FlashInfer), built again, or launched before the
-wait; greedy tokens are compared.
+wait, and of those how many advanced the previous step's plans instead of building; greedy tokens
+are compared (equal acceptance lengths mean equal drafts).
 """
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ def main() -> None:
                         help="prompt tokens (None: 64 for the tiny model, else 1024)")
     parser.add_argument("--num-spec-tokens", type=int, default=4)
     args = parser.parse_args()
-    print("B  engine        tok/s   x none  x late  early refreshed/rebuilt/launched  "
-          "greedy vs late/none  AL")
+    print("B  engine        tok/s   x none  x late  early refreshed/rebuilt/launched/advanced"
+          "  greedy vs late/none  AL")
     for batch in args.batch_sizes:
         base = SpecPolicyCase(variant="always", batch=batch, output_len=args.output_len,
                               device=args.device, dtype=args.dtype,
@@ -69,12 +70,12 @@ def main() -> None:
             spec = speculators.get(name)
             counts = ("-" if spec is None
                       else f"{spec.early_refreshes}/{spec.early_rebuilds}/"
-                           f"{spec.early_launches}")
+                           f"{spec.early_launches}/{spec.early_reuses}")
             same = ("-" if name == "none" else
                     ("same" if r["tokens"] == result["late"]["tokens"] else "DIFF")
                     + "/" + ("same" if r["tokens"] == result["none"]["tokens"] else "DIFF"))
             print(f"{batch:<2} {name:<10} {r['tok_s']:>9.1f} {r['tok_s'] / none:>7.3f} "
-                  f"{r['tok_s'] / result['late']['tok_s']:>7.3f}  {counts:>22}  {same:>14}  "
+                  f"{r['tok_s'] / result['late']['tok_s']:>7.3f}  {counts:>31}  {same:>14}  "
                   f"{r.get('mean_acceptance_length') or '-':.4}", flush=True)
         tuner = getattr(speculators.get("tuned"), "early_tuner", None)
         print(f"   ({result['_rounds']} rounds of 16-step blocks; tuned engine's trials "

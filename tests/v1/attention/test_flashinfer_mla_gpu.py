@@ -268,17 +268,18 @@ def test_refreshed_last_chunks_past_the_chunk_limit_match_torch_mla(qlen, causal
     assert slot.native_replans + slot.full_plans == planned + 1
 
 
-def _upper_bound_plan_case(plan_seed: int, case_seed: int):
+def _upper_bound_plan_case(plan_seed: int, case_seed: int,
+                           exact=(704, 2050, 66, 12), upper=(708, 2053, 70, 12)):
     """A DSpark block step (k = 4, non-causal Q=5 rows) whose graph plan is built for the
-    upper-bound host lengths [708, 2053, 70, 12] (every draft accepted: request 2 lists one
-    page more, 70 > 64; request 3 as is) while the device lengths are the exact
-    [704, 2050, 66, 12]. Returns (builder, the upper-bound metadata input, run(md) ->
-    (FlashInfer, TORCH_MLA) outputs, real query rows)."""
+    upper-bound host lengths `upper` (default [708, 2053, 70, 12]: every draft accepted;
+    request 2 lists one page more, 70 > 64; request 3 as is) while the device lengths are
+    `exact` (default [704, 2050, 66, 12]). Returns (builder, the upper-bound metadata input,
+    run(md) -> (FlashInfer, TORCH_MLA) outputs, real query rows)."""
     from dataclasses import replace
     q_len = 5
     builder = _graph_builder(q_len, non_causal=True, max_model_len=8192)
     _graph_step(builder, [700, 2049, 64, 9], [q_len] * 4, False, plan_seed)  # plan_args
-    exact, upper = [704, 2050, 66, 12], [708, 2053, 70, 12]
+    exact, upper = list(exact), list(upper)
     case = make_case(exact, [q_len] * 4, num_heads=HEADS, causal=False, seed=case_seed,
                      dtype=torch.bfloat16)
     # Unwritten cache slots hold 4.0 (finite: kernels load whole tiles and mask), so tokens
@@ -331,6 +332,46 @@ def test_a_graph_plan_for_upper_bound_lengths_lowered_on_the_device_matches_torc
     lowerings = state.wrapper_slot.refresher.device_lowerings
     assert not builder.lower_decode_seq_lens_on_device(md, np.array(too_low))
     assert state.wrapper_slot.refresher.device_lowerings == lowerings
+
+
+def test_a_plan_held_from_the_previous_step_advanced_on_the_device_matches_torch_mla():
+    """The early draft step's advance (BlockSpeculator.prepare_early with the device lowering):
+    a plan built one step earlier for that step's upper bounds [708, 2053, 70, 12] carries
+    this step, whose exact device lengths [712, 2056, 74, 14] outgrew them, while every length
+    between this step's bounds keeps the listed pages and the chunk counts.
+    advance_decode_plan_on_device writes them from the device and FlashInfer then equals
+    TORCH_MLA on them. Refused, changing nothing: an upper bound past the listed pages, a
+    lower bound under a chunk's edge, and a row whose pages are no longer the listed ones
+    (another request in that row)."""
+    import numpy as np
+    builder, upper_cm, run, rows = _upper_bound_plan_case(
+        74, 75, exact=(712, 2056, 74, 14), upper=(708, 2053, 70, 12))
+    md = builder.build(0, upper_cm)
+    fi, ref = run(md)
+    assert not torch.allclose(fi[1][:rows].float(), ref[1][:rows].float(),
+                              atol=1e-2)  # the held plan stops at the earlier lengths
+    refresher = md.decode.backend_state.wrapper_slot.refresher
+    skeleton = refresher.skeleton
+    lower, upper = np.array([712, 2056, 74, 12]), np.array([716, 2060, 78, 16])
+    before = refresher.device_lowerings
+    past_pages = upper.copy()
+    past_pages[2] = 129  # 3 pages of 64: the plan lists 2 for request 2
+    assert not builder.advance_decode_plan_on_device(md, (lower, past_pages))
+    multi = [i for i in range(skeleton.num_real) if skeleton.lo[i] > 0]
+    assert multi, "request 1 (2053 tokens) must span several chunks"
+    under_edge = lower.copy()
+    under_edge[multi[0]] = int(skeleton.lo[multi[0]])
+    assert not builder.advance_decode_plan_on_device(md, (under_edge, upper))
+    table = md.decode.block_table_cpu
+    held_page = int(table[1, 0])
+    table[1, 0] = held_page + 1  # row 1 now holds another request's pages
+    assert not builder.advance_decode_plan_on_device(md, (lower, upper))
+    table[1, 0] = held_page
+    assert refresher.device_lowerings == before  # the refusals wrote nothing
+    assert builder.advance_decode_plan_on_device(md, (lower, upper))
+    assert refresher.device_lowerings == before + 1
+    fi, ref = run(md)
+    assert_states_close(fi, ref)
 
 
 def test_a_graph_plan_for_upper_bound_lengths_lowered_in_place_matches_torch_mla():

@@ -258,3 +258,80 @@ def test_device_lowering_is_asked_with_the_all_rejected_bound_and_replaces_the_h
     for device, upper, lower in trace["prepared"]:
         # verify rows of 1 + 4 tokens: every draft rejected advances a row by one
         assert all(lo == u - 4 <= e for lo, u, e in zip(lower, upper, device))
+
+
+@pytest.mark.parametrize("method", ["dspark", "dflash"])
+def test_a_lowered_early_step_advances_the_previous_plans_instead_of_building(
+        plain, method, monkeypatch):
+    """With the device lowering on, an early draft step whose batch has the previous lowered
+    step's rows hands that step's metadata to the builders' advance_decode_plan_on_device
+    with both bounds of its lengths (every draft rejected / accepted, + the block) and, where
+    every group advances, builds no draft metadata on the host. Any draft metadata built in
+    between (here: the count bumped before every third step) rules the advance out. TORCH_MLA
+    plans nothing, so recording stand-ins accept for FlashInfer's lowering and advance; the
+    reused TORCH_MLA metadata keeps the previous step's row lengths, so the drafts may differ
+    here (the GPU test compares them on FlashInfer, where the advance writes the lengths),
+    while the greedy tokens must equal plain decoding's whatever was drafted."""
+    from vllm.v1.attention.backends.mla.torch_mla import TorchMLAMetadataBuilder
+    from vllm.v1.worker.gpu.spec_decode.block_speculator import BlockSpeculator
+    from vllm.v1.worker.gpu.spec_decode.early_draft import DEVICE_LOWERING_FLAG
+    advanced, built, bumped, calls, inside = [], [], [], [0], [False]
+    late = []  # draft metadata built outside prepare_early: after which early step
+    launched = []  # early steps that launched their draft step (their plans may carry on)
+    rows = {}  # early step -> its batch's request count
+
+    def lower_on_device(self, metadata, lower_seq_lens_np):
+        return True
+
+    def advance_on_device(self, metadata, bounds):
+        lower, upper = bounds
+        advanced.append((calls[0], list(lower), list(upper)))
+        return True
+
+    monkeypatch.setattr(TorchMLAMetadataBuilder, "lower_decode_seq_lens_on_device",
+                        lower_on_device, raising=False)
+    monkeypatch.setattr(TorchMLAMetadataBuilder, "advance_decode_plan_on_device",
+                        advance_on_device, raising=False)
+    monkeypatch.setenv(DEVICE_LOWERING_FLAG, "1")
+    inner_build, inner_prepare = BlockSpeculator._block_attn_metadata, BlockSpeculator.prepare_early
+
+    def block_attn_metadata(self, *args, **kwargs):
+        (built if inside[0] else late).append(calls[0])
+        return inner_build(self, *args, **kwargs)
+
+    def prepare_early(self, *args, **kwargs):
+        calls[0] += 1
+        rows[calls[0]] = args[0]
+        if calls[0] % 3 == 0:  # as if another draft build ran since the previous step
+            bumped.append(calls[0])
+            self.draft_metadata_builds += 1
+        inside[0] = True
+        try:
+            drafts = inner_prepare(self, *args, **kwargs)
+        finally:
+            inside[0] = False
+        if drafts is not None:
+            launched.append(calls[0])
+        return drafts
+
+    monkeypatch.setattr(BlockSpeculator, "_block_attn_metadata", block_attn_metadata)
+    monkeypatch.setattr(BlockSpeculator, "prepare_early", prepare_early)
+    trace = {"prepared": [], "proposed": []}
+    tokens, _, _ = generate(method, "1", monkeypatch, trace)
+    assert tokens == plain
+    steps = list(range(1, calls[0] + 1))
+    advanced_steps = [s for s, _, _ in advanced]
+    # a step advances the previous step's plans where that step launched its draft step,
+    # the batch kept its request count (a finished request changes the rows) and no draft
+    # metadata was built elsewhere since (bumped, or the late path's in a step without an
+    # early preparation); it then builds nothing on the host (the stand-ins accept)
+    assert advanced_steps == [s for s in steps if s - 1 in launched and s not in bumped
+                              and s - 1 not in late and rows[s] == rows[s - 1]]
+    assert built == [s for s in steps if s not in advanced_steps]
+    assert len(bumped) >= 3 and len(advanced) >= 5
+    block = trace["query_len"]
+    for step, lower, upper in advanced:
+        device, upper_nc, lower_nc = trace["prepared"][step - 1]
+        assert lower == [lo + block for lo in lower_nc]
+        assert upper == [u + block for u in upper_nc]
+        assert all(lo <= d + block <= u for lo, d, u in zip(lower, device, upper))

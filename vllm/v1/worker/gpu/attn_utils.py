@@ -187,3 +187,22 @@ def lower_attn_metadata_on_device(
     which rewrites what the groups lowered before the refusal."""
     return _each_group_builder(attn_metadata_builders, kv_cache_config, attn_metadata,
                                "lower_decode_seq_lens_on_device", lower_seq_lens_np, group_ids)
+
+
+def advance_attn_metadata_on_device(
+    *,
+    attn_metadata_builders: Sequence[Any],
+    kv_cache_config: Any,
+    attn_metadata: Mapping[str, Any],
+    lower_seq_lens_np: np.ndarray,
+    upper_seq_lens_np: np.ndarray,
+    group_ids: Sequence[int] | None = None,
+) -> bool:
+    """lower_attn_metadata_on_device on metadata built for an EARLIER step with the same rows
+    (each builder's advance_decode_plan_on_device): this step's exact lengths are read on the
+    device, and the host gives both bounds they lie in, which the held plans must fit. False
+    as soon as a group's builder cannot: the caller then builds this step's metadata anew,
+    which rewrites what the groups advanced before the refusal."""
+    return _each_group_builder(attn_metadata_builders, kv_cache_config, attn_metadata,
+                               "advance_decode_plan_on_device",
+                               (lower_seq_lens_np, upper_seq_lens_np), group_ids)

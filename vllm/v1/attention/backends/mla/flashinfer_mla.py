@@ -1027,6 +1027,59 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
         return True
 
 
+    def advance_decode_plan_on_device(self, metadata: MLACommonMetadata,
+                                      bounds: tuple[np.ndarray, np.ndarray]) -> bool:
+        """lower_decode_seq_lens_on_device for a LATER step on a plan held from an earlier one,
+        in place of a new build: `bounds` = (lower, upper), the host's bounds of this step's
+        lengths (one per decode request; the device `seq_lens` hold the exact ones). What it is
+        for: a block drafter's early draft step whose batch has the same rows as the previous
+        step's; its requests grew, but while each still fits the pages the held plan lists and
+        the skeleton's chunk counts for every length in [lower, upper], the only change a new
+        build would make is the lengths, which this writes from the device (one launch), so
+        the step skips the host build of its draft metadata. The CSR keeps the listed pages
+        (the kernels stop at kv_len); the host's staged arrays keep the earlier lengths (they
+        are read again only by a host refresh, which rewrites them first). Same scope as
+        lower_decode_seq_lens_on_device; anything else returns False and changes nothing."""
+        held = self._held_graph_plan(metadata)
+        if held is None:
+            return False
+        decode, inputs, _, refresher, skeleton, backend = held
+        qo, kv_indptr, kv_len = inputs.arrays
+        rows = inputs.request_rows
+        n = rows.shape[0]
+        if n == 0 or not np.array_equal(rows, _arange(n)):
+            return False  # the device lengths are read as the first n rows
+        lower, upper = (np.asarray(b)[:n] for b in bounds)
+        if lower.shape[0] != n or upper.shape[0] != n or lower.min() <= 0 or (lower > upper).any():
+            return False
+        page = self.page_size
+        counts = kv_indptr[1:n + 1] - kv_indptr[:n]
+        if ((upper + (page - 1)) // page > counts).any():
+            return False  # a length past the pages the plan lists
+        # The listed pages must still be the rows' pages: the batch's rows may hold other
+        # requests now (same count, other requests), and the kernels read these page ids.
+        table = decode.block_table_cpu
+        if table is None:
+            return False
+        table = np.ascontiguousarray(table.numpy())
+        num_pages = int(kv_indptr[n])
+        where = np.repeat(rows.astype(np.int64) * table.shape[1] - kv_indptr[:n], counts)
+        where += _arange(num_pages)
+        if not np.array_equal(table.reshape(-1).take(where),
+                              inputs.kv_indices.numpy()[:num_pages]):
+            return False
+        lengths = np.zeros_like(kv_len)
+        lengths[:n] = lower
+        if not skeleton.fits(qo, lengths):
+            return False
+        lengths[:n] = upper
+        if not skeleton.fits(qo, lengths):
+            return False
+        refresher.lower_on_device(decode.seq_lens, n, backend._kv_len_arr_buf)
+        decode.row_seq_lens_cpu = None  # the host rows of the earlier step are stale
+        return True
+
+
 class FlashInferMLAImpl(MLACommonImpl):
 
     def __init__(self, num_heads: int, scale: float, kv_lora_rank: int = 512,

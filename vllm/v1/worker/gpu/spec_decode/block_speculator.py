@@ -14,7 +14,8 @@ import torch
 
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.attention.mla_attention import current_attn_metadata
-from vllm.v1.worker.gpu.attn_utils import (KVWriteOnlyMetadata, lower_attn_metadata_on_device,
+from vllm.v1.worker.gpu.attn_utils import (KVWriteOnlyMetadata, advance_attn_metadata_on_device,
+                                           lower_attn_metadata_on_device,
                                            refresh_attn_metadata_seq_lens)
 from vllm.v1.worker.gpu.spec_decode.context_kv_ring import (DEFAULT_STEPS, DeferredContextKV,
                                                             deferral_enabled)
@@ -172,6 +173,7 @@ class BlockSpeculator(Speculator):
     early_rebuilds = 0   # early metadata built again from the exact lengths
     early_device_lowerings = 0  # early metadata lowered on the device before the wait
     early_launches = 0  # of those, draft steps launched before the wait (prepare_early)
+    early_reuses = 0  # of those, on the previous step's plans advanced on the device
     # Lower early plans on the device (and launch the draft step before the wait): None reads
     # VLLM_EARLY_DRAFT_DEVICE_LOWERING; a bool decides for this speculator (an in-process A/B
     # of engines alive at once, scripts/probe_early_draft.py).
@@ -236,21 +238,43 @@ class BlockSpeculator(Speculator):
         upper = np.minimum(np.asarray(upper_num_computed_new, dtype=np.int64)[:num_reqs] + q,
                            self.max_model_len)
         target = np.array(target_seq_lens[:num_reqs], dtype=np.int64)  # kept past this step
-        attn_metadata = self._block_attn_metadata(num_reqs, padded, graph_size, target, upper,
-                                                  slot_mappings)
-        lowered = False
         lowering = self.device_lowering
         if lowering is None:
             lowering = device_lowering_enabled()
+        launchable = self.draft_sample_method == "greedy" and not self.defers_context
+        attn_metadata, lower, lowered = None, None, False
         if lower_num_computed_new is not None and lowering:
             lower = np.minimum(np.asarray(lower_num_computed_new, dtype=np.int64)[:num_reqs] + q,
                                self.max_model_len)
-            lowered = lower_attn_metadata_on_device(
-                attn_metadata_builders=self.attn_metadata_builders,
-                kv_cache_config=self.kv_cache_config, attn_metadata=attn_metadata,
-                lower_seq_lens_np=lower, group_ids=self.group_ids)
+            held = self.__dict__.get("_held_lowered")
+            if (launchable and held is not None
+                    and held[0] == (num_reqs, padded, graph_size, self.draft_metadata_builds)
+                    and advance_attn_metadata_on_device(
+                        attn_metadata_builders=self.attn_metadata_builders,
+                        kv_cache_config=self.kv_cache_config, attn_metadata=held[1],
+                        lower_seq_lens_np=lower, upper_seq_lens_np=upper,
+                        group_ids=self.group_ids)):
+                # The previous lowered step's plans still hold this step's rows, pages and
+                # chunk counts: the lengths, written from the device, are the whole change,
+                # so the host build of the draft metadata is skipped.
+                attn_metadata, lowered = held[1], True
+                self.early_reuses += 1
+        if attn_metadata is None:
+            attn_metadata = self._block_attn_metadata(num_reqs, padded, graph_size, target,
+                                                      upper, slot_mappings)
+            if lower is not None:
+                lowered = lower_attn_metadata_on_device(
+                    attn_metadata_builders=self.attn_metadata_builders,
+                    kv_cache_config=self.kv_cache_config, attn_metadata=attn_metadata,
+                    lower_seq_lens_np=lower, group_ids=self.group_ids)
+        # Plans lowered on the device may carry the next step (advance above) while no other
+        # draft metadata was built in between (its builders and the shared query starts and
+        # twins are then as this step leaves them); anything else builds anew.
+        self._held_lowered = (
+            (num_reqs, padded, graph_size, self.draft_metadata_builds), attn_metadata) if (
+            lowered and launchable) else None
         drafts = None
-        if lowered and self.draft_sample_method == "greedy" and not self.defers_context:
+        if lowered and launchable:
             # Lowered on the device, the draft step needs nothing more from the host: launch
             # it now, behind the verify step in stream order. After the wait the host then
             # only does the step's bookkeeping, and this step's draft host work (the replay)

@@ -243,6 +243,8 @@ class Speculator:
                                   q, accepted, first_ids, self.max_model_len, start_offset)
 
     # ------------------------------------------------------- shared metadata
+    draft_metadata_builds = 0  # _build_draft_attn_metadata calls so far
+
     def _build_draft_attn_metadata(
         self,
         num_reqs: int,
@@ -276,6 +278,10 @@ class Speculator:
             raise ValueError(
                 f"need 0 <= num_reqs ({num_reqs}) <= num_reqs_padded ({num_reqs_padded}) <= "
                 f"max_num_reqs ({self.max_num_reqs}).")
+        # Counted so metadata kept across steps knows whether the shared buffers below (query
+        # starts, host twins) and the builders' were rewritten since (BlockSpeculator's
+        # advance of its early plans).
+        self.draft_metadata_builds += 1
         buffers = self.input_buffers
         qsl_np = buffers.query_start_loc_np
         if query_start_loc_np is None:
