@@ -244,7 +244,7 @@ for what in "${groups[@]}"; do
       VLLM_EARLY_DRAFT_METADATA=1 VLLM_EARLY_DRAFT_DEVICE_LOWERING=1 PYTEST_TIMEOUT_S=240 \
         run_pytest earlylaunch tests/v1/spec_decode/test_early_draft_launch_gpu.py \
         tests/v1/e2e/test_gpu_exactness.py tests/v1/attention/test_flashinfer_mla_gpu.py \
-        tests/v1/worker/test_cudagraph_runner_gpu.py -k "launch or dcp1 or lowered or device_to_host" ;;
+        tests/v1/worker/test_cudagraph_runner_gpu.py -k "launch or dcp1 or lowered or advanced or device_to_host" ;;
     earlylaunchbench)  # ... its in-process A/B at B=1 and 8, then the B=1 headline with it on
       timeout 240 python3 scripts/probe_early_draft.py --batch-sizes 1 8 --output-len 384 \
         >"$out/early_launch.log" 2>&1

@@ -54,7 +54,10 @@ def device_lowering_enabled() -> bool:
     thirteenth session). Lowered so, the draft step needs nothing more from the host and is
     launched right there, before the wait, its drafts written to their slots in stream order
     (BlockSpeculator.prepare_early, GPUModelRunner._prepare_draft_early): after the wait the
-    proposal is bookkeeping only. Measured (twenty-third session, one H100): exact, one
+    proposal is bookkeeping only; and the next such step with the same rows advances those
+    plans on the device instead of building its draft metadata
+    (BlockSpeculator.prepare_early, advance_decode_plan_on_device; not yet run on a GPU).
+    Measured before the advance (twenty-third session, one H100): exact, one
     device->host transfer per step, and ~1 % over the early path at B=1, none at B=8, because
     a synchronous B=1 DSpark step never waits for the GPU: what moves in front of the wait is
     host work all the same (docs/performance.md). So off; "1" turns it on for an A/B
