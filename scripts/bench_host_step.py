@@ -101,59 +101,27 @@ def _stub_device_prep(enabled: bool):
                 setattr(owner, name, original)
 
 
-def _install_fake_flashinfer(monkeypatch_modules: dict) -> object:
-    """A stand-in flashinfer: a wrapper whose first plan() leaves the fa3 backend layout that
-    _native_replan drives, with a native planner and workload check that return at once."""
-    import sys
-    from types import ModuleType, SimpleNamespace
+def _install_fake_flashinfer() -> None:
+    """A stand-in flashinfer (tests/utils/fake_flashinfer.py): wrappers whose first plan()
+    leaves the fa3 backend layout that _native_replan drives, with the planner model as the
+    native planner (its own time counted in PLANNER_TIME and taken out of the `fi` number, as
+    the C++ planner's is not in it either) and the workload check stubbed."""
+    import pytest
 
-    from tests.utils.flashinfer_mla_plan_model import model_plan
+    from tests.utils.fake_flashinfer import PlanModelWrapper, install_native_replan, \
+        plan_model_native
 
-    def native(fws, iws, pws, qo, kv_indptr, kv_len, num_heads, head_dim, causal):
-        # the planner model writes a real plan layout (so plan refreshes happen, as on the GPU:
-        # most steady steps refresh); its own (Python) time is taken out of the `fi` number,
-        # as the C++ planner's is not in it either
+    def timed_native(*args):
         start = _clock()
-        info, scratch, _ = model_plan(qo.numpy(), kv_len.numpy(), kv_indptr.numpy(), num_heads,
-                                      num_sm=132, causal=bool(causal))
-        pws[: scratch.numel()] = scratch
-        iws[: scratch.numel()] = scratch
-        PLANNER_TIME[0] += _clock() - start
-        return info, scratch.numel()
+        try:
+            return plan_model_native(*args)
+        finally:
+            PLANNER_TIME[0] += _clock() - start
 
-    class Wrapper:
-        def __init__(self, workspace, use_cuda_graph=False, backend="fa3", qo_indptr=None,
-                     kv_indptr=None, kv_indices=None, kv_len_arr=None):
-            self._graph, self._bufs = use_cuda_graph, (qo_indptr, kv_indptr, kv_indices,
-                                                        kv_len_arr)
-            self._iws = torch.zeros(1 << 21, dtype=torch.uint8)
-            self._pws = torch.zeros(1 << 21, dtype=torch.uint8)
+    class Wrapper(PlanModelWrapper):
+        native = staticmethod(timed_native)
 
-        def plan(self, metadata, causal, **kwargs):
-            qo, kvp, kvi, kvl = self._bufs
-            self._planned_backend = SimpleNamespace(
-                _cached_module=SimpleNamespace(plan_with_staged_workspace_bytes=native),
-                _backend="fa3", _causal=causal, _use_cuda_graph=self._graph,
-                device=torch.device("cpu"), _qo_indptr_buf=qo, _kv_indptr_buf=kvp,
-                _kv_indices_buf=kvi, _kv_len_arr_buf=kvl, _float_workspace_buffer=None,
-                _int_workspace_buffer=self._iws, _pin_memory_int_workspace_buffer=self._pws,
-                _plan_info=None)
-            if self._graph:  # the first plan: planned natively by the caller next step
-                self._planned_backend._plan_info = None
-
-    fa_common = ModuleType("_fa_common")
-    fa_common._validate_fa_plan_workload = lambda *a: None
-    names = ["flashinfer", "flashinfer.mla", "flashinfer.mla._batch_mla",
-             "flashinfer.mla._batch_mla._backends"]
-    for name in names:
-        monkeypatch_modules[name] = sys.modules.get(name)
-        sys.modules[name] = ModuleType(name)
-    sys.modules["flashinfer.mla._batch_mla._backends"]._fa_common = fa_common
-    monkeypatch_modules["flashinfer.mla._batch_mla._backends._fa_common"] = None
-    sys.modules["flashinfer.mla._batch_mla._backends._fa_common"] = fa_common
-    return SimpleNamespace(mla=SimpleNamespace(
-        BatchMLAPagedAttentionWrapper=Wrapper,
-        MLAPlanMetadata=SimpleNamespace(csr=lambda *a: a)))
+    install_native_replan(pytest.MonkeyPatch(), Wrapper)
 
 
 def _setup(batch: int, q: int, ctx: int, block_size: int, max_reqs: int, max_model_len: int):
@@ -198,8 +166,7 @@ def _setup(batch: int, q: int, ctx: int, block_size: int, max_reqs: int, max_mod
     from vllm.v1.attention.backends.mla import flashinfer_mla
     fi_cfg = SimpleNamespace(parallel_config=ParallelConfig(), max_num_seqs=max_reqs,
                              model_config=SimpleNamespace(max_model_len=max_model_len))
-    fake = _install_fake_flashinfer({})
-    flashinfer_mla._import_flashinfer = lambda: fake
+    _install_fake_flashinfer()
     fi = flashinfer_mla.FlashInferMLAMetadataBuilder(spec, ["layer0"], fi_cfg, "cpu",
                                                      dcp_rank=0, kernel_family="hopper",
                                                      workspace_bytes=1 << 12)

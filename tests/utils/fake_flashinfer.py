@@ -175,9 +175,10 @@ class NativeReplanWrapper:
                 torch.zeros(query.shape[:2], dtype=torch.float32))
 
 
-def install_native_replan(monkeypatch):
-    """Patch flashinfer_mla to build NativeReplanWrapper wrappers, with FlashInfer's workload
-    check (`_fa_common`) stubbed in sys.modules, and float32 inputs allowed."""
+def install_native_replan(monkeypatch, wrapper_cls=None):
+    """Patch flashinfer_mla to build NativeReplanWrapper wrappers (or `wrapper_cls`), with
+    FlashInfer's workload check (`_fa_common`) stubbed in sys.modules, and float32 inputs
+    allowed. `monkeypatch`: pytest's fixture, or a pytest.MonkeyPatch() outside tests."""
     import sys
     from types import ModuleType
 
@@ -191,7 +192,47 @@ def install_native_replan(monkeypatch):
     monkeypatch.setattr(flashinfer_mla, "_FA3_DTYPES",
                         flashinfer_mla._FA3_DTYPES + (torch.float32,))
     fake = SimpleNamespace(mla=SimpleNamespace(
-        BatchMLAPagedAttentionWrapper=NativeReplanWrapper,
+        BatchMLAPagedAttentionWrapper=wrapper_cls or NativeReplanWrapper,
         MLAPlanMetadata=SimpleNamespace(csr=lambda *a: SimpleNamespace(kind="csr"))))
     monkeypatch.setattr(flashinfer_mla, "_import_flashinfer", lambda: fake)
     return fake
+
+
+def plan_model_native(fws, iws, pws, qo, kv_indptr, kv_len, num_heads, head_dim, causal):
+    """FlashInfer's native MLA planner (plan_with_staged_workspace_bytes), modelled: the plan
+    model of flashinfer_mla_plan_model.py (132 SMs) writes a real plan layout into the int
+    workspace and its pinned twin, so the builder reads skeletons back and refreshes plans as
+    on the GPU."""
+    from tests.utils.flashinfer_mla_plan_model import model_plan
+    info, scratch, _ = model_plan(qo.numpy(), kv_len.numpy(), kv_indptr.numpy(), num_heads,
+                                  num_sm=132, causal=bool(causal))
+    pws[: scratch.numel()] = scratch
+    iws[: scratch.numel()] = scratch
+    return info, scratch.numel()
+
+
+class PlanModelWrapper:
+    """A stand-in fa3 wrapper on the CPU whose plans are real plan layouts: plan() (the first
+    plan of a wrapper) leaves a planned backend with the graph buffers, 2 MiB int workspaces
+    and `native` (default plan_model_native) as the JIT planner, which the builder's native
+    re-plans call; the builder's skeleton read-back, plan refreshes and device lowerings then
+    run on these CPU tensors. run() is not modelled."""
+
+    native = staticmethod(plan_model_native)
+
+    def __init__(self, workspace, use_cuda_graph=False, backend="fa3", qo_indptr=None,
+                 kv_indptr=None, kv_indices=None, kv_len_arr=None):
+        self._graph, self._bufs = use_cuda_graph, (qo_indptr, kv_indptr, kv_indices,
+                                                    kv_len_arr)
+        self._iws = torch.zeros(1 << 21, dtype=torch.uint8)
+        self._pws = torch.zeros(1 << 21, dtype=torch.uint8)
+
+    def plan(self, metadata, causal, **kwargs):
+        qo, kvp, kvi, kvl = self._bufs
+        self._planned_backend = SimpleNamespace(
+            _cached_module=SimpleNamespace(plan_with_staged_workspace_bytes=self.native),
+            _backend="fa3", _causal=causal, _use_cuda_graph=self._graph,
+            device=torch.device("cpu"), _qo_indptr_buf=qo, _kv_indptr_buf=kvp,
+            _kv_indices_buf=kvi, _kv_len_arr_buf=kvl, _float_workspace_buffer=None,
+            _int_workspace_buffer=self._iws, _pin_memory_int_workspace_buffer=self._pws,
+            _plan_info=None)
