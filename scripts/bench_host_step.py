@@ -23,7 +23,11 @@ median of --repeats steps):
     the FlashInfer build's own ops ("stubbed kernels": single-launch kernels that --host-only
     replaced, one launch each on CUDA), and the FlashInfer refreshes / real plans over the run;
   * the ATen ops of the block appends between steps (BlockTables.append_block_ids, called by
-    the runner's _update_states), per step.
+    the runner's _update_states), per step;
+  * `FI advance instead`: FlashInferMLAMetadataBuilder.advance_decode_plan_on_device of the
+    previous step's metadata to this step's lengths (what the early draft step does instead
+    of a build where the held plan's pages and chunk counts still hold; on the CPU its device
+    write is the torch form, one Triton launch on CUDA), median over the steps where it held.
 
 Every timed step is a real next step: each request's num_computed grows by the query length and
 a block is appended when the sequence crosses a block boundary (outside the timed region), so
@@ -44,6 +48,8 @@ import argparse
 import statistics
 import time
 from contextlib import contextmanager
+
+import numpy as np
 
 import torch
 
@@ -229,6 +235,18 @@ def _step(env, timings, counter=None, fi_counter=None) -> None:
     common = _common_of(env, batch, q)
     stubbed = sum(STUB_CALLS.values())
     planner_before = PLANNER_TIME[0]
+    prev = env.get("fi_md")
+    if prev is not None and "advance" in timings:
+        # What the early draft step's advance costs instead of this build where the previous
+        # step's plan still holds (same pages, chunk counts): the lengths are exact here, so
+        # both bounds are this step's lengths.
+        lens = np.asarray(batch.seq_lens_np[:B], dtype=np.int64)
+        ta = _clock()
+        held = env["fi"].advance_decode_plan_on_device(prev, (lens, lens))
+        tb = _clock()
+        env["advances"] = env.get("advances", 0) + int(held)
+        if held:
+            timings["advance"].append(tb - ta)
     t4 = _clock()
     if fi_counter is None:
         fi_md = env["fi"].build(0, common)
@@ -244,6 +262,7 @@ def _step(env, timings, counter=None, fi_counter=None) -> None:
         _plan(state.wrapper_slot, state.hopper_inputs, ("first",), num_heads=16,
               head_dim_ckv=512, head_dim_kpe=64, page_size=env["block_size"], sm_scale=0.1,
               q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, lse_mode="basee")
+    env["fi_md"] = fi_md
     timings["fi"].append(t5 - t4 - (PLANNER_TIME[0] - planner_before))
     timings["build"].append(t1 - t0)
     timings["attn"].append(t2 - t1)
@@ -287,23 +306,25 @@ def _common_of(env, batch, q):
 def bench(batch: int, q: int, args) -> dict[str, float]:
     env = _setup(batch, q, args.ctx, args.block_size, max(args.batch_sizes) * 2,
                  args.max_model_len)
-    timings = {name: [] for name in ("build", "attn", "csr", "fi", "total")}
+    timings = {name: [] for name in ("build", "attn", "csr", "fi", "total", "advance")}
     with _stub_device_prep(args.host_only), torch.inference_mode():
         for _ in range(args.warmup):
             _advance(env)
-            _step(env, {name: [] for name in timings})
+            _step(env, {name: [] for name in timings if name != "advance"})
+        env["advances"] = 0
         for _ in range(args.repeats):
             _advance(env)
             _step(env, timings)
+        advances = env["advances"]
         counter = _OpCounter()
         _advance(env)
         STUB_LAUNCHES[0] = 0
         with counter.mode:
-            _step(env, {name: [] for name in timings}, counter)
+            _step(env, {name: [] for name in timings if name != "advance"}, counter)
         stub_launches = STUB_LAUNCHES[0]
         fi_counter = _OpCounter()
         _advance(env)
-        _step(env, {name: [] for name in timings}, fi_counter=fi_counter)
+        _step(env, {name: [] for name in timings if name != "advance"}, fi_counter=fi_counter)
         # The block appends between steps (the runner's _update_states): device ops they
         # dispatch, per step, averaged over 64 steps (each steady row crosses a block boundary
         # every block_size / q steps).
@@ -312,7 +333,9 @@ def bench(batch: int, q: int, args) -> dict[str, float]:
             for _ in range(64):
                 _advance(env)
         append_ops = sum(appends.counts.values()) / 64
-    result = {name: statistics.median(v) * 1e3 for name, v in timings.items()}
+    result = {name: statistics.median(v) * 1e3 if v else float("nan")
+              for name, v in timings.items()}
+    result["advances"] = advances
     slots = list(env["fi"]._graph_slots.values())
     result["refreshes"] = sum(s.refreshes for s in slots)
     result["plans"] = sum(s.native_replans + s.full_plans for s in slots)
@@ -355,8 +378,8 @@ def main() -> None:
           "(numpy) | total | FLASHINFER_MLA builder | torch ops (copies) per step | "
           "build: torch ops (copies) | build: device launches | step: device launches | "
           "block appends: torch ops per step | FLASHINFER_MLA ops (copies) | "
-          "FI refreshes / real plans |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "FI refreshes / real plans | FI advance instead (steps it held) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for q in args.q:
         for batch in args.batch_sizes:
             r = bench(batch, q, args)
@@ -364,7 +387,8 @@ def main() -> None:
                   f"{r['total']:.3f} | {r['fi']:.3f} | {r['ops']} ({r['copies']}) | "
                   f"{r['build_ops']} ({r['build_copies']}) | {r['build_launches']} | "
                   f"{r['launches']} | {r['append_ops']:.2f} | {r['fi_ops']} ({r['fi_copies']}) | "
-                  f"{r['refreshes']} / {r['plans']} |", flush=True)
+                  f"{r['refreshes']} / {r['plans']} | {r['advance']:.3f} "
+                  f"({r['advances']} of {args.repeats}) |", flush=True)
 
 
 if __name__ == "__main__":

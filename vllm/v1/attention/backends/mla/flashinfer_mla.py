@@ -1044,13 +1044,14 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
         if held is None:
             return False
         decode, inputs, _, refresher, skeleton, backend = held
-        qo, kv_indptr, kv_len = inputs.arrays
+        kv_indptr = inputs.arrays[1]
         rows = inputs.request_rows
         n = rows.shape[0]
         if n == 0 or not np.array_equal(rows, _arange(n)):
             return False  # the device lengths are read as the first n rows
         lower, upper = (np.asarray(b)[:n] for b in bounds)
-        if lower.shape[0] != n or upper.shape[0] != n or lower.min() <= 0 or (lower > upper).any():
+        if (lower.shape[0] != n or upper.shape[0] != n or lower.min() <= 0
+                or (lower > upper).any()):
             return False
         page = self.page_size
         counts = kv_indptr[1:n + 1] - kv_indptr[:n]
@@ -1068,12 +1069,11 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
         if not np.array_equal(table.reshape(-1).take(where),
                               inputs.kv_indices.numpy()[:num_pages]):
             return False
-        lengths = np.zeros_like(kv_len)
-        lengths[:n] = lower
-        if not skeleton.fits(qo, lengths):
-            return False
-        lengths[:n] = upper
-        if not skeleton.fits(qo, lengths):
+        # The skeleton's fit (PlanSkeleton.fits) of every length in [lower, upper]: the rows
+        # are the held plan's own and the padding requests stay empty, so only the chunk
+        # bounds of the real requests are left to check.
+        if n != skeleton.num_real or not ((lower > skeleton.lo).all()
+                                          and (upper <= skeleton.hi).all()):
             return False
         refresher.lower_on_device(decode.seq_lens, n, backend._kv_len_arr_buf)
         decode.row_seq_lens_cpu = None  # the host rows of the earlier step are stale
