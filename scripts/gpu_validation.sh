@@ -28,6 +28,7 @@
 #   bash scripts/gpu_validation.sh earlylaunch # device-lowered early draft step launched before the wait (~10 min: two commands)
 #   bash scripts/gpu_validation.sh earlylaunchtests # ... its GPU tests (+ sync budget) with the flags on (~4 min)
 #   bash scripts/gpu_validation.sh earlylaunchbench # ... its in-process A/B and the B=1 headline with it on (~6 min)
+#   bash scripts/gpu_validation.sh advance   # the one-launch plan lowering and advance vs TORCH_MLA (~1 min)
 #   bash scripts/gpu_validation.sh leanb8    # lean Triton launches off/on at B=8, launches and host waits per case (~5 min)
 #   bash scripts/gpu_validation.sh headline  # tiny DSpark vs none (always, 3 repeats) and the V3-rank DSpark overhead (~5 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
@@ -245,6 +246,9 @@ for what in "${groups[@]}"; do
         run_pytest earlylaunch tests/v1/spec_decode/test_early_draft_launch_gpu.py \
         tests/v1/e2e/test_gpu_exactness.py tests/v1/attention/test_flashinfer_mla_gpu.py \
         tests/v1/worker/test_cudagraph_runner_gpu.py -k "launch or dcp1 or lowered or advanced or device_to_host" ;;
+    advance)  # the one-launch lowering and the plan advance against TORCH_MLA (~1 min)
+      PYTEST_TIMEOUT_S=120 run_pytest advance tests/v1/attention/test_flashinfer_mla_gpu.py \
+        -k "lowered or advanced" ;;
     earlylaunchbench)  # ... its in-process A/B at B=1 and 8, then the B=1 headline with it on
       timeout 240 python3 scripts/probe_early_draft.py --batch-sizes 1 8 --output-len 384 \
         >"$out/early_launch.log" 2>&1
