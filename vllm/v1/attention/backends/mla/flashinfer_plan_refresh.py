@@ -405,6 +405,7 @@ class PlanRefresher:
         num_reqs = new_lens.shape[0] if num_reqs is None else int(num_reqs)
         ws = self.device_ws
         if ws.is_cuda and HAS_TRITON and (kv_len_arr is None or kv_len_arr.is_cuda):
+            # (without kv_len_arr the kernel's third write is off: 0 rows, any pointer)
             lower_plan_triton(ws, index, new_lens, ws if kv_len_arr is None else kv_len_arr,
                               n, m, num_reqs if kv_len_arr is not None else 0)
         else:
