@@ -110,3 +110,15 @@ def test_a_refused_advance_changes_nothing(held, why):
     if why != "a later build":
         assert torch.equal(ws, before)
     assert slot.refresher.device_lowerings == lowerings
+
+
+def test_the_same_step_lowering_shares_the_checks(held):
+    """lower_decode_seq_lens_on_device (the plan built for this step's upper bound) is the
+    advance with the planned lengths as the upper bound: a lower bound under them writes the
+    device lengths as a host refresh would; one above them is refused, writing nothing."""
+    builder, md, ws, host_refresh, _ = held
+    before = ws.clone()
+    assert not builder.lower_decode_seq_lens_on_device(md, np.array([709, 2053, 70, 12]))
+    assert torch.equal(ws, before)
+    assert builder.lower_decode_seq_lens_on_device(md, np.array([704, 2049, 66, 8]))
+    assert torch.equal(ws, host_refresh(EXACT))

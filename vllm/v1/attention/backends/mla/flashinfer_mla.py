@@ -1008,24 +1008,11 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
         held = self._held_graph_plan(metadata)
         if held is None:
             return False
-        decode, inputs, _, refresher, skeleton, backend = held
-        qo, _, kv_len = inputs.arrays
-        rows = inputs.request_rows
-        n = rows.shape[0]
-        if n == 0 or not np.array_equal(rows, _arange(n)):
-            return False  # the device lengths are read as the first n rows
-        lower = np.asarray(lower_seq_lens_np)[:n]
-        if lower.min() <= 0 or (lower > kv_len[:n]).any():
-            return False  # not a lower bound of what was planned
-        lengths = kv_len.copy()
-        lengths[:n] = lower
-        if not skeleton.fits(qo, lengths):
-            return False
-        # the work arrays and the wrapper's kv_len_arr, in one launch on CUDA
-        refresher.lower_on_device(decode.seq_lens, n, backend._kv_len_arr_buf)
-        decode.row_seq_lens_cpu = None  # the upper bound's host rows are stale now
-        return True
-
+        n = held[1].request_rows.shape[0]
+        # the planned lengths are the upper bound; their pages were listed from this very
+        # step's block table
+        return self._lower_held_plan(held, lower_seq_lens_np, held[1].arrays[2][:n],
+                                     same_step=True)
 
     def advance_decode_plan_on_device(self, metadata: MLACommonMetadata,
                                       bounds: tuple[np.ndarray, np.ndarray]) -> bool:
@@ -1043,40 +1030,49 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
         held = self._held_graph_plan(metadata)
         if held is None:
             return False
+        return self._lower_held_plan(held, bounds[0], bounds[1], same_step=False)
+
+    def _lower_held_plan(self, held: tuple, lower_np, upper_np, same_step: bool) -> bool:
+        """Write the device lengths into the held plan (`_held_graph_plan`) where every length
+        in [lower, upper] (host bounds, one per decode request) keeps its rows, listed pages and
+        chunk counts; False, changing nothing, otherwise. `same_step`: the plan was built for
+        this step (upper = its planned lengths), so its pages are this step's rows' own."""
         decode, inputs, _, refresher, skeleton, backend = held
         kv_indptr = inputs.arrays[1]
         rows = inputs.request_rows
         n = rows.shape[0]
         if n == 0 or not np.array_equal(rows, _arange(n)):
             return False  # the device lengths are read as the first n rows
-        lower, upper = (np.asarray(b)[:n] for b in bounds)
+        lower, upper = np.asarray(lower_np)[:n], np.asarray(upper_np)[:n]
         if (lower.shape[0] != n or upper.shape[0] != n or lower.min() <= 0
                 or (lower > upper).any()):
             return False
-        page = self.page_size
-        counts = kv_indptr[1:n + 1] - kv_indptr[:n]
-        if ((upper + (page - 1)) // page > counts).any():
-            return False  # a length past the pages the plan lists
-        # The listed pages must still be the rows' pages: the batch's rows may hold other
-        # requests now (same count, other requests), and the kernels read these page ids.
-        table = decode.block_table_cpu
-        if table is None:
-            return False
-        table = np.ascontiguousarray(table.numpy())
-        num_pages = int(kv_indptr[n])
-        where = np.repeat(rows.astype(np.int64) * table.shape[1] - kv_indptr[:n], counts)
-        where += _arange(num_pages)
-        if not np.array_equal(table.reshape(-1).take(where),
-                              inputs.kv_indices.numpy()[:num_pages]):
-            return False
+        if not same_step:
+            page = self.page_size
+            counts = kv_indptr[1:n + 1] - kv_indptr[:n]
+            if ((upper + (page - 1)) // page > counts).any():
+                return False  # a length past the pages the plan lists
+            # The listed pages must still be the rows' pages: the batch's rows may hold other
+            # requests now (same count, other requests), and the kernels read these page ids.
+            table = decode.block_table_cpu
+            if table is None:
+                return False
+            table = np.ascontiguousarray(table.numpy())
+            num_pages = int(kv_indptr[n])
+            where = np.repeat(rows.astype(np.int64) * table.shape[1] - kv_indptr[:n], counts)
+            where += _arange(num_pages)
+            if not np.array_equal(table.reshape(-1).take(where),
+                                  inputs.kv_indices.numpy()[:num_pages]):
+                return False
         # The skeleton's fit (PlanSkeleton.fits) of every length in [lower, upper]: the rows
         # are the held plan's own and the padding requests stay empty, so only the chunk
         # bounds of the real requests are left to check.
         if n != skeleton.num_real or not ((lower > skeleton.lo).all()
                                           and (upper <= skeleton.hi).all()):
             return False
+        # the work arrays and the wrapper's kv_len_arr, in one launch on CUDA
         refresher.lower_on_device(decode.seq_lens, n, backend._kv_len_arr_buf)
-        decode.row_seq_lens_cpu = None  # the host rows of the earlier step are stale
+        decode.row_seq_lens_cpu = None  # the planned host rows are stale now
         return True
 
 

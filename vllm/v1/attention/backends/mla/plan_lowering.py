@@ -72,6 +72,7 @@ def lower_plan_torch(ws: torch.Tensor, index: torch.Tensor, lens: torch.Tensor,
     n, m = num_len, num_end
     values = lens[:num_reqs].to(torch.int32)
     ws.index_copy_(0, index[:n], values.index_select(0, index[n:2 * n]))
-    ws.index_copy_(0, index[2 * n:2 * n + m], values.index_select(0, index[2 * n + m:2 * n + 2 * m]))
+    ws.index_copy_(0, index[2 * n:2 * n + m],
+                   values.index_select(0, index[2 * n + m:2 * n + 2 * m]))
     if kv_len_arr is not None:
         kv_len_arr[:num_reqs].copy_(lens[:num_reqs])
