@@ -1,8 +1,9 @@
 """A/B of the block drafters' early draft step (early_draft.py) in one process: a DSpark engine
 drafting every step with the early path off ("0"), on ("auto-fixed", its plans lowered on the
 host after the wait), on with the plans lowered on the device and the draft step launched before
-the wait ("lowered": VLLM_EARLY_DRAFT_DEVICE_LOWERING=1 for that engine alone) and as the default
-"auto" decides (its measured A/B, EarlyDraftTuner), and a plain engine, all
+the wait ("lowered": device lowering on for that engine alone, whatever the environment says)
+and as the default "auto" decides ("tuned": its measured A/B, EarlyDraftTuner, with
+VLLM_EARLY_DRAFT_DEVICE_LOWERING as set, default on), and a plain engine, all
 alive at once and stepped in turn in 16-step blocks (vllm.benchmarks.spec_policy.run_interleaved;
 the GPU node's process-to-process noise is larger than the effect).
 

@@ -15,6 +15,8 @@ For each (drafter, batch size, context, graphs|eager) it reports, side by side i
   mbu          (weight bytes + KV bytes read) / (copy bandwidth measured here x step time)
   step_med     median interval between two step returns inside the blocks (no sync); robust to
                a few slow steps, which move the block means of step_ms
+  early        the early draft tuner's decision for the batch (early / late; "-": no tuner):
+               a block drafter warms up until it has decided, so the timed steps are steady
 
 Usage (GPU): python benchmarks/engine/benchmark_decode.py --batch-sizes 1 8 --contexts 1024
   --methods none dspark --out out/decode   (writes decode.json, decode.png, prints the table)
@@ -30,8 +32,13 @@ import time
 import torch
 
 from vllm.benchmarks.timing import copy_bandwidth
+from vllm.benchmarks.warmup import settle_early_draft
+from vllm.v1.worker.gpu.spec_decode.early_draft import EarlyDraftTuner
 
 BUDGET_HEADROOM_STEPS = 8  # steps of max_tokens beyond the measured ones (see run_case)
+# A block drafter's warm-up goes on until its early draft tuner has decided (the timed steps
+# then measure the engine's steady state, not its trial; vllm/benchmarks/warmup.py).
+SETTLE_STEPS = EarlyDraftTuner().steps_to_decide + 4
 
 def _union_ms(intervals: list[tuple[float, float]]) -> float:
     total, cur_s, cur_e = 0.0, None, None
@@ -62,6 +69,8 @@ def run_case(args, method: str, batch: int, context: int, eager: bool,
     # the last profiled step of an async engine found its requests at max_tokens, launched
     # nothing, and kernel_ms (kernels / profile_steps) came out halved (seen 2026-12-01).
     steps = args.warmup_steps + args.steps + args.profile_steps + BUDGET_HEADROOM_STEPS
+    if method != "none":
+        steps += SETTLE_STEPS
     engine_args = EngineArgs(
         model=args.model, dtype="bfloat16", max_model_len=context + steps * (args.num_spec_tokens + 1) + 64,
         attention_backend=args.attention_backend, speculative_config=spec,
@@ -88,6 +97,8 @@ def run_case(args, method: str, batch: int, context: int, eager: bool,
             engine.step()
         for _ in range(args.warmup_steps):
             engine.step()
+        settle_steps, early_draft = (settle_early_draft(engine, engine.step, SETTLE_STEPS)
+                                     if method != "none" else (0, "-"))
         tokens_before = engine._num_generation_tokens
         # Blocks of steps between synchronisations: a sync after every step would serialise the
         # GPU tail of each step (e.g. a captured draft step) with the next step's host work, which
@@ -166,6 +177,9 @@ def run_case(args, method: str, batch: int, context: int, eager: bool,
             "syncs_per_step": syncs / n, "launches_per_step": launches / n,
             "tok_s": tokens / total_s,
             "mean_acceptance_length": spec_stats.get("mean_acceptance_length"),
+            # the early draft tuner's decision for this batch ("-": no tuner) and the warm-up
+            # steps it took beyond --warmup-steps
+            "early_draft": early_draft, "settle_steps": settle_steps,
             "weight_GB": weight_bytes / 1e9, "ideal_ms": ideal_ms,
             "mbu": ideal_ms / (statistics.median(times) * 1e3),
             "top_kernels_ms_per_step": [(k[:80], v / 1e3 / n) for k, v in top],
@@ -233,7 +247,7 @@ def main() -> None:
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s on {result['device']}")
     print(f"{'method':8} {'B':>3} {'ctx':>6} {'mode':6} {'step_ms':>8} {'step_med':>8} {'kern_ms':>8} {'busy':>5} {'b_est':>5} "
           f"{'sync':>5} {'launch':>6} {'tok/s':>8} {'AL':>5} {'spec_x':>6} {'ovh':>5} "
-          f"{'ideal':>6} {'x_ideal':>7}")
+          f"{'ideal':>6} {'x_ideal':>7} {'early':>5}")
     for r in rows:
         al = r.get("mean_acceptance_length")
         print(f"{r['method']:8} {r['batch']:>3} {r['context']:>6} {r['mode']:6} {r['step_ms']:8.3f} "
@@ -241,7 +255,7 @@ def main() -> None:
               f"{r['kernel_ms']:8.3f} {r['busy']:5.2f} {r['busy_est']:5.2f} {r['syncs_per_step']:5.1f} "
               f"{r['launches_per_step']:6.0f} {r['tok_s']:8.0f} {al if al is None else round(al, 2)!s:>5} "
               f"{r.get('spec_factor', float('nan')):6.2f} {r.get('overhead', float('nan')):5.2f} "
-              f"{r['ideal_ms']:6.3f} {r['step_ms'] / r['ideal_ms']:7.1f}")
+              f"{r['ideal_ms']:6.3f} {r['step_ms'] / r['ideal_ms']:7.1f} {r['early_draft']:>5}")
     by_mode = {(r["method"], r["batch"], r["context"], r["mode"]): r for r in rows}
     for r in rows:
         key = (r["method"], r["batch"], r["context"])

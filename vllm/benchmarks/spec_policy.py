@@ -18,6 +18,7 @@ from typing import Any
 from vllm.benchmarks.datasets import spec_bench_prompt
 from vllm.benchmarks.rounds import alternating_rounds
 from vllm.benchmarks.rounds import paired_ratio as paired_tok_ratio
+from vllm.benchmarks.warmup import early_draft_tuner
 
 VARIANTS = ("none", "always", "never", "auto", "auto-nopay")
 _POLICY = {"always": None, "never": 1, "auto": "auto", "auto-nopay": "auto"}
@@ -211,7 +212,11 @@ def run_case(case: SpecPolicyCase, timed_region: Any = None) -> dict:
                              f"{case.warmup_steps} warm-up steps; raise output_len "
                              f"(now {case.output_len}) or lower warmup_steps")
         spec_stats = engine.scheduler.get_stats().get("spec_decode") or {}
+        tuner = early_draft_tuner(engine)
         return {"variant": case.variant, "batch": case.batch, "context": case.context,
+                # the early draft tuner's finished trials (bucket, late s, early s, early?);
+                # its trial windows (2 x 33 eligible steps) may fall in the timed steps
+                "early_draft_trials": None if tuner is None else list(tuner.history),
                 "tok_s": tokens / seconds,
                 "timed_steps": timed_steps, "timed_tokens": tokens,
                 "mean_acceptance_length": spec_stats.get("mean_acceptance_length"),

@@ -204,12 +204,14 @@ def test_device_lowering_is_asked_with_the_all_rejected_bound_and_replaces_the_h
     step's rows advance by one token), and a proposal whose early plans were all lowered uses
     them as they are (no host refresh, no rebuild). TORCH_MLA has no such lowering; a recording
     stand-in that accepts stands in for FlashInfer's (its plans read the device lengths, which
-    are exact, so the drafts must not change). Off by default."""
+    are exact, so the drafts must not change). On by default; "0" turns it off."""
     from vllm.v1.attention.backends.mla.torch_mla import TorchMLAMetadataBuilder
     from vllm.v1.worker.gpu.spec_decode.block_speculator import BlockSpeculator
     from vllm.v1.worker.gpu.spec_decode.early_draft import (DEVICE_LOWERING_FLAG,
                                                             device_lowering_enabled)
     monkeypatch.delenv(DEVICE_LOWERING_FLAG, raising=False)
+    assert device_lowering_enabled()  # on by default
+    monkeypatch.setenv(DEVICE_LOWERING_FLAG, "0")
     assert not device_lowering_enabled()
     asked = []
 

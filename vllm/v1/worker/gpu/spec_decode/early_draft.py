@@ -41,7 +41,8 @@ from vllm.utils.env_flags import switch_flag
 ENV_FLAG = "VLLM_EARLY_DRAFT_METADATA"
 MODES = ("auto", "1", "0")
 # Lower the early plan's lengths on the device, before the wait (below), instead of on the host
-# after it. Off: exact on the GPU but no resolved gain (twenty-third session, runs JA, JB, JF).
+# after it, and advance the previous step's plans there. On: with the advance it makes the B=1
+# tiny DSpark step 1.9x cheaper on the host (twenty-fourth session, runs KA-KE, one H100).
 DEVICE_LOWERING_FLAG = "VLLM_EARLY_DRAFT_DEVICE_LOWERING"
 
 
@@ -56,13 +57,15 @@ def device_lowering_enabled() -> bool:
     (BlockSpeculator.prepare_early, GPUModelRunner._prepare_draft_early): after the wait the
     proposal is bookkeeping only; and the next such step with the same rows advances those
     plans on the device instead of building its draft metadata
-    (BlockSpeculator.prepare_early, advance_decode_plan_on_device; not yet run on a GPU).
-    Measured before the advance (twenty-third session, one H100): exact, one
-    device->host transfer per step, and ~1 % over the early path at B=1, none at B=8, because
-    a synchronous B=1 DSpark step never waits for the GPU: what moves in front of the wait is
-    host work all the same (docs/performance.md). So off; "1" turns it on for an A/B
-    (scripts/probe_early_draft.py runs both settings in one process)."""
-    return switch_flag(DEVICE_LOWERING_FLAG, False, "lower early draft plans on the device "
+    (BlockSpeculator.prepare_early, advance_decode_plan_on_device).
+    Measured: the lowering and launch alone gained ~1 % (twenty-third session: a synchronous
+    B=1 DSpark step never waits for the GPU, so what moves in front of the wait is host work
+    all the same); with the advance, which removes the draft metadata build in most B=1 steps,
+    the B=1 DSpark step's host time fell 1.71 -> 0.90 ms and the lowered engine ran 1.21x
+    (B=1) and 1.19x (B=8) the late engine's tok/s, 1.30x / 1.17x at V3-rank dims, greedy
+    tokens unchanged (twenty-fourth session, one H100, docs/performance.md). So on by default;
+    "0" turns it off (scripts/probe_early_draft.py runs both settings in one process)."""
+    return switch_flag(DEVICE_LOWERING_FLAG, True, "lower early draft plans on the device "
                        "before the wait", "on the host after it")
 
 
@@ -133,6 +136,24 @@ class EarlyDraftTuner:
         if trial is None:
             trial = self._trials[bucket] = _Trial({"late": [], "early": []})
         return trial
+
+    @property
+    def steps_to_decide(self) -> int:
+        """Eligible steps of one bucket from its first to its decision (two windows, each
+        with its uncounted switch step)."""
+        return 2 * (self.trial_steps + 1)
+
+    def settled(self, num_reqs: int) -> bool:
+        """Whether the trial of `num_reqs`'s bucket has decided (a benchmark that times the
+        engine's steady state warms up until it has: scripts' vllm.benchmarks.warmup)."""
+        trial = self._trials.get(_bucket(num_reqs))
+        return trial is not None and trial.phase == "decided"
+
+    def decision(self, num_reqs: int) -> str:
+        """'early', 'late' or 'trial' (undecided) for `num_reqs`'s bucket."""
+        if not self.settled(num_reqs):
+            return "trial"
+        return "early" if self._trials[_bucket(num_reqs)].early else "late"
 
     def use_early(self, num_reqs: int) -> bool:
         """Whether this eligible step of `num_reqs` rows runs the early path."""
