@@ -26,7 +26,7 @@
 #   bash scripts/gpu_validation.sh tapstests # ... its GPU tests only (~5 min); tapsbench: its measurements only (~7 min)
 #   bash scripts/gpu_validation.sh regress   # exactness, async scheduling, workers, spec_decode, fp8, sampler GPU tests (~4 min)
 #   bash scripts/gpu_validation.sh earlylaunch # device-lowered early draft step launched before the wait (~10 min: two commands)
-#   bash scripts/gpu_validation.sh earlylaunchtests # ... its GPU tests (+ sync budget) with the flags on (~4 min)
+#   bash scripts/gpu_validation.sh earlylaunchtests # ... its GPU tests (+ sync budget, the fused block write) with the flags on (~4 min)
 #   bash scripts/gpu_validation.sh earlylaunchbench # ... its in-process A/B and the B=1 headline with it on (~6 min)
 #   bash scripts/gpu_validation.sh advance   # the one-launch plan lowering and advance vs TORCH_MLA (~1 min)
 #   bash scripts/gpu_validation.sh leanb8    # lean Triton launches off/on at B=8, launches and host waits per case (~5 min)
@@ -245,7 +245,8 @@ for what in "${groups[@]}"; do
       VLLM_EARLY_DRAFT_METADATA=1 VLLM_EARLY_DRAFT_DEVICE_LOWERING=1 PYTEST_TIMEOUT_S=240 \
         run_pytest earlylaunch tests/v1/spec_decode/test_early_draft_launch_gpu.py \
         tests/v1/e2e/test_gpu_exactness.py tests/v1/attention/test_flashinfer_mla_gpu.py \
-        tests/v1/worker/test_cudagraph_runner_gpu.py -k "launch or dcp1 or lowered or advanced or device_to_host" ;;
+        tests/v1/worker/test_cudagraph_runner_gpu.py tests/v1/spec_decode/test_block_inputs.py \
+        -k "launch or dcp1 or lowered or advanced or device_to_host or on_cuda" ;;
     advance)  # the one-launch lowering and the plan advance against TORCH_MLA (~1 min)
       PYTEST_TIMEOUT_S=120 run_pytest advance tests/v1/attention/test_flashinfer_mla_gpu.py \
         -k "lowered or advanced" ;;

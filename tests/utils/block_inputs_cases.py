@@ -51,6 +51,25 @@ def random_case(seed: int, device: str = "cpu") -> dict:
         first_ids = wide[:, 1]
     accepted = [max(a - start_offset, 0) for a in accepted]
     group_ids = tuple(sorted(rng.sample(range(num_groups), rng.randint(1, num_groups))))
+    # The early draft step's indirections (the runner hands over device state as it lies):
+    # start = target seq_len (int32) + emitted tokens (a column of the packed step output) - Q,
+    # and the anchor is the last sampled token of the row's request slot.
+    accepted_dtype, accepted_extra, next_token_rows = torch.int64, None, None
+    if rng.random() < 0.35:
+        starts = [a + start_offset for a in accepted]
+        emitted = [rng.randint(1, q) for _ in range(num_reqs)]
+        start_offset = -q
+        accepted = [st - e + q for st, e in zip(starts, emitted)]
+        accepted_dtype = torch.int32
+        packed = torch.full((num_reqs, q + 1), SENTINEL, dtype=torch.int64, device=device)
+        packed[:, -1] = torch.tensor(emitted, dtype=torch.int64)
+        accepted_extra = packed[:, -1]
+    if rng.random() < 0.35:
+        by_slot = torch.full((max_num_reqs + 1,), SENTINEL, dtype=torch.int64, device=device)
+        rows = rng.sample(range(max_num_reqs + 1), num_reqs)
+        by_slot[torch.tensor(rows, dtype=torch.int64)] = first_ids.clone()
+        first_ids = by_slot
+        next_token_rows = torch.tensor(rows, dtype=torch.int64, device=device)
     buffers = BlockInputBuffers(
         input_ids=torch.full((256,), SENTINEL, dtype=torch.int64, device=device),
         positions=torch.full((256,), SENTINEL, dtype=torch.int64, device=device),
@@ -61,8 +80,9 @@ def random_case(seed: int, device: str = "cpu") -> dict:
         offsets=torch.arange(q, dtype=torch.int64, device=device))
     tables.slot_mappings.fill_(SENTINEL)
     return dict(tables=tables, buffers=buffers, num_reqs=num_reqs, padded=padded, q=q,
-                accepted=torch.tensor(accepted, dtype=torch.int64, device=device),
+                accepted=torch.tensor(accepted, dtype=accepted_dtype, device=device),
                 next_token_ids=first_ids, start_offset=start_offset,
+                accepted_extra=accepted_extra, next_token_rows=next_token_rows,
                 max_model_len=max_model_len, slots=slots, sharded=sharded)
 
 
@@ -88,8 +108,12 @@ def expected_writes(case: dict) -> dict:
     SENTINEL)."""
     tables, q, padded, num_reqs = case["tables"], case["q"], case["padded"], case["num_reqs"]
     L = case["max_model_len"]
-    starts = [a + case["start_offset"] for a in case["accepted"].tolist()]
-    anchors = case["next_token_ids"].tolist() + [0] * (padded - num_reqs)
+    extra = case["accepted_extra"]
+    extra = [0] * num_reqs if extra is None else extra.tolist()
+    starts = [a + e + case["start_offset"] for a, e in zip(case["accepted"].tolist(), extra)]
+    ids, rows = case["next_token_ids"].tolist(), case["next_token_rows"]
+    rows = list(range(num_reqs)) if rows is None else rows.tolist()
+    anchors = [ids[r] for r in rows[:num_reqs]] + [0] * (padded - num_reqs)
     positions, seq_lens = [], []
     for row in range(padded):
         if row < num_reqs:
@@ -107,6 +131,13 @@ def expected_writes(case: dict) -> dict:
                       if row < num_reqs else -1 for row in range(padded) for j in range(q)])
     return dict(anchors=anchors, ids_col0=anchors, positions=positions, seq_lens=seq_lens,
                 slots=slots)
+
+
+def run_write(case: dict, fn) -> None:
+    """Call a write_block_inputs variant (kernel, twin or dispatcher) on `case`."""
+    fn(case["tables"], case["buffers"], case["num_reqs"], case["padded"], case["q"],
+       case["accepted"], case["next_token_ids"], case["max_model_len"], case["start_offset"],
+       accepted_extra=case["accepted_extra"], next_token_rows=case["next_token_rows"])
 
 
 def observed_writes(case: dict) -> dict:

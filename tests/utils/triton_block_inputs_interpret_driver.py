@@ -7,14 +7,8 @@ import sys
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 from tests.utils.block_inputs_cases import (expected_writes, observed_writes,  # noqa: E402
-                                            random_case, untouched_tails)
+                                            random_case, run_write, untouched_tails)
 from vllm.v1.worker.gpu.spec_decode import block_inputs  # noqa: E402
-
-
-def _run(case, fn):
-    fn(case["tables"], case["buffers"], case["num_reqs"], case["padded"], case["q"],
-       case["accepted"], case["next_token_ids"], case["max_model_len"],
-       case["start_offset"])
 
 
 if __name__ == "__main__":
@@ -23,8 +17,8 @@ if __name__ == "__main__":
         sys.exit(0)
     for seed in range(40):
         kernel_case, twin_case = random_case(seed), random_case(seed)
-        _run(kernel_case, block_inputs.write_block_inputs_triton)
-        _run(twin_case, block_inputs.write_block_inputs_torch)
+        run_write(kernel_case, block_inputs.write_block_inputs_triton)
+        run_write(twin_case, block_inputs.write_block_inputs_torch)
         got = observed_writes(kernel_case)
         assert got == expected_writes(kernel_case), (seed, got, expected_writes(kernel_case))
         assert got == observed_writes(twin_case), seed

@@ -11,23 +11,17 @@ import pytest
 import torch
 
 from tests.utils.block_inputs_cases import (expected_writes, observed_writes, random_case,
-                                            untouched_tails)
+                                            run_write, untouched_tails)
 from tests.utils.spec_fakes import FakeBlockModel, make_speculator
 from tests.utils.triton_interpreter import run_interpreter_driver
 from vllm.v1.worker.gpu.spec_decode import block_inputs
 from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
 
 
-def _run(case, fn):
-    fn(case["tables"], case["buffers"], case["num_reqs"], case["padded"], case["q"],
-       case["accepted"], case["next_token_ids"], case["max_model_len"],
-       case["start_offset"])
-
-
 @pytest.mark.parametrize("seed", range(60))
 def test_torch_twin_equals_brute_force(seed):
     case = random_case(seed)
-    _run(case, block_inputs.write_block_inputs_torch)
+    run_write(case, block_inputs.write_block_inputs_torch)
     assert observed_writes(case) == expected_writes(case)
     assert untouched_tails(case)
 
@@ -46,6 +40,13 @@ def test_cases_cover_the_geometries():
                for c in cases for a in c["accepted"].tolist())
     assert any(c["start_offset"] > 0 and c["num_reqs"] > 0 for c in cases)
     assert any(c["next_token_ids"].stride(0) > 1 and c["num_reqs"] > 1 for c in cases)
+    # the early draft step's indirections, alone and together, on rows that exist
+    assert any(c["accepted_extra"] is not None and c["next_token_rows"] is None
+               and c["num_reqs"] > 1 for c in cases)
+    assert any(c["next_token_rows"] is not None and c["accepted_extra"] is None
+               and c["num_reqs"] > 1 for c in cases)
+    assert any(c["accepted_extra"] is not None and c["next_token_rows"] is not None
+               and c["num_reqs"] > 1 for c in cases)
 
 
 def test_dispatcher_returns_the_slot_view_and_checks_sizes():
@@ -138,8 +139,8 @@ def test_triton_kernel_equals_brute_force_on_cuda():
     """The compiled kernel on the GPU (not the interpreter) against the oracle and the twin."""
     for seed in range(40):
         case, twin = random_case(seed, "cuda"), random_case(seed, "cuda")
-        _run(case, block_inputs.write_block_inputs_triton)
-        _run(twin, block_inputs.write_block_inputs_torch)
+        run_write(case, block_inputs.write_block_inputs_triton)
+        run_write(twin, block_inputs.write_block_inputs_torch)
         torch.cuda.synchronize()
         assert observed_writes(case) == expected_writes(case), seed
         assert observed_writes(case) == observed_writes(twin), seed

@@ -8,6 +8,7 @@ device counts the runner derived before it had them."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from vllm import LLM, SamplingParams
 from vllm.v1.worker.gpu.spec_decode.early_draft import ENV_FLAG, EarlyDraftTuner, early_draft_mode
@@ -41,11 +42,15 @@ def generate(method: str | None, mode: str, monkeypatch, trace: dict | None = No
             inner_prepare, inner_propose = speculator.prepare_early, speculator.propose
 
             def prepare_early(num_reqs, accepted, next_ids, upper, target,
-                              lower_num_computed_new=None):
-                trace["prepared"].append((accepted[:num_reqs].tolist(), list(upper[:num_reqs]),
+                              lower_num_computed_new=None, **terms):
+                # the device's new computed counts, as prepare_early documents its terms
+                exact = accepted[:num_reqs].to(torch.int64) + terms.get("accepted_offset", 0)
+                if terms.get("accepted_extra") is not None:
+                    exact = exact + terms["accepted_extra"][:num_reqs]
+                trace["prepared"].append((exact.tolist(), list(upper[:num_reqs]),
                                           list(lower_num_computed_new[:num_reqs])))
                 return inner_prepare(num_reqs, accepted, next_ids, upper, target,
-                                     lower_num_computed_new=lower_num_computed_new)
+                                     lower_num_computed_new=lower_num_computed_new, **terms)
 
             def propose(inputs):
                 early = speculator.__dict__.get("_early")

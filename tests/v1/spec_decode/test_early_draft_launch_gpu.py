@@ -91,3 +91,26 @@ def test_a_step_with_the_launch_has_one_device_to_host_transfer(paths, method, k
     scenario = Scenario("sync", {"a": PROMPTS["a"], "b": PROMPTS["b"]}, max_new_tokens=24)
     run_scenario(runner, scenario, record_draft_logits=False)
     assert checked["launched"] >= 2, checked
+
+
+@pytest.mark.parametrize("method,k", METHODS)
+def test_the_early_block_write_is_compiled_with_the_graphs(paths, method, k, monkeypatch):
+    """The early step's block input write reads the runner's device state as it lies (the
+    kernel's indirect variant, block_inputs.py); the runner compiles that variant next to
+    the graph captures (GPUModelRunner._warm_early_block_write), so no serving step waits
+    for Triton to JIT-compile it: no cache miss of the kernel while early steps run."""
+    knobs = pytest.importorskip("triton").knobs
+    monkeypatch.setenv(ENV_FLAG, "1")
+    monkeypatch.setenv(DEVICE_LOWERING_FLAG, "1")
+    runner = _graph_runner(paths, method, k)
+    misses = []
+
+    def on_cache_miss(**kwargs):
+        misses.append(str(kwargs.get("repr", "")))
+        return False  # compile as usual
+
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", on_cache_miss)
+    run_scenario(runner, Scenario("warm", PROMPTS, max_new_tokens=16), record_draft_logits=False)
+    spec = runner.speculator
+    assert spec.early_launches + spec.early_refreshes + spec.early_rebuilds > 0
+    assert not [m for m in misses if m.startswith("_block_draft_inputs_kernel")], misses

@@ -280,6 +280,7 @@ class GPUModelRunner:
     def capture_model(self) -> None:
         for q, manager in self._graph_managers.items():
             manager.capture_all(lambda size, q=q: self._dummy_graph_batch(size, q), self._forward)
+        self._warm_early_block_write()
         # The dummy batches wrote into slots' host state; hand every slot back clean.
         self.requests.num_computed.np[:] = 0
         spec = self.speculator
@@ -563,23 +564,44 @@ class GPUModelRunner:
             self._early_timing = (tuner, n, early)
             if not early:
                 return
-        buf = self.__dict__.get("_early_num_computed")
-        if buf is None:
-            buf = self._early_num_computed = torch.zeros(self.max_num_reqs, dtype=torch.int64,
-                                                         device=self.device)
-        out = buf[:n]
-        out.copy_(batch.seq_lens[:n])
-        out.add_(self._step_buffers.gpu[:n, -1]).sub_(q)
         upper = batch.num_computed_np[:n] + batch.num_scheduled_np[:n]
-        next_tokens = self.requests.last_sampled[batch.idx_mapping[:n]]
-        # every draft rejected: one token per row (the emitted one)
-        drafts = spec.prepare_early(n, out, next_tokens, upper, batch.seq_lens_np[:n],
-                                    lower_num_computed_new=upper - (q - 1))
+        accepted, next_tokens, terms = self._early_block_terms(batch, q)
+        # every draft rejected: one token per row (the emitted one) is the lower bound
+        drafts = spec.prepare_early(n, accepted, next_tokens, upper, batch.seq_lens_np[:n],
+                                    lower_num_computed_new=upper - (q - 1), **terms)
         if drafts is not None:
             # The draft step was launched already (its plans lowered on the device): its drafts
             # go to their slots now too, in stream order, so that after the wait the proposal
             # is bookkeeping only (_propose).
             self.requests.draft_tokens[batch.idx_mapping[:n]] = drafts
+
+    def _early_block_terms(self, batch: InputBatch, q: int) -> tuple:
+        """What prepare_early gets for the draft block's anchors: the new computed count of row
+        i is its target length + the tokens it emitted (the packed step output's last column)
+        - Q, and its anchor the last sampled token of its request slot. Handed over as they lie
+        on the device, the block input write combines them in its one launch (four torch ops
+        before it did: a copy, an add, a sub and a gather). Returns (accepted, next token ids,
+        keyword terms)."""
+        emitted = self.__dict__.get("_emitted_column")
+        if emitted is None:  # a persistent view: one slice, not one per step
+            emitted = self._emitted_column = self._step_buffers.gpu[:, -1]
+        return batch.seq_lens, self.requests.last_sampled, dict(
+            accepted_extra=emitted, accepted_offset=-q, next_token_rows=batch.idx_mapping)
+
+    def _warm_early_block_write(self) -> None:
+        """Compile the early draft step's block input write (the kernel variant that reads
+        the terms above) at start-up, next to the graph captures, instead of JIT-compiling it
+        in the first early step (Triton, about a second). It writes one row of the drafter's
+        own input buffers, which every draft step and the draft graphs' capture write again."""
+        spec = self.speculator
+        if (self.device.type != "cuda" or spec is None
+                or not hasattr(spec, "prepare_early") or self.cudagraphs is None):
+            return
+        q = self.cudagraphs.query_len  # the verify rows' Q (the block's own is the drafter's)
+        size = min(self.cudagraphs.capture_sizes)  # a batch size the dummy batch can pad to
+        batch = self._dummy_graph_batch(size, q)
+        accepted, next_tokens, terms = self._early_block_terms(batch, q)
+        spec._write_block(size, size, accepted, next_tokens, **terms)
 
     def _copy_step_output(self, sampled: torch.Tensor, num_sampled: torch.Tensor, rows: int,
                           wait: bool = True):

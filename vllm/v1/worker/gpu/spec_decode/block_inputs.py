@@ -5,8 +5,14 @@ A uniform draft step: request i drafts Q tokens at positions start[i] + arange(Q
 start[i] = accepted[i] + start_offset (block drafters: offset 0, the anchor's position; EAGLE step
 s: offset s - 1), positions clamped to max_model_len - 1; its draft seq_len is
 min(start[i] + Q, max_model_len) and the row's first id is `next_token_ids[i]` (the anchor, or the
-previous draft). One call writes, for `padded` rows (rows past num_reqs are CUDA-graph padding:
-id 0, positions 0, length 0, PAD slots):
+previous draft). Two optional indirections let a caller hand over device state as it lies instead
+of preparing it with torch ops first (the early draft step: one launch instead of five,
+GPUModelRunner._prepare_draft_early): `accepted_extra` adds a per-row term to accepted (start[i]
+= accepted[i] + accepted_extra[i] + start_offset: the verify step's target lengths plus the
+tokens it emitted, less Q) and `next_token_rows` reads the first ids through a row -> slot map
+(next_token_ids[next_token_rows[i]]: the requests' last sampled tokens by slot). One call
+writes, for `padded` rows (rows past num_reqs are CUDA-graph padding: id 0, positions 0,
+length 0, PAD slots):
   - anchors[row] and input_ids[row * Q] (the mask columns 1.. are the caller's, written once);
   - positions[row * Q + j];
   - seq_lens[row];
@@ -50,7 +56,7 @@ if HAS_TRITON:
 
     # Per-step row counts are not specialised on (one compiled variant per Q, no JIT
     # mid-serving).
-    @triton.jit(do_not_specialize=["num_reqs", "start_offset", "next_offset"])
+    @triton.jit(do_not_specialize=["num_reqs", "start_offset", "next_offset", "extra_offset"])
     def _block_draft_inputs_kernel(
         input_ids_ptr,        # [max_num_tokens] int64
         positions_ptr,        # [max_num_tokens] int64
@@ -60,6 +66,11 @@ if HAS_TRITON:
         next_tokens_ptr,      # base of the first ids: row i at next_offset + i * next_stride
         next_offset,
         next_stride,
+        next_rows_ptr,        # HAS_NEXT_ROWS: [num_reqs] int64, the first id of row i is at
+                              # next_offset + next_rows[i] * next_stride
+        extra_ptr,            # HAS_EXTRA: row i adds extra[extra_offset + i * extra_stride]
+        extra_offset,
+        extra_stride,
         group_ids_ptr,        # [G] int32: the drafter's KV cache groups
         slot_mappings_ptr,    # [num_groups, slot_stride] int64
         slot_stride,
@@ -76,6 +87,8 @@ if HAS_TRITON:
         cp_interleave,
         Q: tl.constexpr,
         BLOCK_Q: tl.constexpr,
+        HAS_NEXT_ROWS: tl.constexpr,
+        HAS_EXTRA: tl.constexpr,
     ):
         row = tl.program_id(0)
         group_slot = tl.program_id(1)
@@ -84,10 +97,16 @@ if HAS_TRITON:
         in_block = cols < Q
         token = row.to(tl.int64) * Q + cols
         start = tl.load(accepted_ptr + row, mask=real, other=0).to(tl.int64) + start_offset
+        if HAS_EXTRA:
+            start += tl.load(extra_ptr + extra_offset + row.to(tl.int64) * extra_stride,
+                             mask=real, other=0).to(tl.int64)
         # Clamped positions only occur for drafts the scheduler drops at max_model_len.
         pos = tl.where(real, tl.minimum(start + cols, max_model_len - 1), 0)
         if group_slot == 0:  # one program per row writes the row's non-slot inputs
-            anchor = tl.load(next_tokens_ptr + next_offset + row * next_stride, mask=real,
+            source = row.to(tl.int64)
+            if HAS_NEXT_ROWS:
+                source = tl.load(next_rows_ptr + row, mask=real, other=0).to(tl.int64)
+            anchor = tl.load(next_tokens_ptr + next_offset + source * next_stride, mask=real,
                              other=0).to(tl.int64)
             tl.store(anchors_ptr + row, anchor)
             tl.store(input_ids_ptr + row.to(tl.int64) * Q, anchor)
@@ -112,7 +131,9 @@ if HAS_TRITON:
 
 
 def _check_args(tables: BlockTables, buffers: BlockInputBuffers, num_reqs: int, padded: int,
-                q: int, accepted: torch.Tensor, next_token_ids: torch.Tensor) -> None:
+                q: int, accepted: torch.Tensor, next_token_ids: torch.Tensor,
+                accepted_extra: torch.Tensor | None, next_token_rows: torch.Tensor | None
+                ) -> None:
     if not 0 <= num_reqs <= padded <= buffers.seq_lens.shape[0]:
         raise ValueError(f"need 0 <= num_reqs ({num_reqs}) <= padded ({padded}) <= "
                          f"max_num_reqs ({buffers.seq_lens.shape[0]}).")
@@ -121,15 +142,21 @@ def _check_args(tables: BlockTables, buffers: BlockInputBuffers, num_reqs: int, 
     num_tokens = padded * q
     if num_tokens > min(buffers.positions.shape[0], tables.max_num_batched_tokens):
         raise ValueError(f"{padded} rows of Q={q} tokens do not fit the token buffers.")
-    if accepted.shape[0] < num_reqs or next_token_ids.shape[0] < num_reqs:
-        raise ValueError(f"accepted ({accepted.shape[0]}) and next_token_ids "
-                         f"({next_token_ids.shape[0]}) need num_reqs={num_reqs} rows.")
+    rows = {"accepted": accepted,
+            "next_token_ids" if next_token_rows is None else "next_token_rows":
+            next_token_ids if next_token_rows is None else next_token_rows}
+    if accepted_extra is not None:
+        rows["accepted_extra"] = accepted_extra
+    short = {name: t.shape[0] for name, t in rows.items() if t.shape[0] < num_reqs}
+    if short:
+        raise ValueError(f"{short} (rows) need num_reqs={num_reqs} rows.")
 
 
 def write_block_inputs_torch(tables: BlockTables, buffers: BlockInputBuffers, num_reqs: int,
                              padded: int, q: int, accepted: torch.Tensor,
                              next_token_ids: torch.Tensor, max_model_len: int,
-                             start_offset: int = 0) -> None:
+                             start_offset: int = 0, accepted_extra: torch.Tensor | None = None,
+                             next_token_rows: torch.Tensor | None = None) -> None:
     """The torch twin of the fused kernel (CPU, or CUDA without Triton)."""
     num_tokens = padded * q
     anchors = buffers.anchors[:padded]
@@ -138,9 +165,13 @@ def write_block_inputs_torch(tables: BlockTables, buffers: BlockInputBuffers, nu
     if padded > num_reqs:  # CUDA-graph padding rows: anchor 0, positions 0, length 0
         for tensor in (anchors, positions, seq_lens):
             tensor[num_reqs:].zero_()
+    if next_token_rows is not None:
+        next_token_ids = next_token_ids[next_token_rows[:num_reqs]]
     anchors[:num_reqs].copy_(next_token_ids[:num_reqs])
     buffers.input_ids[:num_tokens].view(padded, q)[:, 0] = anchors
     accepted = accepted[:num_reqs].to(torch.int64)
+    if accepted_extra is not None:
+        accepted = accepted + accepted_extra[:num_reqs]
     if start_offset:
         accepted = accepted + start_offset
     torch.add(accepted[:, None], buffers.offsets, out=positions[:num_reqs])
@@ -176,40 +207,55 @@ def _slots_torch(tables: BlockTables, group_ids: tuple[int, ...], positions: tor
 _BLOCK_INPUTS_LAUNCH = LeanLaunch(_block_draft_inputs_kernel) if HAS_TRITON else None
 
 
+def _base_and_offset(column: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A column view (EAGLE: drafts[:, step - 1]; the packed step output's last column) as its
+    base tensor plus an element offset, so that the pointer's alignment (which Triton
+    specialises on) does not change with the column: one compiled variant, no JIT in the middle
+    of serving."""
+    base = column._base
+    if base is None or base.dtype != column.dtype:
+        base = column
+    return base, column.storage_offset() - base.storage_offset()
+
+
 def write_block_inputs_triton(tables: BlockTables, buffers: BlockInputBuffers, num_reqs: int,
                               padded: int, q: int, accepted: torch.Tensor,
                               next_token_ids: torch.Tensor, max_model_len: int,
-                              start_offset: int = 0) -> None:
+                              start_offset: int = 0, accepted_extra: torch.Tensor | None = None,
+                              next_token_rows: torch.Tensor | None = None) -> None:
     geometry = tables.device_slot_geometry()
-    # A column view (EAGLE: drafts[:, step - 1]) is passed as its base tensor plus an element
-    # offset, so the pointer's alignment (which Triton specialises on) does not change with the
-    # step: one compiled variant, no JIT in the middle of serving.
-    base = next_token_ids._base
-    if base is None or base.dtype != next_token_ids.dtype:
-        base = next_token_ids
-    next_offset = next_token_ids.storage_offset() - base.storage_offset()
+    base, next_offset = _base_and_offset(next_token_ids)
+    # Unused indirections get a valid pointer that the kernel never reads (constexpr off).
+    extra, extra_offset, extra_stride = buffers.anchors, 0, 0
+    if accepted_extra is not None:
+        extra, extra_offset = _base_and_offset(accepted_extra)
+        extra_stride = accepted_extra.stride(0)
+    rows = buffers.anchors if next_token_rows is None else next_token_rows
     grid = (padded, len(buffers.group_ids_host))
     _BLOCK_INPUTS_LAUNCH(
         grid, buffers.input_ids, buffers.positions, buffers.seq_lens, buffers.anchors, accepted,
-        base, next_offset, next_token_ids.stride(0), buffers.group_ids, geometry.slot_mappings,
+        base, next_offset, next_token_ids.stride(0), rows, extra, extra_offset, extra_stride,
+        buffers.group_ids, geometry.slot_mappings,
         geometry.slot_mappings.stride(0), geometry.input_block_tables,
         geometry.input_block_tables.stride(0), geometry.input_block_tables.stride(1),
         geometry.block_sizes, geometry.group_cp_sizes, geometry.group_max_blocks, num_reqs,
         max_model_len, start_offset, geometry.cp_rank, geometry.cp_interleave, Q=q,
-        BLOCK_Q=triton.next_power_of_2(q))
+        BLOCK_Q=triton.next_power_of_2(q), HAS_NEXT_ROWS=next_token_rows is not None,
+        HAS_EXTRA=accepted_extra is not None)
 
 
 def write_block_inputs(tables: BlockTables, buffers: BlockInputBuffers, num_reqs: int,
                        padded: int, q: int, accepted: torch.Tensor, next_token_ids: torch.Tensor,
-                       max_model_len: int, start_offset: int = 0) -> torch.Tensor:
+                       max_model_len: int, start_offset: int = 0,
+                       accepted_extra: torch.Tensor | None = None,
+                       next_token_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Write the block inputs of `padded` rows (see the module docstring). Returns the
     [num_groups, padded * Q] view of the persistent slot mappings; only the drafter's groups'
     rows were written (the draft forward reads no other group)."""
-    _check_args(tables, buffers, num_reqs, padded, q, accepted, next_token_ids)
-    if buffers.positions.is_cuda and HAS_TRITON:
-        write_block_inputs_triton(tables, buffers, num_reqs, padded, q, accepted, next_token_ids,
-                                  max_model_len, start_offset)
-    else:
-        write_block_inputs_torch(tables, buffers, num_reqs, padded, q, accepted, next_token_ids,
-                                 max_model_len, start_offset)
+    _check_args(tables, buffers, num_reqs, padded, q, accepted, next_token_ids, accepted_extra,
+                next_token_rows)
+    write = (write_block_inputs_triton if buffers.positions.is_cuda and HAS_TRITON
+             else write_block_inputs_torch)
+    write(tables, buffers, num_reqs, padded, q, accepted, next_token_ids, max_model_len,
+          start_offset, accepted_extra, next_token_rows)
     return tables.slot_mapping_view(padded * q)

@@ -218,7 +218,9 @@ class BlockSpeculator(Speculator):
 
     def prepare_early(self, num_reqs: int, accepted: torch.Tensor, next_token_ids: torch.Tensor,
                       upper_num_computed_new: np.ndarray, target_seq_lens: np.ndarray,
-                      lower_num_computed_new: np.ndarray | None = None
+                      lower_num_computed_new: np.ndarray | None = None, *,
+                      accepted_extra: torch.Tensor | None = None, accepted_offset: int = 0,
+                      next_token_rows: torch.Tensor | None = None
                       ) -> torch.Tensor | None:
         """Write the draft block's inputs and build its attention metadata before the step's
         accepted counts reach the host. `accepted` [num_reqs] holds, on the device, the exact
@@ -230,11 +232,17 @@ class BlockSpeculator(Speculator):
         `lower_num_computed_new` (every draft rejected) and VLLM_EARLY_DRAFT_DEVICE_LOWERING=1
         the lowering is enqueued here, on the device, where the lower bound shows it valid,
         and the draft step is launched right after it: then its drafts [num_reqs, k] are
-        returned (the proposal takes them through consume_early_launch), else None."""
+        returned (the proposal takes them through consume_early_launch), else None.
+        The runner may hand the device state over as it lies, for the fused block input write
+        to combine (block_inputs.py; no torch ops before it): the new computed count of row i
+        is then accepted[i] + accepted_extra[i] + accepted_offset, and its anchor
+        next_token_ids[next_token_rows[i]]."""
         q = self.query_len
         graph_size = self._graph_size(num_reqs)
         padded = graph_size or num_reqs
-        anchors, slot_mappings = self._write_block(num_reqs, padded, accepted, next_token_ids)
+        anchors, slot_mappings = self._write_block(num_reqs, padded, accepted, next_token_ids,
+                                                   accepted_offset, accepted_extra,
+                                                   next_token_rows)
         upper = np.minimum(np.asarray(upper_num_computed_new, dtype=np.int64)[:num_reqs] + q,
                            self.max_model_len)
         target = np.array(target_seq_lens[:num_reqs], dtype=np.int64)  # kept past this step
@@ -302,11 +310,15 @@ class BlockSpeculator(Speculator):
         return early.drafts
 
     def _write_block(self, num_reqs: int, padded: int, accepted: torch.Tensor,
-                     next_token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     next_token_ids: torch.Tensor, accepted_offset: int = 0,
+                     accepted_extra: torch.Tensor | None = None,
+                     next_token_rows: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Block inputs for `padded` rows (rows past num_reqs are CUDA-graph padding: position
         0, no KV, length 0): ids = anchor + masks at positions accepted + arange(Q), the draft
-        seq_lens and the drafter groups' slot mappings, in one fused write (block_inputs.py).
-        Returns (anchors [padded], slot mappings [num_groups, padded * Q])."""
+        seq_lens and the drafter groups' slot mappings, in one fused write (block_inputs.py;
+        the optional terms as prepare_early says). Returns (anchors [padded], slot mappings
+        [num_groups, padded * Q])."""
         q = self.query_len
         # Columns 1.. hold the mask token in every row, always: written once (the buffer is the
         # speculator's own; only column 0, the anchor, changes between steps).
@@ -314,7 +326,9 @@ class BlockSpeculator(Speculator):
             block_ids = self.input_buffers.input_ids[: padded * q].view(padded, q)
             block_ids[:, 1:].fill_(int(self.model.config.mask_token_id))
             self._masks_written = padded
-        slot_mappings = self._write_uniform_rows(num_reqs, padded, q, accepted, next_token_ids)
+        slot_mappings = self._write_uniform_rows(num_reqs, padded, q, accepted, next_token_ids,
+                                                 accepted_offset, accepted_extra,
+                                                 next_token_rows)
         return self._anchor_views(padded), slot_mappings
 
     def _anchor_views(self, padded: int) -> torch.Tensor:
