@@ -142,13 +142,15 @@ def _check_args(tables: BlockTables, buffers: BlockInputBuffers, num_reqs: int, 
     num_tokens = padded * q
     if num_tokens > min(buffers.positions.shape[0], tables.max_num_batched_tokens):
         raise ValueError(f"{padded} rows of Q={q} tokens do not fit the token buffers.")
-    rows = {"accepted": accepted,
-            "next_token_ids" if next_token_rows is None else "next_token_rows":
-            next_token_ids if next_token_rows is None else next_token_rows}
-    if accepted_extra is not None:
-        rows["accepted_extra"] = accepted_extra
-    short = {name: t.shape[0] for name, t in rows.items() if t.shape[0] < num_reqs}
-    if short:
+    first = next_token_ids if next_token_rows is None else next_token_rows
+    if (accepted.shape[0] < num_reqs or first.shape[0] < num_reqs
+            or (accepted_extra is not None and accepted_extra.shape[0] < num_reqs)):
+        # (every draft step checks: the names are gathered only for the message)
+        rows = {"accepted": accepted,
+                "next_token_ids" if next_token_rows is None else "next_token_rows": first}
+        if accepted_extra is not None:
+            rows["accepted_extra"] = accepted_extra
+        short = {name: t.shape[0] for name, t in rows.items() if t.shape[0] < num_reqs}
         raise ValueError(f"{short} (rows) need num_reqs={num_reqs} rows.")
 
 
