@@ -30,6 +30,7 @@
 #   bash scripts/gpu_validation.sh earlylaunchbench # ... its in-process A/B and the B=1 headline with it on (~6 min)
 #   bash scripts/gpu_validation.sh advance   # the one-launch plan lowering and advance vs TORCH_MLA (~1 min)
 #   bash scripts/gpu_validation.sh leanb8    # lean Triton launches off/on at B=8, launches and host waits per case (~5 min)
+#   bash scripts/gpu_validation.sh graphadvance # graph steps carrying the previous step's metadata: tests, probe off/on (~5 min)
 #   bash scripts/gpu_validation.sh headline  # tiny DSpark vs none (always, 3 repeats) and the V3-rank DSpark overhead (~5 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
 set -uo pipefail
@@ -262,6 +263,20 @@ for what in "${groups[@]}"; do
       timeout 330 python3 scripts/ab_lean_launch.py --batch-sizes 8 --rounds 3 --host-waits \
         --json "$out/leanb8.json" >"$out/leanb8.log" 2>&1
       summary+=("lean B=8 rc=$?"); grep -v "Warn\|warn_once" "$out/leanb8.log" | tail -n 10 ;;
+    graphadvance)  # graph steps carrying the previous step's metadata: GPU tests, probe off/on (~5 min)
+      PYTEST_TIMEOUT_S=300 run_pytest graphadvance tests/v1/attention/test_flashinfer_mla_gpu.py \
+        tests/v1/worker/test_cudagraph_runner_gpu.py tests/v1/e2e/test_gpu_exactness.py \
+        tests/v1/spec_decode/test_early_draft_launch_gpu.py \
+        tests/v1/engine/test_async_scheduling_gpu.py \
+        -k "carried or advanced or lowered or graphs_equal or device_to_host or dcp1 or launch or async"
+      for adv in 0 1; do
+        VLLM_GRAPH_STEP_ADVANCE=$adv timeout 110 python3 scripts/probe_spec_step.py --device cuda \
+          --dtype bfloat16 --attention-backend FLASHINFER_MLA --batch 1 8 --modes plain draft \
+          --steps 100 >"$out/probe_advance$adv.log" 2>&1
+        summary+=("probe advance=$adv rc=$?")
+        grep -E "step .* ms|engine.step|_prepare_inputs|builder build|_advance_graph" \
+          "$out/probe_advance$adv.log" | tail -n 12
+      done ;;
     hostprofile)  # where a speculative step's host time goes, by phase and by function
       timeout 200 python3 scripts/probe_spec_step.py --device cuda --dtype bfloat16 \
         --attention-backend FLASHINFER_MLA --batch 1 8 --modes plain draft --steps 100 \

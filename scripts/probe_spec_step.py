@@ -102,6 +102,8 @@ def _instrument(engine) -> None:
     _wrap(runner_cls, "execute_model_async", "runner.execute_model (all)")
     _wrap(runner_cls, "_update_states", "runner._update_states")
     _wrap(runner_cls, "_prepare_inputs", "runner._prepare_inputs")
+    if runner_cls.__dict__.get("_advance_graph_step") is not None:
+        _wrap(runner_cls, "_advance_graph_step", "  runner._advance_graph_step (carry, or refuse)")
     _wrap(runner_cls, "_forward", "runner._forward (target model)")
     _wrap(runner_cls, "_sample", "runner._sample")
     _wrap(runner_cls, "_copy_step_output", "runner._copy_step_output (incl. wait)")
@@ -216,6 +218,8 @@ def probe(mode: str, batch: int, args) -> dict:
         _STEPS.clear()
         _CURRENT.clear()
         step_ms = []
+        model_runner = engine.executor.worker.model_runner
+        advances_before = getattr(model_runner, "graph_step_advances", 0)
         for _ in range(args.steps):
             kinds.before()
             t0 = time.perf_counter()
@@ -225,6 +229,9 @@ def probe(mode: str, batch: int, args) -> dict:
             _STEPS.append(dict(_CURRENT))
             _CURRENT.clear()
         kinds.restore()
+        # graph steps that carried the previous step's metadata (the runner's
+        # _advance_graph_step; VLLM_GRAPH_STEP_ADVANCE=0 turns it off)
+        advanced = getattr(model_runner, "graph_step_advances", 0) - advances_before
         ops = {}
         if args.count_ops:
             _OPS.clear()
@@ -258,7 +265,7 @@ def probe(mode: str, batch: int, args) -> dict:
         return {"mode": mode, "batch": batch, "step_ms": statistics.median(step_ms),
                 "phases_ms": phases, "ops_per_step": ops, "policy": stats.get("policy"),
                 "mean_acceptance_length": stats.get("mean_acceptance_length"),
-                "step_kinds": kinds.summary()}
+                "step_kinds": kinds.summary(), "graph_step_advances_per_step": advanced / len(step_ms)}
     finally:
         _unwrap()
         if _gc_callback in gc.callbacks:
@@ -355,7 +362,8 @@ def main() -> None:
             r["ops_per_step"] = runs[-1]["ops_per_step"]
             r["step_kinds"] = runs[-1]["step_kinds"]
             results.append(r)
-            print(f"{mode:8s} B={batch:<3d} step {r['step_ms']:.3f} ms", flush=True)
+            print(f"{mode:8s} B={batch:<3d} step {r['step_ms']:.3f} ms, graph steps advanced "
+                  f"{r['graph_step_advances_per_step']:.2f} / step", flush=True)
     print(_table(results))
     print()
     print(_kinds_table(results))

@@ -374,6 +374,48 @@ def test_a_plan_held_from_the_previous_step_advanced_on_the_device_matches_torch
     assert_states_close(fi, ref)
 
 
+@pytest.mark.parametrize("non_causal", [False, True], ids=["verify-causal", "draft-noncausal"])
+def test_a_graph_step_carried_to_the_next_step_matches_torch_mla(non_causal):
+    """The runner's graph-step advance (GPUModelRunner._advance_graph_step): metadata built
+    for one graph step (lengths [700, 2040, 60, 9]) carries the next (every request one to
+    four tokens longer, in the same pages of 64 and chunks), whose lengths the batch builder
+    has written into the device buffer the metadata aliases. advance_graph_step writes them
+    into the plan and the row lengths; FlashInfer and TORCH_MLA on the carried metadata then
+    equal TORCH_MLA on metadata built afresh for the next step. Before the advance FlashInfer
+    still reads the earlier lengths (it must differ, so the check can fail). Verify rows
+    (causal Q=5) and draft blocks (non-causal Q=5)."""
+    import numpy as np
+    from dataclasses import replace
+    q_len, previous, nxt = 5, [700, 2040, 60, 9], [704, 2044, 64, 13]
+    builder = _graph_builder(q_len, non_causal=non_causal, max_model_len=8192)
+    _graph_step(builder, [690, 2030, 50, 5], [q_len] * 4, not non_causal, 81)  # plan_args
+    case = make_case(nxt, [q_len] * 4, num_heads=HEADS, causal=not non_causal, seed=82,
+                     dtype=torch.bfloat16)
+    _, cache, cm, _ = build_rank(case, FlashInferMLAMetadataBuilder, 1, 0, 1, BLOCK, fill=4.0,
+                                 device=DEVICE, builder_kwargs=dict(kernel_family="hopper"))
+    graph_cm = replace(cm, cudagraph=True)
+    q = torch.zeros(4 * q_len, HEADS, case.q.shape[-1], dtype=case.q.dtype, device=DEVICE)
+    q[: case.q.shape[0]] = case.q.to(DEVICE)
+
+    def run(impl, decode):
+        return impl(num_heads=HEADS, scale=case.scale).forward_decode(q, cache, decode)
+
+    fresh = _graph_builder(q_len, non_causal=non_causal, max_model_len=8192)
+    ref = run(TorchMLAImpl, fresh.build(0, graph_cm).decode)
+    # the earlier step: its lengths on the host and in the device buffer, then the next's
+    cm.seq_lens.copy_(torch.tensor(previous, dtype=cm.seq_lens.dtype))
+    md = builder.build(0, replace(graph_cm,
+                                  seq_lens_cpu=torch.tensor(previous, dtype=torch.int32)))
+    cm.seq_lens.copy_(torch.tensor(nxt, dtype=cm.seq_lens.dtype))
+    assert md.decode.seq_lens.data_ptr() == cm.seq_lens.data_ptr()
+    stale = run(FlashInferMLAImpl, md.decode)
+    assert not torch.allclose(stale[1][: case.q.shape[0]].float(), ref[1][: case.q.shape[0]].float(),
+                              atol=1e-2)
+    assert builder.advance_graph_step(md, np.array(nxt, dtype=np.int32))
+    assert_states_close(run(FlashInferMLAImpl, md.decode), ref)
+    assert_states_close(run(TorchMLAImpl, md.decode), ref)
+
+
 def test_a_graph_plan_for_upper_bound_lengths_lowered_in_place_matches_torch_mla():
     """A block drafter's metadata built while the verify step runs (early_draft.py): the host
     plans for upper-bound lengths (every draft accepted) while the device already holds the

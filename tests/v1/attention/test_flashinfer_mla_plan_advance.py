@@ -34,15 +34,21 @@ def held(monkeypatch):
     """(builder, metadata planned for UPPER with the device lengths at EXACT, the int
     workspace as int32, a host refresh of that workspace for lengths -> its bytes, the
     metadata input that planned it)."""
+    return _held(monkeypatch, causal=False)
+
+
+def _held(monkeypatch, causal: bool):
+    """The `held` fixture's plan for draft blocks (non-causal) or verify rows (causal)."""
     install_native_replan(monkeypatch, PlanModelWrapper)
     from vllm.v1.attention.backends.mla import flashinfer_mla as fm
     from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import PlanRefresher
     config = SimpleNamespace(parallel_config=parallel_config(1, 1).parallel_config,
                              model_config=SimpleNamespace(max_model_len=4096), max_num_seqs=4)
-    builder = fm.FlashInferMLAMetadataBuilder(mla_spec(PAGE, True, torch.float32), ["layer.0"],
-                                              config, "cpu", dcp_rank=0, kernel_family="hopper")
+    builder = fm.FlashInferMLAMetadataBuilder(mla_spec(PAGE, not causal, torch.float32),
+                                              ["layer.0"], config, "cpu", dcp_rank=0,
+                                              kernel_family="hopper")
     builder.reorder_batch_threshold = Q
-    case = make_case(EXACT, [Q] * 4, num_heads=16, causal=False, seed=3, dtype=torch.float32)
+    case = make_case(EXACT, [Q] * 4, num_heads=16, causal=causal, seed=3, dtype=torch.float32)
     _, _, cm, _ = build_rank(case, fm.FlashInferMLAMetadataBuilder, 1, 0, 1, PAGE, fill=0.0,
                              builder_kwargs=dict(kernel_family="hopper"))
     upper_cm = replace(cm, cudagraph=True, seq_lens_cpu=torch.tensor(UPPER, dtype=torch.int32),
@@ -122,3 +128,59 @@ def test_the_same_step_lowering_shares_the_checks(held):
     assert torch.equal(ws, before)
     assert builder.lower_decode_seq_lens_on_device(md, np.array([704, 2049, 66, 8]))
     assert torch.equal(ws, host_refresh(EXACT))
+
+
+# A target step's graph plan carried to the next step (advance_graph_step, the runner's
+# _advance_graph_step): this step's exact lengths, one more token per request, still in the
+# pages listed for UPPER (45, 129, 5, 1) and in every chunk.
+NEXT = [713, 2057, 75, 15]
+
+
+@pytest.fixture(params=[True, False], ids=["verify-causal", "draft-noncausal"])
+def held_step(request, monkeypatch):
+    return _held(monkeypatch, causal=request.param), request.param
+
+
+def _rows_of(lengths, causal: bool) -> list[int]:
+    """Every query row's visible KV count (DESIGN §2): row j of a causal block of Q sees
+    G - (Q - 1 - j) tokens, every non-causal row the whole G."""
+    return [g - (Q - 1 - j) if causal else g for g in lengths for j in range(Q)]
+
+
+def test_a_graph_step_advance_writes_the_lengths_a_build_would(held_step):
+    """The next step's lengths, put into the device buffer the metadata aliases (as the batch
+    builder does): the advance leaves the work arrays as a host refresh for them, the
+    wrapper's kv_len_arr at them and every query row's visible count at its geometry."""
+    (builder, md, ws, host_refresh, _), causal = held_step
+    md.decode.seq_lens[:4].copy_(torch.tensor(NEXT, dtype=md.decode.seq_lens.dtype))
+    assert md.decode.row_seq_lens[:4 * Q].tolist() != _rows_of(NEXT, causal)
+    lowerings = md.decode.backend_state.wrapper_slot.refresher.device_lowerings
+    assert builder.advance_graph_step(md, np.array(NEXT, dtype=np.int32))
+    assert torch.equal(ws, host_refresh(NEXT))
+    kv_len_arr = md.decode.backend_state.wrapper_slot.wrapper._planned_backend._kv_len_arr_buf
+    assert kv_len_arr[:4].tolist() == NEXT and not kv_len_arr[4:].any()
+    assert md.decode.row_seq_lens[:4 * Q].tolist() == _rows_of(NEXT, causal)
+    assert md.decode.backend_state.wrapper_slot.refresher.device_lowerings == lowerings + 1
+
+
+@pytest.mark.parametrize("why", ["a later build", "past the listed pages", "under a chunk edge"])
+def test_a_refused_graph_step_advance_changes_nothing(held_step, why):
+    """Refused where the held state is no longer the builder's latest (any build since
+    rewrote its row buffers or plans) or the lengths leave the plan's pages or chunks; the
+    device buffers keep what they held (the runner then builds)."""
+    (builder, md, ws, _, upper_cm), _ = held_step
+    lengths = np.array(NEXT, dtype=np.int32)
+    if why == "a later build":
+        builder.build(0, upper_cm)
+    elif why == "past the listed pages":
+        lengths[2] = 81  # 6 pages of 16: the plan lists 5 for request 2
+    else:
+        skeleton = md.decode.backend_state.wrapper_slot.refresher.skeleton
+        multi = [i for i in range(skeleton.num_real) if skeleton.lo[i] > 0]
+        lengths[multi[0]] = int(skeleton.lo[multi[0]])
+    md.decode.seq_lens[:4].copy_(torch.from_numpy(lengths).to(md.decode.seq_lens.dtype))
+    ws_before, rows_before = ws.clone(), builder._row_seq_lens_buf.clone()
+    assert not builder.advance_graph_step(md, lengths)
+    assert torch.equal(builder._row_seq_lens_buf, rows_before)
+    if why != "a later build":
+        assert torch.equal(ws, ws_before)

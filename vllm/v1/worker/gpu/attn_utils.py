@@ -13,7 +13,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm.utils.env_flags import switch_flag
 from vllm.v1.attention.backend import CommonAttentionMetadata
+
+# Graph decode steps with the previous graph step's rows carry its attention metadata over
+# (advance_graph_metadata) instead of building it: on unless set to "0".
+GRAPH_STEP_ADVANCE_FLAG = "VLLM_GRAPH_STEP_ADVANCE"
+
+
+def graph_step_advance_enabled() -> bool:
+    return switch_flag(GRAPH_STEP_ADVANCE_FLAG, True,
+                       "graph decode steps with the previous graph step's rows advance its "
+                       "attention metadata on the device", "build it on the host every step")
 
 
 def _rows(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -206,3 +217,20 @@ def advance_attn_metadata_on_device(
     return _each_group_builder(attn_metadata_builders, kv_cache_config, attn_metadata,
                                "advance_decode_plan_on_device",
                                (lower_seq_lens_np, upper_seq_lens_np), group_ids)
+
+
+def advance_graph_metadata(
+    *,
+    attn_metadata_builders: Sequence[Any],
+    kv_cache_config: Any,
+    attn_metadata: Mapping[str, Any],
+    seq_lens_np: np.ndarray,
+    group_ids: Sequence[int] | None = None,
+) -> bool:
+    """Carry the attention metadata of an earlier CUDA-graph decode step over to this one
+    (same requests in the same rows, same query rows; `seq_lens_np` this step's exact host
+    lengths, already in the device buffers the metadata aliases), group by group, through
+    each builder's advance_graph_step. False as soon as a group's builder cannot: the caller
+    then builds this step's metadata, which rewrites what the groups advanced before."""
+    return _each_group_builder(attn_metadata_builders, kv_cache_config, attn_metadata,
+                               "advance_graph_step", seq_lens_np, group_ids)

@@ -31,7 +31,8 @@ from vllm.v1.sample.rejection_sampler import RejectionSampler, verification_layo
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.gpu.async_utils import (AsyncModelRunnerOutput, LaunchedStep,
                                              StepOutputBuffers)
-from vllm.v1.worker.gpu.attn_utils import KVWriteOnlyMetadata, build_attn_metadata
+from vllm.v1.worker.gpu.attn_utils import (KVWriteOnlyMetadata, advance_graph_metadata,
+                                            build_attn_metadata, graph_step_advance_enabled)
 from vllm.v1.worker.gpu.block_table import BlockTables
 from vllm.v1.worker.gpu.buffer_utils import CpuGpuBuffer
 from vllm.v1.worker.gpu.graph_sampling import captured_greedy_step
@@ -260,6 +261,11 @@ class GPUModelRunner:
         self._kv_write_only_groups = tuple(i for i in range(len(groups))
                                            if i not in self._target_group_ids)
         self._write_only_entries: dict[int, dict[str, KVWriteOnlyMetadata]] = {}
+        # The last graph step's (shape, row slots, attention metadata): the next graph step
+        # with the same rows carries it over (_advance_graph_step). VLLM_GRAPH_STEP_ADVANCE=0
+        # builds every step.
+        self._held_graph_step = None
+        self._graph_step_advance = graph_step_advance_enabled()
         for builder in self.attn_metadata_builders:
             # Rows of at most 1 + k tokens (decode / verify, draft blocks) take the decode path;
             # longer rows (prefill chunks, with or without context) the prefill path.
@@ -281,6 +287,7 @@ class GPUModelRunner:
         for q, manager in self._graph_managers.items():
             manager.capture_all(lambda size, q=q: self._dummy_graph_batch(size, q), self._forward)
         self._warm_early_block_write()
+        self._held_graph_step = None  # the dummy batches' metadata carries no real step
         # The dummy batches wrote into slots' host state; hand every slot back clean.
         self.requests.num_computed.np[:] = 0
         spec = self.speculator
@@ -305,7 +312,7 @@ class GPUModelRunner:
             self.requests.num_computed.np[slot] = 1
         layout = (rows, [q] * num_reqs_padded, [q - 1] * num_reqs_padded,
                   [True] * num_reqs_padded, [None] * num_reqs_padded)
-        return self._build_batch(layout, num_reqs_padded, cudagraph=True)
+        return self._build_batch(layout, num_reqs_padded, cudagraph=True, advance=False)
 
     # ------------------------------------------------------------ state update
     def _update_states(self, scheduler_output: Any) -> None:
@@ -1083,7 +1090,11 @@ class GPUModelRunner:
                 self.requests.draft_tokens[idx, :w] = self._forced.gpu[idx, :w]
         return rows, counts, num_drafts, samples, host_ids
 
-    def _build_batch(self, layout, num_reqs_padded: int | None, cudagraph: bool) -> InputBatch:
+    # graph steps whose attention metadata was carried over from the previous graph step
+    graph_step_advances = 0
+
+    def _build_batch(self, layout, num_reqs_padded: int | None, cudagraph: bool,
+                     advance: bool = True) -> InputBatch:
         rows, counts, num_drafts, samples, host_ids = layout
         q = max(counts)
         batch = self.batch_builder.build(
@@ -1091,6 +1102,8 @@ class GPUModelRunner:
             num_reqs_padded=num_reqs_padded,
             num_tokens_padded=None if num_reqs_padded is None else num_reqs_padded * q)
         batch.cudagraph = cudagraph
+        if cudagraph and advance and self._advance_graph_step(batch):
+            return batch
         # One host copy serves both length arguments (exact lengths are their own upper bound;
         # the builders only read them).
         seq_lens_cpu = torch.from_numpy(batch.seq_lens_np.copy())
@@ -1126,7 +1139,37 @@ class GPUModelRunner:
                 entries = self._write_only_entries[batch.num_tokens_padded] = \
                     self._make_write_only_entries(batch.num_tokens_padded)
             batch.attn_metadata.update(entries)
+        self._held_graph_step = None
+        if cudagraph and advance and self._graph_step_advance:
+            n = batch.num_reqs
+            self._held_graph_step = ((batch.num_reqs_padded, batch.num_tokens_padded, n),
+                                     batch.idx_mapping_np[:n].copy(), batch.attn_metadata)
         return batch
+
+    def _advance_graph_step(self, batch: InputBatch) -> bool:
+        """Give a graph step the previous graph step's attention metadata, advanced on the
+        device, when its rows are the same slots with the same query rows (the batch
+        builder has written this step's lengths into the device buffers that metadata
+        aliases): each builder writes the new lengths from the device where its held state
+        still fits them (advance_graph_metadata). Why: a graph replay reads no metadata on the
+        host, and in steady decode the host build (the MLA geometry, the FlashInfer CSR, the
+        plan refresh) was ~0.25 ms of a ~1 ms B=1 DSpark step on the H100 node (twenty-fifth
+        session, probe_spec_step.py), run before the step's launch. False: build."""
+        held = self._held_graph_step
+        if held is None:
+            return False
+        shape, slots, attn_metadata = held
+        n = batch.num_reqs
+        if (shape != (batch.num_reqs_padded, batch.num_tokens_padded, n)
+                or not np.array_equal(slots, batch.idx_mapping_np[:n])
+                or not advance_graph_metadata(
+                    attn_metadata_builders=self.attn_metadata_builders,
+                    kv_cache_config=self.kv_cache_config, attn_metadata=attn_metadata,
+                    seq_lens_np=batch.seq_lens_np, group_ids=self._target_group_ids)):
+            return False
+        batch.attn_metadata = attn_metadata
+        self.graph_step_advances += 1
+        return True
 
     def _make_write_only_entries(self, num_tokens: int) -> dict[str, KVWriteOnlyMetadata]:
         """{layer: metadata} of the KV-write-only groups (a block drafter's layers in the target

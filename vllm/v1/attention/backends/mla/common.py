@@ -104,6 +104,9 @@ class MLACommonMetadata:
     decode: MLACommonDecodeMetadata | None
     prefill: MLACommonPrefillMetadata | None
     num_prefill_tokens: int = 0
+    # which build of its builder this is (MLACommonMetadataBuilder.advance_graph_step: only
+    # the builder's latest build may carry a later step)
+    build_index: int = 0
 
 
 @dataclass
@@ -261,9 +264,14 @@ class MLACommonMetadataBuilder:
         self._held_geometry = geo if num_prefills == 0 else None
         return geo
 
+    # Builds made so far (each build rewrites the builder's persistent row buffers and may
+    # re-plan its wrappers): advance_graph_step accepts only the latest build's metadata.
+    builds = 0
+
     def build(self, common_prefix_len: int,
               common_attn_metadata: CommonAttentionMetadata) -> MLACommonMetadata:
         cm = common_attn_metadata
+        self.builds += 1
         geo = self._geometry(cm)
         seq_lens_host = self._host_seq_lens(cm)
         num_decodes, num_prefills = geo.num_decodes, geo.num_prefills
@@ -278,7 +286,50 @@ class MLACommonMetadataBuilder:
             num_actual_tokens=cm.num_actual_tokens, slot_mapping=cm.slot_mapping,
             num_decodes=num_decodes, num_decode_tokens=geo.num_decode_tokens,
             num_prefills=num_prefills, causal=geo.causal, decode=decode, prefill=prefill,
-            num_prefill_tokens=geo.num_prefill_tokens)
+            num_prefill_tokens=geo.num_prefill_tokens, build_index=self.builds)
+
+    def advance_graph_step(self, metadata: MLACommonMetadata, seq_lens_np: np.ndarray) -> bool:
+        """Carry `metadata`, built for an earlier CUDA-graph decode step, over to this step in
+        place of a new build, when the rows are the same requests with the same query rows
+        and only their lengths grew (the runner checks the rows; `seq_lens_np` are this
+        step's exact host lengths, one per batch row, and the device `seq_lens` the metadata
+        aliases already hold them). Why: a graph replay reads nothing of the metadata on the
+        host; what the build would change is the device row lengths (one op here, from the
+        device lengths) and, for a backend with host plans, the plan's lengths
+        (`_advance_plan`). Valid only while this builder has built nothing since (`builds`:
+        its persistent row buffers still hold that build's layout, its plans that build's),
+        for decode-only graph metadata with uniform rows at DCP 1. False, changing nothing,
+        otherwise; the caller then builds."""
+        decode = metadata.decode
+        if (decode is None or metadata.num_prefills or not decode.cudagraph
+                or metadata.build_index != self.builds or self.dcp_world_size != 1
+                or getattr(self, "_row_layout_key", None) is None):
+            return False
+        if not self._advance_plan(metadata, seq_lens_np):
+            return False
+        self._rewrite_uniform_rows(decode.seq_lens)
+        return True
+
+    def _advance_plan(self, metadata: MLACommonMetadata, seq_lens_np: np.ndarray) -> bool:
+        """advance_graph_step's backend part: bring host-planned state to the new lengths
+        (False: it cannot, nothing changed). The base builder plans nothing on the host; every
+        length its kernels read is the device row lengths, and a graph step's shapes come
+        from the capture's bound (max_seq_len = max_model_len), not from the lengths."""
+        return True
+
+    def _rewrite_uniform_rows(self, lens: torch.Tensor) -> None:
+        """Rewrite the live rows' lengths of the uniform layout the last row write left in
+        the persistent buffers (`_row_layout_key`; request and in-block index and the padding
+        tail stay): one torch op (see _row_seq_lens)."""
+        live, q, causal = self._row_layout_key[2:5]
+        view, offsets = self._row_layout_view
+        lens = lens if lens.shape[0] == live else lens[:live]
+        if q == 1:
+            view.copy_(lens)
+        elif causal:
+            torch.sub(lens.unsqueeze(1), offsets, out=view)
+        else:
+            view.copy_(lens.unsqueeze(1).expand(live, q))
 
     def _count_decodes(self, cm: CommonAttentionMetadata, query_lens: np.ndarray) -> int:
         """Leading rows with query length <= reorder_batch_threshold (decode rows); all rows
@@ -418,14 +469,7 @@ class MLACommonMetadataBuilder:
             live, q = uniform_rows
             key = (num_decodes, num_tokens, live, q, causal, out.data_ptr())
             if getattr(self, "_row_layout_key", None) == key:
-                view, offsets = self._row_layout_view
-                lens = local_seq_lens if local_seq_lens.shape[0] == live else local_seq_lens[:live]
-                if q == 1:
-                    view.copy_(lens)
-                elif causal:
-                    torch.sub(lens.unsqueeze(1), offsets, out=view)
-                else:
-                    view.copy_(lens.unsqueeze(1).expand(live, q))
+                self._rewrite_uniform_rows(local_seq_lens)
                 return out, req_buf, pos_buf
         # Any other write leaves the buffers in another layout: the shortcut waits for the next
         # step written in full.

@@ -1032,6 +1032,19 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
             return False
         return self._lower_held_plan(held, bounds[0], bounds[1], same_step=False)
 
+    def _advance_plan(self, metadata: MLACommonMetadata, seq_lens_np: np.ndarray) -> bool:
+        """advance_graph_step's plan part (a target step's graph plan, held from the step
+        before): the exact host lengths bound the device ones from both sides, and the held
+        plan must still list their pages and keep their chunk counts; then the lengths are
+        written from the device in one launch (advance_decode_plan_on_device), in place of
+        the host build and refresh. Hopper graph plans at DCP 1 only."""
+        held = self._held_graph_plan(metadata)
+        if held is None:
+            return False
+        n = held[1].request_rows.shape[0]
+        exact = np.asarray(seq_lens_np)[:n]
+        return self._lower_held_plan(held, exact, exact, same_step=False)
+
     def _lower_held_plan(self, held: tuple, lower_np, upper_np, same_step: bool) -> bool:
         """Write the device lengths into the held plan (`_held_graph_plan`) where every length
         in [lower, upper] (host bounds, one per decode request) keeps its rows, listed pages and
