@@ -65,7 +65,65 @@ def main() -> None:
         assert (arr_triton[num_real:] == -7).all() and torch.equal(arr_triton, arr_torch), seed
         checked += 1
     assert checked >= 30, checked  # most random plans admit the lowering
-    print("TRITON_INTERPRET_OK", checked)
+    rebuilt = _check_csr_rebuild()
+    print("TRITON_INTERPRET_OK", checked, rebuilt)
+
+
+def _check_csr_rebuild() -> int:
+    """The page lists rebuilt on the device (rebuild_csr_*), then the lengths lowered: for a
+    plan held from an earlier step whose requests grew into pages it does not list (and whose
+    rows' page ids changed), the work arrays equal a host refresh for the new lengths and page
+    lists, and the CSR equals what a host plan lists (cumulative page counts; each request's
+    first pages of its block-table row)."""
+    page, checked = 16, 0
+    for seed in range(100, 160):
+        rng = random.Random(seed)
+        k = rng.choice([0, 1, 4, 7])  # 0: plain Q=1 rows
+        num_real, num_pad = rng.randint(1, 12), rng.randint(0, 3)
+        q = k + 1
+        qo = np.concatenate([[0], np.cumsum([q] * num_real + [0] * num_pad)]).astype(np.int32)
+        planned = np.array([rng.randint(k + 2, rng.choice([60, 700, 3000]))
+                            for _ in range(num_real)] + [0] * num_pad, dtype=np.int32)
+        heads = 16 if q * 16 <= 64 else 8
+        info, scratch, _ = model_plan(qo, planned, _pages(planned), heads, rng.choice([8, 132]))
+        skeleton = PlanSkeleton.from_plan(info, scratch, qo, planned, heads, causal=k > 0)
+        assert skeleton is not None, seed
+        exact = planned.copy()
+        exact[:num_real] += np.array([rng.randint(0, 2 * page) for _ in range(num_real)],
+                                     dtype=np.int32)
+        if not skeleton.fits(qo, exact):
+            continue
+        width = int(-(-exact.max() // page)) + rng.randint(0, 3)
+        table = torch.from_numpy(np.array(rng.sample(range(1, 100000), (num_real + 2) * width),
+                                          dtype=np.int32).reshape(num_real + 2, width))
+        new_indptr = _pages(exact)
+        expected_indices = np.concatenate([table[r, :new_indptr[r + 1] - new_indptr[r]].numpy()
+                                           for r in range(num_real)])
+        host_ws = scratch.clone()
+        on_host = PlanRefresher(host_ws, max_works=256)
+        on_host.adopt(skeleton)
+        assert on_host.try_refresh(qo, new_indptr, exact)
+        lens = torch.from_numpy(exact[:num_real])
+        planned_reqs = num_real + num_pad
+        work_req = torch.from_numpy(skeleton.work_req)
+        pos = skeleton.offsets["kv_indptr"]
+        for rebuild in (plan_lowering.rebuild_csr_torch, plan_lowering.rebuild_csr_triton):
+            ws = scratch.clone()
+            refresher = PlanRefresher(ws, 256)
+            refresher.adopt(skeleton)
+            kv_indptr = torch.full((planned_reqs + 1,), -5, dtype=torch.int32)
+            kv_indices = torch.full((int(new_indptr[-1]) + 7,), -5, dtype=torch.int32)
+            rebuild(table, lens, num_real, planned_reqs, kv_indptr, kv_indices,
+                    refresher.device_ws, pos, work_req, page)
+            refresher.lower_on_device(lens, num_real, None)
+            assert torch.equal(refresher.device_ws, on_host.device_ws), (seed, rebuild.__name__)
+            assert kv_indptr.tolist() == new_indptr.tolist(), (seed, rebuild.__name__)
+            total = int(new_indptr[-1])
+            assert kv_indices[:total].tolist() == expected_indices.tolist(), seed
+            assert (kv_indices[total:] == -5).all(), seed
+        checked += 1
+    assert checked >= 20, checked
+    return checked
 
 
 if __name__ == "__main__":

@@ -340,9 +340,10 @@ def test_a_plan_held_from_the_previous_step_advanced_on_the_device_matches_torch
     this step, whose exact device lengths [712, 2056, 74, 14] outgrew them, while every length
     between this step's bounds keeps the listed pages and the chunk counts.
     advance_decode_plan_on_device writes them from the device and FlashInfer then equals
-    TORCH_MLA on them. Refused, changing nothing: an upper bound past the listed pages, a
-    lower bound under a chunk's edge, and a row whose pages are no longer the listed ones
-    (another request in that row)."""
+    TORCH_MLA on them. Refused, changing nothing: a lower bound under a chunk's edge. A row
+    whose listed pages are not its pages any more (its host twin says another request's
+    pages are there) gets its page lists rebuilt from the device block table (which holds
+    this case's pages) in the same advance, and the result still equals TORCH_MLA."""
     import numpy as np
     builder, upper_cm, run, rows = _upper_bound_plan_case(
         74, 75, exact=(712, 2056, 74, 14), upper=(708, 2053, 70, 12))
@@ -353,40 +354,41 @@ def test_a_plan_held_from_the_previous_step_advanced_on_the_device_matches_torch
     refresher = md.decode.backend_state.wrapper_slot.refresher
     skeleton = refresher.skeleton
     lower, upper = np.array([712, 2056, 74, 12]), np.array([716, 2060, 78, 16])
-    before = refresher.device_lowerings
-    past_pages = upper.copy()
-    past_pages[2] = 129  # 3 pages of 64: the plan lists 2 for request 2
-    assert not builder.advance_decode_plan_on_device(md, (lower, past_pages))
+    before, rebuilds = refresher.device_lowerings, refresher.page_list_rebuilds
     multi = [i for i in range(skeleton.num_real) if skeleton.lo[i] > 0]
     assert multi, "request 1 (2053 tokens) must span several chunks"
     under_edge = lower.copy()
     under_edge[multi[0]] = int(skeleton.lo[multi[0]])
     assert not builder.advance_decode_plan_on_device(md, (under_edge, upper))
+    assert refresher.device_lowerings == before  # the refusal wrote nothing
     table = md.decode.block_table_cpu
     held_page = int(table[1, 0])
-    table[1, 0] = held_page + 1  # row 1 now holds another request's pages
-    assert not builder.advance_decode_plan_on_device(md, (lower, upper))
-    table[1, 0] = held_page
-    assert refresher.device_lowerings == before  # the refusals wrote nothing
+    table[1, 0] = held_page + 1  # the host twin: row 1 holds other pages
     assert builder.advance_decode_plan_on_device(md, (lower, upper))
+    table[1, 0] = held_page
     assert refresher.device_lowerings == before + 1
+    assert refresher.page_list_rebuilds == rebuilds + 1
     fi, ref = run(md)
     assert_states_close(fi, ref)
 
 
+@pytest.mark.parametrize("crossing", [False, True], ids=["same-pages", "into-a-new-page"])
 @pytest.mark.parametrize("non_causal", [False, True], ids=["verify-causal", "draft-noncausal"])
-def test_a_graph_step_carried_to_the_next_step_matches_torch_mla(non_causal):
+def test_a_graph_step_carried_to_the_next_step_matches_torch_mla(non_causal, crossing):
     """The runner's graph-step advance (GPUModelRunner._advance_graph_step): metadata built
     for one graph step (lengths [700, 2040, 60, 9]) carries the next (every request one to
-    four tokens longer, in the same pages of 64 and chunks), whose lengths the batch builder
-    has written into the device buffer the metadata aliases. advance_graph_step writes them
-    into the plan and the row lengths; FlashInfer and TORCH_MLA on the carried metadata then
-    equal TORCH_MLA on metadata built afresh for the next step. Before the advance FlashInfer
-    still reads the earlier lengths (it must differ, so the check can fail). Verify rows
-    (causal Q=5) and draft blocks (non-causal Q=5)."""
+    four tokens longer, in the same chunks; `crossing`: request 2 grows from 60 to 70 tokens,
+    into a second page of 64 that the held plan does not list, so the page lists are rebuilt
+    on the device), whose lengths the batch builder has written into the device buffer the
+    metadata aliases. advance_graph_step writes them into the plan and the row lengths;
+    FlashInfer and TORCH_MLA on the carried metadata then equal TORCH_MLA on metadata built
+    afresh for the next step. Before the advance FlashInfer still reads the earlier lengths
+    (it must differ, so the check can fail). Verify rows (causal Q=5) and draft blocks
+    (non-causal Q=5)."""
     import numpy as np
     from dataclasses import replace
-    q_len, previous, nxt = 5, [700, 2040, 60, 9], [704, 2044, 64, 13]
+    q_len, previous = 5, [700, 2040, 60, 9]
+    nxt = [704, 2044, 70 if crossing else 64, 13]
     builder = _graph_builder(q_len, non_causal=non_causal, max_model_len=8192)
     _graph_step(builder, [690, 2030, 50, 5], [q_len] * 4, not non_causal, 81)  # plan_args
     case = make_case(nxt, [q_len] * 4, num_heads=HEADS, causal=not non_causal, seed=82,
@@ -411,7 +413,10 @@ def test_a_graph_step_carried_to_the_next_step_matches_torch_mla(non_causal):
     stale = run(FlashInferMLAImpl, md.decode)
     assert not torch.allclose(stale[1][: case.q.shape[0]].float(), ref[1][: case.q.shape[0]].float(),
                               atol=1e-2)
+    refresher = md.decode.backend_state.wrapper_slot.refresher
+    rebuilds = refresher.page_list_rebuilds
     assert builder.advance_graph_step(md, np.array(nxt, dtype=np.int32))
+    assert refresher.page_list_rebuilds == rebuilds + int(crossing)
     assert_states_close(run(FlashInferMLAImpl, md.decode), ref)
     assert_states_close(run(TorchMLAImpl, md.decode), ref)
 

@@ -17,6 +17,7 @@ import torch
 
 from tests.utils.fake_flashinfer import PlanModelWrapper, install_native_replan
 from tests.utils.mla_dcp_helpers import build_rank, make_case, mla_spec, parallel_config
+from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import PlanRefresher
 
 Q = 5  # a DSpark block of k = 4 drafts and its anchor: non-causal rows
 PAGE = 16
@@ -92,22 +93,16 @@ def test_an_advance_writes_what_a_host_refresh_writes(held):
     assert md.decode.row_seq_lens_cpu is None  # the host rows of the earlier step are stale
 
 
-@pytest.mark.parametrize("why", ["past the listed pages", "under a chunk edge",
-                                 "another request's pages", "a later build"])
+@pytest.mark.parametrize("why", ["under a chunk edge", "a later build"])
 def test_a_refused_advance_changes_nothing(held, why):
     builder, md, ws, _, upper_cm = held
     lower, upper = _bounds()
     slot = md.decode.backend_state.wrapper_slot
-    if why == "past the listed pages":
-        upper[2] = 81  # 6 pages of 16: the plan lists 5 for request 2
-    elif why == "under a chunk edge":
+    if why == "under a chunk edge":
         skeleton = slot.refresher.skeleton
         multi = [i for i in range(skeleton.num_real) if skeleton.lo[i] > 0]
         assert multi, "request 1 (2053 tokens) spans several chunks"
         lower[multi[0]] = int(skeleton.lo[multi[0]])
-    elif why == "another request's pages":
-        table = md.decode.block_table_cpu  # the batch rows' host twin, read in place
-        table[1, 3] += 1000
     else:  # the wrapper planned again since: md is not its latest plan
         builder.build(0, upper_cm)
     before = ws.clone()
@@ -116,6 +111,54 @@ def test_a_refused_advance_changes_nothing(held, why):
     if why != "a later build":
         assert torch.equal(ws, before)
     assert slot.refresher.device_lowerings == lowerings
+
+
+def _page_lists(table: torch.Tensor, lengths) -> tuple[list[int], list[int]]:
+    """(kv_indptr, kv_indices) a host plan lists for these lengths over these table rows."""
+    pages = [-(-g // PAGE) for g in lengths]
+    indptr = np.concatenate([[0], np.cumsum(pages)]).tolist()
+    return indptr, [int(v) for r, p in enumerate(pages) for v in table[r, :p]]
+
+
+@pytest.mark.parametrize("why", ["a page the plan does not list", "other pages in a row"])
+def test_an_advance_past_the_listed_pages_rebuilds_them_on_the_device(held, why):
+    """Where a request grew into a page the held plan does not list, or a row's pages are
+    not the listed ones any more, the chunks still hold: the advance writes the page lists
+    from the device block table and lengths (one launch on CUDA) before the lengths. The
+    kernels' CSR then lists what a host plan would, the work arrays equal a host refresh
+    for those lists and lengths, and the host arrays are marked stale (later advances
+    rebuild again, host refreshes of that staged set are refused)."""
+    builder, md, ws, _, _ = held
+    state = md.decode.backend_state
+    refresher = state.wrapper_slot.refresher
+    lengths = list(EXACT)
+    if why == "a page the plan does not list":
+        lengths[2] = 81  # 6 pages of 16: the plan lists 5 for request 2
+        md.decode.seq_lens[2] = 81
+    else:
+        md.decode.block_table[1, 3] += 1000  # the device rows: what the kernels read
+        md.decode.block_table_cpu[1, 3] += 1000  # and their host twin, both current
+    bounds = (np.array(lengths, dtype=np.int64), np.array(lengths, dtype=np.int64))
+    qo = state.hopper_inputs.arrays[0]
+    kv = np.zeros(qo.shape[0] - 1, dtype=np.int32)
+    kv[:4] = lengths
+    assert refresher.skeleton.fits(qo, kv)  # the chunks hold: only the page lists change
+    rebuilds = refresher.page_list_rebuilds
+    assert builder.advance_decode_plan_on_device(md, bounds)
+    assert refresher.page_list_rebuilds == rebuilds + 1
+    assert state.hopper_inputs.host_csr_stale
+    indptr, indices = _page_lists(md.decode.block_table, lengths)
+    backend = state.wrapper_slot.wrapper._planned_backend
+    assert backend._kv_indptr_buf[:5].tolist() == indptr
+    assert backend._kv_indices_buf[: indptr[-1]].tolist() == indices
+    oracle = PlanRefresher(ws.clone(), max_works=refresher.max_works)
+    oracle.adopt(refresher.skeleton)
+    full_indptr = np.full(qo.shape[0], indptr[-1], dtype=np.int32)
+    full_indptr[:5] = indptr
+    assert oracle.try_refresh(qo, full_indptr, kv)
+    assert torch.equal(ws, oracle.device_ws)
+    # the staged host arrays say nothing of the device lists now: no host lowering in place
+    assert not builder.refresh_decode_seq_lens(md, np.array(lengths))
 
 
 def test_the_same_step_lowering_shares_the_checks(held):
@@ -147,23 +190,41 @@ def _rows_of(lengths, causal: bool) -> list[int]:
     return [g - (Q - 1 - j) if causal else g for g in lengths for j in range(Q)]
 
 
-def test_a_graph_step_advance_writes_the_lengths_a_build_would(held_step):
+@pytest.mark.parametrize("crossing", [False, True], ids=["same-pages", "into-a-new-page"])
+def test_a_graph_step_advance_writes_the_lengths_a_build_would(held_step, crossing):
     """The next step's lengths, put into the device buffer the metadata aliases (as the batch
-    builder does): the advance leaves the work arrays as a host refresh for them, the
-    wrapper's kv_len_arr at them and every query row's visible count at its geometry."""
-    (builder, md, ws, host_refresh, _), causal = held_step
-    md.decode.seq_lens[:4].copy_(torch.tensor(NEXT, dtype=md.decode.seq_lens.dtype))
-    assert md.decode.row_seq_lens[:4 * Q].tolist() != _rows_of(NEXT, causal)
-    lowerings = md.decode.backend_state.wrapper_slot.refresher.device_lowerings
-    assert builder.advance_graph_step(md, np.array(NEXT, dtype=np.int32))
-    assert torch.equal(ws, host_refresh(NEXT))
-    kv_len_arr = md.decode.backend_state.wrapper_slot.wrapper._planned_backend._kv_len_arr_buf
-    assert kv_len_arr[:4].tolist() == NEXT and not kv_len_arr[4:].any()
-    assert md.decode.row_seq_lens[:4 * Q].tolist() == _rows_of(NEXT, causal)
-    assert md.decode.backend_state.wrapper_slot.refresher.device_lowerings == lowerings + 1
+    builder does): the advance leaves the work arrays as a host refresh for them (and for the
+    page lists a host plan would make), the wrapper's kv_len_arr at them and every query
+    row's visible count at its geometry. Into a new page: request 2 reaches 81 tokens, 6
+    pages of 16 where the plan lists 5, and the lists are rebuilt on the device."""
+    (builder, md, ws, _, _), causal = held_step
+    lengths = list(NEXT)
+    if crossing:
+        lengths[2] = 81
+    md.decode.seq_lens[:4].copy_(torch.tensor(lengths, dtype=md.decode.seq_lens.dtype))
+    assert md.decode.row_seq_lens[:4 * Q].tolist() != _rows_of(lengths, causal)
+    state = md.decode.backend_state
+    refresher = state.wrapper_slot.refresher
+    lowerings, rebuilds = refresher.device_lowerings, refresher.page_list_rebuilds
+    oracle = PlanRefresher(ws.clone(), max_works=refresher.max_works)
+    oracle.adopt(refresher.skeleton)
+    qo = state.hopper_inputs.arrays[0]
+    kv = np.zeros(qo.shape[0] - 1, dtype=np.int32)
+    kv[:4] = lengths
+    indptr, _ = _page_lists(md.decode.block_table, lengths)
+    full_indptr = np.full(qo.shape[0], indptr[-1], dtype=np.int32)
+    full_indptr[:5] = indptr
+    assert oracle.try_refresh(qo, full_indptr, kv)
+    assert builder.advance_graph_step(md, np.array(lengths, dtype=np.int32))
+    assert torch.equal(ws, oracle.device_ws)
+    kv_len_arr = state.wrapper_slot.wrapper._planned_backend._kv_len_arr_buf
+    assert kv_len_arr[:4].tolist() == lengths and not kv_len_arr[4:].any()
+    assert md.decode.row_seq_lens[:4 * Q].tolist() == _rows_of(lengths, causal)
+    assert refresher.device_lowerings == lowerings + 1
+    assert refresher.page_list_rebuilds == rebuilds + int(crossing)
 
 
-@pytest.mark.parametrize("why", ["a later build", "past the listed pages", "under a chunk edge"])
+@pytest.mark.parametrize("why", ["a later build", "under a chunk edge"])
 def test_a_refused_graph_step_advance_changes_nothing(held_step, why):
     """Refused where the held state is no longer the builder's latest (any build since
     rewrote its row buffers or plans) or the lengths leave the plan's pages or chunks; the
@@ -172,8 +233,6 @@ def test_a_refused_graph_step_advance_changes_nothing(held_step, why):
     lengths = np.array(NEXT, dtype=np.int32)
     if why == "a later build":
         builder.build(0, upper_cm)
-    elif why == "past the listed pages":
-        lengths[2] = 81  # 6 pages of 16: the plan lists 5 for request 2
     else:
         skeleton = md.decode.backend_state.wrapper_slot.refresher.skeleton
         multi = [i for i in range(skeleton.num_real) if skeleton.lo[i] > 0]

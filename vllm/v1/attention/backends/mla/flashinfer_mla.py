@@ -95,6 +95,10 @@ class HopperPlanInputs:
     # Fused layouts (one request per live block): the decode request of each planned request
     # (refresh_decode_seq_lens maps new per-request lengths through it).
     request_rows: np.ndarray | None = None
+    # The device page lists were rebuilt from the device block table since these host arrays
+    # were planned (_lower_held_plan): kv_indptr / kv_indices here no longer say what the
+    # device lists, so later advances rebuild again instead of comparing against them.
+    host_csr_stale: bool = False
 
     @property
     def num_requests(self) -> int:
@@ -970,7 +974,8 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
             return False
         decode, inputs, slot, refresher, skeleton, backend = held
         if (inputs.staged_in is None or inputs.staged_in[0] is not slot.staging
-                or inputs.staged_in[1] != slot.staging.current_index):
+                or inputs.staged_in[1] != slot.staging.current_index
+                or inputs.host_csr_stale):
             return False  # its staged set has moved on: the host refresh writes through it
         qo, kv_indptr, kv_len = inputs.arrays
         rows = inputs.request_rows
@@ -1045,6 +1050,28 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
         exact = np.asarray(seq_lens_np)[:n]
         return self._lower_held_plan(held, exact, exact, same_step=False)
 
+    def _rebuild_page_lists(self, decode: MLACommonDecodeMetadata, inputs: HopperPlanInputs,
+                            refresher: PlanRefresher, backend: Any, n: int,
+                            upper: np.ndarray) -> bool:
+        """A held plan whose requests grew into pages it does not list (or whose rows hold
+        other pages now) keeps its chunks: write its page lists from the device block table
+        and the device lengths (plan_lowering.py, one launch on CUDA) into the buffers the
+        kernels read, as a host plan would list them. False, writing nothing, where the
+        lengths' pages (bounded by `upper`) would not fit the block table's width or the
+        graph's page buffer."""
+        table = decode.block_table
+        page = self.page_size
+        need = (upper + (page - 1)) // page
+        if (table is None or table.dim() != 2 or table.stride(1) != 1
+                or int(need.max()) > table.shape[1]
+                or int(need.sum()) > backend._kv_indices_buf.shape[0]):
+            return False
+        refresher.rebuild_page_lists_on_device(
+            table, decode.seq_lens, n, inputs.num_requests, backend._kv_indptr_buf,
+            backend._kv_indices_buf, page)
+        inputs.host_csr_stale = True
+        return True
+
     def _lower_held_plan(self, held: tuple, lower_np, upper_np, same_step: bool) -> bool:
         """Write the device lengths into the held plan (`_held_graph_plan`) where every length
         in [lower, upper] (host bounds, one per decode request) keeps its rows, listed pages and
@@ -1060,28 +1087,33 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
         if (lower.shape[0] != n or upper.shape[0] != n or lower.min() <= 0
                 or (lower > upper).any()):
             return False
+        rebuild = False
         if not same_step:
             page = self.page_size
             counts = kv_indptr[1:n + 1] - kv_indptr[:n]
-            if ((upper + (page - 1)) // page > counts).any():
-                return False  # a length past the pages the plan lists
-            # The listed pages must still be the rows' pages: the batch's rows may hold other
-            # requests now (same count, other requests), and the kernels read these page ids.
             table = decode.block_table_cpu
-            if table is None:
-                return False
-            table = np.ascontiguousarray(table.numpy())
-            num_pages = int(kv_indptr[n])
-            where = np.repeat(rows.astype(np.int64) * table.shape[1] - kv_indptr[:n], counts)
-            where += _arange(num_pages)
-            if not np.array_equal(table.reshape(-1).take(where),
-                                  inputs.kv_indices.numpy()[:num_pages]):
-                return False
+            if (inputs.host_csr_stale or table is None
+                    or ((upper + (page - 1)) // page > counts).any()):
+                rebuild = True  # a length past the pages the plan lists (or unknown lists)
+            else:
+                # The listed pages must still be the rows' pages: the batch's rows may hold
+                # other requests now (same count, other requests), and the kernels read these
+                # page ids.
+                table = np.ascontiguousarray(table.numpy())
+                num_pages = int(kv_indptr[n])
+                where = np.repeat(rows.astype(np.int64) * table.shape[1] - kv_indptr[:n],
+                                  counts)
+                where += _arange(num_pages)
+                rebuild = not np.array_equal(table.reshape(-1).take(where),
+                                             inputs.kv_indices.numpy()[:num_pages])
         # The skeleton's fit (PlanSkeleton.fits) of every length in [lower, upper]: the rows
         # are the held plan's own and the padding requests stay empty, so only the chunk
         # bounds of the real requests are left to check.
         if n != skeleton.num_real or not ((lower > skeleton.lo).all()
                                           and (upper <= skeleton.hi).all()):
+            return False
+        if rebuild and not self._rebuild_page_lists(decode, inputs, refresher, backend, n,
+                                                    upper):
             return False
         # the work arrays and the wrapper's kv_len_arr, in one launch on CUDA
         refresher.lower_on_device(decode.seq_lens, n, backend._kv_len_arr_buf)

@@ -47,7 +47,8 @@ import torch
 
 from vllm.triton_utils import HAS_TRITON
 from vllm.utils.cuda_streams import record_event
-from vllm.v1.attention.backends.mla.plan_lowering import lower_plan_torch, lower_plan_triton
+from vllm.v1.attention.backends.mla.plan_lowering import (lower_plan_torch, lower_plan_triton,
+                                                          rebuild_csr_torch, rebuild_csr_triton)
 
 # MLAPlanInfo::ToVector order (scheduler.cuh); byte offsets into the int workspace.
 PLAN_INFO_FIELDS = (
@@ -335,6 +336,9 @@ class PlanRefresher:
         # lower_on_device: the device index tensors of the held skeleton (made on first use)
         self._device_index: tuple | None = None
         self.device_lowerings = 0
+        # rebuild_page_lists_on_device: the held skeleton's work -> request map on the device
+        self._device_work_req: torch.Tensor | None = None
+        self.page_list_rebuilds = 0
         # why a step was planned for real instead (benchmarks print these)
         self.misses = {"no skeleton": 0, "other rows or chunk counts": 0}
 
@@ -344,6 +348,7 @@ class PlanRefresher:
             skeleton = None
         self.skeleton = skeleton
         self._device_index = None
+        self._device_work_req = None
         self._rows.clear()  # row views are cut to the skeleton's work count
         self._indptr_written = None  # the plan wrote the work kv_indptr itself
         if skeleton is not None:
@@ -411,6 +416,31 @@ class PlanRefresher:
         else:
             lower_plan_torch(ws, index, new_lens, kv_len_arr, n, m, num_reqs)
         self.device_lowerings += 1
+
+    def rebuild_page_lists_on_device(self, table: torch.Tensor, lens: torch.Tensor,
+                                     num_reqs: int, num_planned: int, kv_indptr: torch.Tensor,
+                                     kv_indices: torch.Tensor, page_size: int) -> None:
+        """Write the held plan's page lists for the device lengths `lens` (its first num_reqs
+        requests, rows of `table`): the CSR kv_indptr / kv_indices and every work's kv_indptr
+        in the int workspace (plan_lowering.py). The chunks stay; `lower_on_device` then writes
+        the lengths. The caller has checked that the skeleton fits those lengths and that
+        their pages fit the buffers."""
+        if self.skeleton is None:
+            raise RuntimeError("rebuild_page_lists_on_device needs a held plan skeleton")
+        work_req = self._device_work_req
+        if work_req is None:
+            staged = torch.from_numpy(self.skeleton.work_req.astype(np.int64))
+            if self._pin:
+                staged = staged.pin_memory()
+            work_req = self._device_work_req = staged.to(self.device_ws.device,
+                                                         non_blocking=True)
+        ws = self.device_ws
+        rebuild = (rebuild_csr_triton if ws.is_cuda and HAS_TRITON and table.is_cuda
+                   else rebuild_csr_torch)
+        rebuild(table, lens, num_reqs, num_planned, kv_indptr, kv_indices, ws,
+                self.skeleton.offsets["kv_indptr"], work_req, page_size)
+        self._indptr_written = None  # the work kv_indptr is the device's now
+        self.page_list_rebuilds += 1
 
     def try_refresh(self, qo_indptr: np.ndarray, kv_indptr: np.ndarray,
                     kv_lens: np.ndarray, ring_index: int | None = None) -> bool:

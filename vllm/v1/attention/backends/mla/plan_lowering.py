@@ -8,6 +8,15 @@ its requests on the device,
   kv_len_arr[r]  = lens[r]            the wrapper's per-request lengths (r < num_reqs),
 where `index` is the flat int64 [len_pos, len_req, end_pos, end_req] of the held skeleton.
 
+With the page lists too (`rebuild_csr_*`, a second launch): when a request's length crossed
+into a page the held plan does not list, or a row holds other pages now, the CSR is written
+from the device block table and lengths, as a host plan would list it:
+  kv_indptr[i + 1] = sum of pages[<= i]   pages[r] = ceil(lens[r] / page_size), padding 0,
+  kv_indices[kv_indptr[r] + p] = table[r, p]   for p < pages[r],
+  ws[indptr_pos + w] = kv_indptr[work_req[w]]  every work's first page (padding works: the
+                                              padding request's, i.e. the total),
+so the plan's chunks (token ranges) carry over unchanged and only where they read changes.
+
 Why one kernel: the torch form is five launches (two index_select, two index_copy_, a copy),
 each ~10-15 us of host time on the H100 node. Measured there (twenty-third session, runs on
 one H100, `probe_spec_step.py` with the early draft launch on and off in one host): the launch
@@ -47,8 +56,76 @@ if HAS_TRITON:
         tl.store(kv_len_arr_ptr + i, lens.to(kv_len_arr_ptr.dtype.element_ty), mask=on)
 
 
+    @triton.jit(do_not_specialize=["table_stride", "num_reqs", "num_planned", "indptr_pos",
+                                   "num_works", "page_size"])
+    def _rebuild_csr_kernel(table_ptr, table_stride, lens_ptr, num_reqs, num_planned,
+                            kv_indptr_ptr, kv_indices_ptr, ws_ptr, indptr_pos, work_req_ptr,
+                            num_works, page_size, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+                            BLOCK_W: tl.constexpr):
+        pid = tl.program_id(0)
+        r = tl.arange(0, BLOCK_R)
+        lens = tl.load(lens_ptr + r, mask=r < num_reqs, other=0).to(tl.int32)
+        pages = (lens + page_size - 1) // page_size  # 0 for the padding requests
+        if pid < num_reqs:  # one program per request: its page ids
+            start = tl.sum(tl.where(r < pid, pages, 0), axis=0)
+            count = tl.sum(tl.where(r == pid, pages, 0), axis=0)
+            row = table_ptr + pid.to(tl.int64) * table_stride
+            for p0 in range(0, count, BLOCK_P):
+                p = p0 + tl.arange(0, BLOCK_P)
+                on = p < count
+                tl.store(kv_indices_ptr + start + p, tl.load(row + p, mask=on, other=0), mask=on)
+        else:  # the last program: the request offsets and every work's first page
+            ends = tl.cumsum(pages, axis=0)
+            tl.store(kv_indptr_ptr + 1 + r, ends, mask=r < num_planned)
+            tl.store(kv_indptr_ptr + r, tl.zeros_like(ends), mask=r == 0)
+            for w0 in range(0, num_works, BLOCK_W):
+                w = w0 + tl.arange(0, BLOCK_W)
+                on = w < num_works
+                req = tl.load(work_req_ptr + w, mask=on, other=0).to(tl.int32)
+                first = tl.sum(tl.where(r[None, :] < req[:, None], pages[None, :], 0), axis=1)
+                tl.store(ws_ptr + indptr_pos + w, first, mask=on)
+
+
 # Through LeanLaunch (vllm/utils/triton_launch.py; off unless VLLM_LEAN_TRITON_LAUNCH=1).
 _LOWER_PLAN_LAUNCH = LeanLaunch(_lower_plan_kernel) if HAS_TRITON else None
+_REBUILD_CSR_LAUNCH = LeanLaunch(_rebuild_csr_kernel) if HAS_TRITON else None
+_BLOCK_P, _BLOCK_W = 64, 32
+
+
+def rebuild_csr_triton(table: torch.Tensor, lens: torch.Tensor, num_reqs: int,
+                       num_planned: int, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                       ws: torch.Tensor, indptr_pos: int, work_req: torch.Tensor,
+                       page_size: int) -> None:
+    """The page lists of the module docstring in one launch: `table` [>= num_reqs, W] int32
+    (row r = request r), `lens` the requests' lengths (first num_reqs), `kv_indptr`
+    [num_planned + 1] and `kv_indices` int32, `ws` the int32 workspace whose work kv_indptr
+    starts at element `indptr_pos`, `work_req` [W] int64 each work's request (padding works:
+    num_reqs). All on one CUDA device (or CPU under TRITON_INTERPRET=1)."""
+    if not HAS_TRITON:
+        raise RuntimeError("rebuild_csr_triton needs Triton; use rebuild_csr_torch")
+    if table.stride(1) != 1:
+        raise ValueError("rebuild_csr_triton reads the block table's rows contiguously")
+    _REBUILD_CSR_LAUNCH((num_reqs + 1,), table, table.stride(0), lens, num_reqs, num_planned,
+                        kv_indptr, kv_indices, ws, indptr_pos, work_req, work_req.shape[0],
+                        page_size, BLOCK_R=triton.next_power_of_2(max(num_planned, 2)),
+                        BLOCK_P=_BLOCK_P, BLOCK_W=_BLOCK_W)
+
+
+def rebuild_csr_torch(table: torch.Tensor, lens: torch.Tensor, num_reqs: int,
+                      num_planned: int, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                      ws: torch.Tensor, indptr_pos: int, work_req: torch.Tensor,
+                      page_size: int) -> None:
+    """The same writes with torch ops (the reference, and the path off CUDA: its boolean
+    selection reads the page counts on the host)."""
+    pages = (lens[:num_reqs].to(torch.int64) + (page_size - 1)) // page_size
+    indptr = torch.zeros(num_planned + 1, dtype=torch.int64, device=lens.device)
+    indptr[1:num_reqs + 1] = torch.cumsum(pages, 0)
+    indptr[num_reqs + 1:] = indptr[num_reqs]
+    kv_indptr[:num_planned + 1].copy_(indptr)
+    cols = torch.arange(table.shape[1], device=table.device)
+    ids = table[:num_reqs][cols[None, :] < pages[:, None]]
+    kv_indices[:ids.shape[0]].copy_(ids)
+    ws[indptr_pos:indptr_pos + work_req.shape[0]].copy_(indptr[work_req])
 
 
 def lower_plan_triton(ws: torch.Tensor, index: torch.Tensor, lens: torch.Tensor,
