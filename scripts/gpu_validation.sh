@@ -272,7 +272,7 @@ for what in "${groups[@]}"; do
       for adv in 0 1; do
         VLLM_GRAPH_STEP_ADVANCE=$adv timeout 110 python3 scripts/probe_spec_step.py --device cuda \
           --dtype bfloat16 --attention-backend FLASHINFER_MLA --batch 1 8 --modes plain draft \
-          --steps 100 >"$out/probe_advance$adv.log" 2>&1
+          --steps 80 >"$out/probe_advance$adv.log" 2>&1
         summary+=("probe advance=$adv rc=$?")
         grep -E "step .* ms|engine.step|_prepare_inputs|builder build|_advance_graph" \
           "$out/probe_advance$adv.log" | tail -n 12
