@@ -263,7 +263,8 @@ for what in "${groups[@]}"; do
       timeout 330 python3 scripts/ab_lean_launch.py --batch-sizes 8 --rounds 3 --host-waits \
         --json "$out/leanb8.json" >"$out/leanb8.log" 2>&1
       summary+=("lean B=8 rc=$?"); grep -v "Warn\|warn_once" "$out/leanb8.log" | tail -n 10 ;;
-    graphadvance)  # graph steps carrying the previous step's metadata: GPU tests, probe off/on (~5 min)
+    graphadvance)  # graph steps carrying the previous step's metadata (opt-in switches on): GPU tests, probe off/on (~5 min)
+      export VLLM_GRAPH_STEP_ADVANCE=1 VLLM_PLAN_PAGE_LIST_REBUILD=1
       PYTEST_TIMEOUT_S=300 run_pytest graphadvance tests/v1/attention/test_flashinfer_mla_gpu.py \
         tests/v1/worker/test_cudagraph_runner_gpu.py tests/v1/e2e/test_gpu_exactness.py \
         tests/v1/spec_decode/test_early_draft_launch_gpu.py \

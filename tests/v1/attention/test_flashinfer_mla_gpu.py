@@ -334,7 +334,8 @@ def test_a_graph_plan_for_upper_bound_lengths_lowered_on_the_device_matches_torc
     assert state.wrapper_slot.refresher.device_lowerings == lowerings
 
 
-def test_a_plan_held_from_the_previous_step_advanced_on_the_device_matches_torch_mla():
+def test_a_plan_held_from_the_previous_step_advanced_on_the_device_matches_torch_mla(
+        monkeypatch):
     """The early draft step's advance (BlockSpeculator.prepare_early with the device lowering):
     a plan built one step earlier for that step's upper bounds [708, 2053, 70, 12] carries
     this step, whose exact device lengths [712, 2056, 74, 14] outgrew them, while every length
@@ -343,8 +344,12 @@ def test_a_plan_held_from_the_previous_step_advanced_on_the_device_matches_torch
     TORCH_MLA on them. Refused, changing nothing: a lower bound under a chunk's edge. A row
     whose listed pages are not its pages any more (its host twin says another request's
     pages are there) gets its page lists rebuilt from the device block table (which holds
-    this case's pages) in the same advance, and the result still equals TORCH_MLA."""
+    this case's pages) in the same advance (VLLM_PLAN_PAGE_LIST_REBUILD=1), and the result
+    still equals TORCH_MLA."""
     import numpy as np
+
+    from vllm.v1.attention.backends.mla.flashinfer_mla import PAGE_LIST_REBUILD_FLAG
+    monkeypatch.setenv(PAGE_LIST_REBUILD_FLAG, "1")  # opt-in: read when a builder is made
     builder, upper_cm, run, rows = _upper_bound_plan_case(
         74, 75, exact=(712, 2056, 74, 14), upper=(708, 2053, 70, 12))
     md = builder.build(0, upper_cm)
@@ -374,7 +379,8 @@ def test_a_plan_held_from_the_previous_step_advanced_on_the_device_matches_torch
 
 @pytest.mark.parametrize("crossing", [False, True], ids=["same-pages", "into-a-new-page"])
 @pytest.mark.parametrize("non_causal", [False, True], ids=["verify-causal", "draft-noncausal"])
-def test_a_graph_step_carried_to_the_next_step_matches_torch_mla(non_causal, crossing):
+def test_a_graph_step_carried_to_the_next_step_matches_torch_mla(non_causal, crossing,
+                                                                 monkeypatch):
     """The runner's graph-step advance (GPUModelRunner._advance_graph_step): metadata built
     for one graph step (lengths [700, 2040, 60, 9]) carries the next (every request one to
     four tokens longer, in the same chunks; `crossing`: request 2 grows from 60 to 70 tokens,
@@ -387,6 +393,8 @@ def test_a_graph_step_carried_to_the_next_step_matches_torch_mla(non_causal, cro
     (non-causal Q=5)."""
     import numpy as np
     from dataclasses import replace
+    from vllm.v1.attention.backends.mla.flashinfer_mla import PAGE_LIST_REBUILD_FLAG
+    monkeypatch.setenv(PAGE_LIST_REBUILD_FLAG, "1")  # opt-in: read when a builder is made
     q_len, previous = 5, [700, 2040, 60, 9]
     nxt = [704, 2044, 70 if crossing else 64, 13]
     builder = _graph_builder(q_len, non_causal=non_causal, max_model_len=8192)

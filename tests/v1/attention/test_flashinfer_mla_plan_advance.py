@@ -17,6 +17,7 @@ import torch
 
 from tests.utils.fake_flashinfer import PlanModelWrapper, install_native_replan
 from tests.utils.mla_dcp_helpers import build_rank, make_case, mla_spec, parallel_config
+from vllm.v1.attention.backends.mla.flashinfer_mla import PAGE_LIST_REBUILD_FLAG
 from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import PlanRefresher
 
 Q = 5  # a DSpark block of k = 4 drafts and its anchor: non-causal rows
@@ -38,9 +39,12 @@ def held(monkeypatch):
     return _held(monkeypatch, causal=False)
 
 
-def _held(monkeypatch, causal: bool):
-    """The `held` fixture's plan for draft blocks (non-causal) or verify rows (causal)."""
+def _held(monkeypatch, causal: bool, rebuild: bool = True):
+    """The `held` fixture's plan for draft blocks (non-causal) or verify rows (causal), on a
+    builder with the page-list rebuild (VLLM_PLAN_PAGE_LIST_REBUILD) on unless `rebuild` is
+    False."""
     install_native_replan(monkeypatch, PlanModelWrapper)
+    monkeypatch.setenv(PAGE_LIST_REBUILD_FLAG, "1" if rebuild else "0")
     from vllm.v1.attention.backends.mla import flashinfer_mla as fm
     from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import PlanRefresher
     config = SimpleNamespace(parallel_config=parallel_config(1, 1).parallel_config,
@@ -159,6 +163,36 @@ def test_an_advance_past_the_listed_pages_rebuilds_them_on_the_device(held, why)
     assert torch.equal(ws, oracle.device_ws)
     # the staged host arrays say nothing of the device lists now: no host lowering in place
     assert not builder.refresh_decode_seq_lens(md, np.array(lengths))
+
+
+@pytest.mark.parametrize("why", ["a page the plan does not list", "other pages in a row"])
+def test_without_the_page_list_rebuild_such_an_advance_is_refused(monkeypatch, why):
+    """VLLM_PLAN_PAGE_LIST_REBUILD off (the default): the same two advances are refused and
+    write nothing (the step builds on the host)."""
+    builder, md, ws, _, _ = _held(monkeypatch, causal=False, rebuild=False)
+    assert not builder.page_list_rebuild
+    lengths = list(EXACT)
+    if why == "a page the plan does not list":
+        lengths[2] = 81
+    else:
+        md.decode.block_table_cpu[1, 3] += 1000
+    bounds = (np.array(lengths, dtype=np.int64), np.array(lengths, dtype=np.int64))
+    refresher = md.decode.backend_state.wrapper_slot.refresher
+    before, lowerings = ws.clone(), refresher.device_lowerings
+    assert not builder.advance_decode_plan_on_device(md, bounds)
+    assert torch.equal(ws, before) and refresher.device_lowerings == lowerings
+    assert refresher.page_list_rebuilds == 0
+
+
+def test_the_switch(monkeypatch):
+    from vllm.v1.attention.backends.mla.flashinfer_mla import page_list_rebuild_enabled
+    monkeypatch.delenv(PAGE_LIST_REBUILD_FLAG, raising=False)
+    assert not page_list_rebuild_enabled()
+    monkeypatch.setenv(PAGE_LIST_REBUILD_FLAG, "1")
+    assert page_list_rebuild_enabled()
+    monkeypatch.setenv(PAGE_LIST_REBUILD_FLAG, "on")
+    with pytest.raises(ValueError, match=PAGE_LIST_REBUILD_FLAG):
+        page_list_rebuild_enabled()
 
 
 def test_the_same_step_lowering_shares_the_checks(held):

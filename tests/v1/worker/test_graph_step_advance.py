@@ -126,10 +126,11 @@ def test_a_step_whose_rows_changed_is_built(monkeypatch):
 
 
 def test_the_switch(monkeypatch):
+    """Opt-in until the GPU tests have run (test_flashinfer_mla_gpu.py)."""
     monkeypatch.delenv(GRAPH_STEP_ADVANCE_FLAG, raising=False)
-    assert graph_step_advance_enabled()
-    monkeypatch.setenv(GRAPH_STEP_ADVANCE_FLAG, "0")
     assert not graph_step_advance_enabled()
+    monkeypatch.setenv(GRAPH_STEP_ADVANCE_FLAG, "1")
+    assert graph_step_advance_enabled()
     monkeypatch.setenv(GRAPH_STEP_ADVANCE_FLAG, "yes")
     with pytest.raises(ValueError, match=GRAPH_STEP_ADVANCE_FLAG):
         graph_step_advance_enabled()

@@ -46,6 +46,18 @@ BLACKWELL_BLOCK_SIZES = (32, 64)
 _FA3_DTYPES = (torch.bfloat16, torch.float16)  # what the kernels accept (float fakes widen it)
 
 
+# Held graph plans whose requests grew into pages they do not list get their page lists
+# rebuilt on the device (_rebuild_page_lists) instead of a host build: off unless set to "1"
+# until it has run on a GPU (twenty-fifth session: CPU-tested, compiled for sm_90 only).
+PAGE_LIST_REBUILD_FLAG = "VLLM_PLAN_PAGE_LIST_REBUILD"
+
+
+def page_list_rebuild_enabled() -> bool:
+    return switch_flag(PAGE_LIST_REBUILD_FLAG, False,
+                       "rebuild a held plan's page lists on the device when its requests grew "
+                       "into pages it does not list", "build such steps on the host")
+
+
 KernelFamily = Literal["hopper", "blackwell"]
 CausalPlanMode = Literal["auto", "runs", "flattened"]
 
@@ -808,6 +820,7 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
         self.natural_lse = natural_lse
         self.workspace_bytes = workspace_bytes
         self.page_size = int(kv_cache_spec.block_size)
+        self.page_list_rebuild = page_list_rebuild_enabled()
         if self.kernel_family == "blackwell":
             if self.dcp_world_size > 1 and self.dcp_interleave != 1:
                 raise ValueError(
@@ -1112,8 +1125,8 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
         if n != skeleton.num_real or not ((lower > skeleton.lo).all()
                                           and (upper <= skeleton.hi).all()):
             return False
-        if rebuild and not self._rebuild_page_lists(decode, inputs, refresher, backend, n,
-                                                    upper):
+        if rebuild and not (self.page_list_rebuild and self._rebuild_page_lists(
+                decode, inputs, refresher, backend, n, upper)):
             return False
         # the work arrays and the wrapper's kv_len_arr, in one launch on CUDA
         refresher.lower_on_device(decode.seq_lens, n, backend._kv_len_arr_buf)
