@@ -12,6 +12,7 @@ import re
 
 import pytest
 
+from tests.utils.call_probes import count_calls
 from vllm import LLM, SamplingParams
 from vllm.v1.spec_decode.cost_model import REASON_BATCH, REASON_COST, REASON_EXPLORE, SPEC
 
@@ -34,16 +35,7 @@ def make_llm(method: str | None, disable_by_batch_size=None, **kw) -> LLM:
 
 def count_proposes(llm: LLM) -> list[int]:
     """Wrap the speculator's propose() to count the draft passes the runner makes."""
-    speculator = llm.llm_engine.executor.worker.model_runner.speculator
-    calls = [0]
-    inner = speculator.propose
-
-    def propose(inputs):
-        calls[0] += 1
-        return inner(inputs)
-
-    speculator.propose = propose
-    return calls
+    return count_calls(llm.llm_engine.executor.worker.model_runner.speculator, "propose")
 
 
 def tokens(outputs) -> list[list[int]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.utils.call_probes import record_accepted
 from vllm import LLM, SamplingParams
 from vllm.v1.worker.gpu.spec_decode.early_draft import ENV_FLAG, EarlyDraftTuner, early_draft_mode
 
@@ -27,15 +28,7 @@ def generate(method: str | None, mode: str, monkeypatch, trace: dict | None = No
     spec = None if method is None else {"method": method, "num_speculative_tokens": 4}
     with LLM(device="cpu", max_model_len=128, max_num_seqs=4, speculative_config=spec) as llm:
         runner = llm.llm_engine.executor.worker.model_runner
-        accepted_per_step = []
-        inner_execute = runner.execute_model
-
-        def execute_model(scheduler_output):
-            out = inner_execute(scheduler_output)
-            accepted_per_step.append(sorted(zip(out.req_ids, out.num_accepted_tokens or [])))
-            return out
-
-        runner.execute_model = execute_model
+        accepted_per_step = record_accepted(runner)
         speculator = runner.speculator
         if trace is not None:
             trace["query_len"] = speculator.query_len

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.utils.call_probes import check_switch, count_calls, record_accepted
 from vllm import LLM, SamplingParams
 from vllm.v1.worker.gpu.attn_utils import GRAPH_STEP_ADVANCE_FLAG, graph_step_advance_enabled
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
@@ -44,23 +45,8 @@ def _generate(method, advance: str, monkeypatch):
     spec = None if method is None else {"method": method, "num_speculative_tokens": 4}
     with LLM(device="cpu", max_model_len=128, max_num_seqs=4, speculative_config=spec) as llm:
         runner = llm.llm_engine.executor.worker.model_runner
-        accepted = []
-        inner_execute = runner.execute_model
-
-        def execute_model(scheduler_output):
-            out = inner_execute(scheduler_output)
-            accepted.append(sorted(zip(out.req_ids, out.num_accepted_tokens or [])))
-            return out
-
-        runner.execute_model = execute_model
-        steps = [0]
-        inner_prepare = runner._prepare_inputs
-
-        def prepare_inputs(scheduler_output):
-            steps[0] += 1
-            return inner_prepare(scheduler_output)
-
-        runner._prepare_inputs = prepare_inputs
+        accepted = record_accepted(runner)  # synchronous (speculative) steps
+        steps = count_calls(runner, "_prepare_inputs")  # every step
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         return ([list(o.outputs[0].token_ids) for o in outputs], accepted,
                 runner.graph_step_advances, steps[0])
@@ -127,10 +113,4 @@ def test_a_step_whose_rows_changed_is_built(monkeypatch):
 
 def test_the_switch(monkeypatch):
     """Opt-in until the GPU tests have run (test_flashinfer_mla_gpu.py)."""
-    monkeypatch.delenv(GRAPH_STEP_ADVANCE_FLAG, raising=False)
-    assert not graph_step_advance_enabled()
-    monkeypatch.setenv(GRAPH_STEP_ADVANCE_FLAG, "1")
-    assert graph_step_advance_enabled()
-    monkeypatch.setenv(GRAPH_STEP_ADVANCE_FLAG, "yes")
-    with pytest.raises(ValueError, match=GRAPH_STEP_ADVANCE_FLAG):
-        graph_step_advance_enabled()
+    check_switch(monkeypatch, GRAPH_STEP_ADVANCE_FLAG, graph_step_advance_enabled, default=False)
