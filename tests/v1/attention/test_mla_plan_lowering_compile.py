@@ -28,3 +28,23 @@ def test_the_lowering_kernels_compile_for_sm90():
                 ws, 16, torch.zeros(5, dtype=torch.int64), 16)
     compile_recorded(lowered, expect_at_least=1)
     compile_recorded(rebuilt, expect_at_least=3)
+
+
+def test_the_start_up_warm_up_compiles_both_alignments_of_the_graph_kv_len_arr():
+    """warm_plan_lowering (called next to the graph captures) launches the lowering kernel with
+    kv_len_arr 16-byte aligned and not, the two places a graph wrapper's kv_len_arr can sit in
+    its packed buffer (2 * (R + 1) int32 in: aligned for odd R), so no serving step JITs it."""
+    from tests.utils.triton_aot import launch_variant
+    from vllm.v1.attention.backends.mla import flashinfer_mla, plan_lowering
+    cuda_target()
+    aligned = {(2 * (r + 1) * 4) % 16 == 0 for r in range(1, 9)}
+    assert aligned == {True, False}  # graph sizes of both parities: both variants occur
+    for r in (1, 2):  # the packed views themselves
+        flat = torch.zeros(flashinfer_mla.packed_csr_size(r, 8), dtype=torch.int32)
+        kv_len_arr = flashinfer_mla.packed_csr_views(flat, r)[2]
+        assert (kv_len_arr.data_ptr() % 16 == 0) == (r % 2 == 1)
+    with record_launches(plan_lowering, "_lower_plan_kernel") as rec:
+        plan_lowering._warm_launches(torch.device("cpu"))  # recorded, not run
+    variants = {launch_variant(rec.kernel, a, k) for a, k in rec.launches}
+    assert len(rec.launches) == 2 and len(variants) == 2
+    compile_recorded(rec, expect_at_least=2)

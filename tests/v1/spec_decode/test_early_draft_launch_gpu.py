@@ -98,7 +98,9 @@ def test_the_early_block_write_is_compiled_with_the_graphs(paths, method, k, mon
     """The early step's block input write reads the runner's device state as it lies (the
     kernel's indirect variant, block_inputs.py); the runner compiles that variant next to
     the graph captures (GPUModelRunner._warm_early_block_write), so no serving step waits
-    for Triton to JIT-compile it: no cache miss of the kernel while early steps run."""
+    for Triton to JIT-compile it: no cache miss of the kernel while early steps run. Likewise
+    the plan lowering (plan_lowering.warm_plan_lowering, both kv_len_arr alignments; twenty-fifth
+    session, not yet run on a GPU)."""
     knobs = pytest.importorskip("triton").knobs
     monkeypatch.setenv(ENV_FLAG, "1")
     monkeypatch.setenv(DEVICE_LOWERING_FLAG, "1")
@@ -114,3 +116,5 @@ def test_the_early_block_write_is_compiled_with_the_graphs(paths, method, k, mon
     spec = runner.speculator
     assert spec.early_launches + spec.early_refreshes + spec.early_rebuilds > 0
     assert not [m for m in misses if m.startswith("_block_draft_inputs_kernel")], misses
+    assert spec.early_device_lowerings > 0
+    assert not [m for m in misses if m.startswith("_lower_plan_kernel")], misses

@@ -287,6 +287,11 @@ class GPUModelRunner:
         for q, manager in self._graph_managers.items():
             manager.capture_all(lambda size, q=q: self._dummy_graph_batch(size, q), self._forward)
         self._warm_early_block_write()
+        if any(hasattr(b, "advance_decode_plan_on_device") for b in self.attn_metadata_builders):
+            # the plan lowering (early draft steps, graph-step advances) JIT-compiles here, not
+            # in a serving step
+            from vllm.v1.attention.backends.mla.plan_lowering import warm_plan_lowering
+            warm_plan_lowering(self.device)
         self._held_graph_step = None  # the dummy batches' metadata carries no real step
         # The dummy batches wrote into slots' host state; hand every slot back clean.
         self.requests.num_computed.np[:] = 0

@@ -142,6 +142,27 @@ def lower_plan_triton(ws: torch.Tensor, index: torch.Tensor, lens: torch.Tensor,
                        num_end, num_reqs, BLOCK=_BLOCK)
 
 
+def warm_plan_lowering(device: torch.device) -> None:
+    """Compile the lowering kernel's variants at start-up (next to the graph captures) instead
+    of in the first step that lowers a plan (Triton, about a second). Triton specialises a
+    pointer on its 16-byte alignment: the graph wrappers' kv_len_arr sits 2 * (R + 1) int32
+    into their packed CSR buffer (flashinfer_mla.packed_csr_views), aligned for odd R only,
+    so both alignments are compiled; the workspace, the index and the int32 lengths are
+    aligned. Scratch tensors only: nothing a step reads is written."""
+    if HAS_TRITON and torch.device(device).type == "cuda":
+        _warm_launches(device)
+
+
+def _warm_launches(device) -> None:
+    """warm_plan_lowering's launches (any device: the tests record them on the CPU)."""
+    ws = torch.zeros(64, dtype=torch.int32, device=device)
+    index = torch.zeros(4, dtype=torch.int64, device=device)
+    lens = torch.ones(2, dtype=torch.int32, device=device)
+    arr = torch.zeros(8, dtype=torch.int32, device=device)
+    for offset in (0, 1):
+        lower_plan_triton(ws, index, lens, arr[offset:offset + 2], 1, 1, 1)
+
+
 def lower_plan_torch(ws: torch.Tensor, index: torch.Tensor, lens: torch.Tensor,
                      kv_len_arr: torch.Tensor | None, num_len: int, num_end: int,
                      num_reqs: int) -> None:
