@@ -51,6 +51,18 @@ ENV_FLAG = "VLLM_LEAN_TRITON_LAUNCH"
 _MAX_VARIANTS = 4  # compiled variants one LeanLaunch keeps learned
 
 
+def base_and_offset(view: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A view (EAGLE: drafts[:, step - 1]; the packed step output's last column; a graph
+    wrapper's CSR arrays inside their packed buffer) as its base tensor plus an element offset,
+    for a kernel that takes the two: the pointer's 16-byte alignment, which Triton specialises
+    on, then no longer changes with where the view starts. One compiled variant, no JIT in the
+    middle of serving."""
+    base = view._base
+    if base is None or base.dtype != view.dtype:
+        base = view
+    return base, view.storage_offset() - base.storage_offset()
+
+
 def lean_launch_enabled() -> bool:
     return switch_flag(ENV_FLAG, False, "launch hot Triton kernels through their compiled "
                        "launcher while their specialization holds", "every launch through Triton")

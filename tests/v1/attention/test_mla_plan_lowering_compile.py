@@ -21,11 +21,11 @@ def test_the_lowering_kernels_compile_for_sm90():
         plan_lowering.lower_plan_triton(ws, torch.arange(12, dtype=torch.int64), lens,
                                         torch.zeros(8, dtype=torch.int32), 3, 3, 3)
     with record_launches(plan_lowering, "_rebuild_csr_kernel") as rebuilt:
-        for planned in (3, 8, 40):  # graph sizes: BLOCK_R follows the planned request count
+        for bound in (16, 64, 256):  # builders' bounds (max_num_seqs): BLOCK_R follows them
             plan_lowering.rebuild_csr_triton(
-                torch.zeros(planned, 64, dtype=torch.int32), lens, 3, planned,
-                torch.zeros(planned + 1, dtype=torch.int32), torch.zeros(512, dtype=torch.int32),
-                ws, 16, torch.zeros(5, dtype=torch.int64), 16)
+                torch.zeros(8, 64, dtype=torch.int32), lens, 3, 8,
+                torch.zeros(9, dtype=torch.int32), torch.zeros(512, dtype=torch.int32),
+                ws, 16, torch.zeros(5, dtype=torch.int64), 16, max_requests=bound)
     compile_recorded(lowered, expect_at_least=1)
     compile_recorded(rebuilt, expect_at_least=3)
 
@@ -48,3 +48,24 @@ def test_the_start_up_warm_up_compiles_both_alignments_of_the_graph_kv_len_arr()
     variants = {launch_variant(rec.kernel, a, k) for a, k in rec.launches}
     assert len(rec.launches) == 2 and len(variants) == 2
     compile_recorded(rec, expect_at_least=2)
+
+
+def test_the_page_list_rebuild_is_one_variant_whatever_the_graph_size():
+    """Graph wrappers of every size (their CSR arrays at size-dependent offsets inside one
+    packed buffer) launch the rebuild as ONE compiled variant for a builder's bound, the one
+    warm_page_list_rebuild compiles at start-up."""
+    from tests.utils.triton_aot import launch_variant
+    from vllm.v1.attention.backends.mla import flashinfer_mla, plan_lowering
+    cuda_target()
+    with record_launches(plan_lowering, "_rebuild_csr_kernel") as rec:
+        plan_lowering._warm_rebuild_launch(torch.device("cpu"), 64)  # recorded, not run
+        for planned in (1, 2, 3, 8, 24, 64):
+            flat = torch.zeros(flashinfer_mla.packed_csr_size(planned, 128), dtype=torch.int32)
+            _, kv_indptr, _, kv_indices = flashinfer_mla.packed_csr_views(flat, planned)
+            plan_lowering.rebuild_csr_triton(
+                torch.zeros(planned, 8, dtype=torch.int32), torch.ones(planned, dtype=torch.int32),
+                planned, planned, kv_indptr, kv_indices, torch.zeros(4096, dtype=torch.int32),
+                16, torch.zeros(planned, dtype=torch.int64), 16, max_requests=64)
+    variants = {launch_variant(rec.kernel, a, k) for a, k in rec.launches}
+    assert len(rec.launches) == 7 and len(variants) == 1
+    compile_recorded(rec, expect_at_least=1)

@@ -290,8 +290,12 @@ class GPUModelRunner:
         if any(hasattr(b, "advance_decode_plan_on_device") for b in self.attn_metadata_builders):
             # the plan lowering (early draft steps, graph-step advances) JIT-compiles here, not
             # in a serving step
-            from vllm.v1.attention.backends.mla.plan_lowering import warm_plan_lowering
+            from vllm.v1.attention.backends.mla.plan_lowering import (warm_page_list_rebuild,
+                                                                      warm_plan_lowering)
             warm_plan_lowering(self.device)
+            for bound in {b.max_plan_requests for b in self.attn_metadata_builders
+                          if getattr(b, "page_list_rebuild", False)}:
+                warm_page_list_rebuild(self.device, bound)
         self._held_graph_step = None  # the dummy batches' metadata carries no real step
         # The dummy batches wrote into slots' host state; hand every slot back clean.
         self.requests.num_computed.np[:] = 0

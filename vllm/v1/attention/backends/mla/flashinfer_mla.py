@@ -821,6 +821,9 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
         self.workspace_bytes = workspace_bytes
         self.page_size = int(kv_cache_spec.block_size)
         self.page_list_rebuild = page_list_rebuild_enabled()
+        # the most requests a plan of this builder has in steady decode (graph sizes stop at
+        # max_num_seqs): the page-list rebuild compiles one kernel variant for it
+        self.max_plan_requests = int(getattr(vllm_config, "max_num_seqs", 0) or 64)
         if self.kernel_family == "blackwell":
             if self.dcp_world_size > 1 and self.dcp_interleave != 1:
                 raise ValueError(
@@ -1081,7 +1084,8 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
             return False
         refresher.rebuild_page_lists_on_device(
             table, decode.seq_lens, n, inputs.num_requests, backend._kv_indptr_buf,
-            backend._kv_indices_buf, page)
+            backend._kv_indices_buf, page,
+            max_requests=max(self.max_plan_requests, inputs.num_requests))
         inputs.host_csr_stale = True
         return True
 

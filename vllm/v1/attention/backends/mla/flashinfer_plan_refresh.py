@@ -419,7 +419,8 @@ class PlanRefresher:
 
     def rebuild_page_lists_on_device(self, table: torch.Tensor, lens: torch.Tensor,
                                      num_reqs: int, num_planned: int, kv_indptr: torch.Tensor,
-                                     kv_indices: torch.Tensor, page_size: int) -> None:
+                                     kv_indices: torch.Tensor, page_size: int,
+                                     max_requests: int | None = None) -> None:
         """Write the held plan's page lists for the device lengths `lens` (its first num_reqs
         requests, rows of `table`): the CSR kv_indptr / kv_indices and every work's kv_indptr
         in the int workspace (plan_lowering.py). The chunks stay; `lower_on_device` then writes
@@ -438,7 +439,8 @@ class PlanRefresher:
         rebuild = (rebuild_csr_triton if ws.is_cuda and HAS_TRITON and table.is_cuda
                    else rebuild_csr_torch)
         rebuild(table, lens, num_reqs, num_planned, kv_indptr, kv_indices, ws,
-                self.skeleton.offsets["kv_indptr"], work_req, page_size)
+                self.skeleton.offsets["kv_indptr"], work_req, page_size,
+                max_requests=max_requests)
         self._indptr_written = None  # the work kv_indptr is the device's now
         self.page_list_rebuilds += 1
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from vllm.triton_utils import HAS_TRITON, tl, triton
-from vllm.utils.triton_launch import LeanLaunch
+from vllm.utils.triton_launch import LeanLaunch, base_and_offset
 
 _BLOCK = 128
 
@@ -56,12 +56,16 @@ if HAS_TRITON:
         tl.store(kv_len_arr_ptr + i, lens.to(kv_len_arr_ptr.dtype.element_ty), mask=on)
 
 
-    @triton.jit(do_not_specialize=["table_stride", "num_reqs", "num_planned", "indptr_pos",
-                                   "num_works", "page_size"])
+    # One compiled variant per block table / lengths dtype: the CSR arrays come as their base
+    # buffer plus element offsets and BLOCK_R is the builder's bound, not the plan's size.
+    @triton.jit(do_not_specialize=["table_stride", "num_reqs", "num_planned", "indptr_off",
+                                   "indices_off", "indptr_pos", "num_works", "page_size"])
     def _rebuild_csr_kernel(table_ptr, table_stride, lens_ptr, num_reqs, num_planned,
-                            kv_indptr_ptr, kv_indices_ptr, ws_ptr, indptr_pos, work_req_ptr,
-                            num_works, page_size, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-                            BLOCK_W: tl.constexpr):
+                            indptr_base_ptr, indptr_off, indices_base_ptr, indices_off, ws_ptr,
+                            indptr_pos, work_req_ptr, num_works, page_size,
+                            BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr):
+        kv_indptr_ptr = indptr_base_ptr + indptr_off
+        kv_indices_ptr = indices_base_ptr + indices_off
         pid = tl.program_id(0)
         r = tl.arange(0, BLOCK_R)
         lens = tl.load(lens_ptr + r, mask=r < num_reqs, other=0).to(tl.int32)
@@ -92,29 +96,41 @@ _REBUILD_CSR_LAUNCH = LeanLaunch(_rebuild_csr_kernel) if HAS_TRITON else None
 _BLOCK_P, _BLOCK_W = 64, 32
 
 
+def csr_block(max_requests: int) -> int:
+    """The rebuild's BLOCK_R for plans of up to `max_requests` requests (a builder's bound)."""
+    return triton.next_power_of_2(max(int(max_requests), 16)) if HAS_TRITON else 0
+
+
 def rebuild_csr_triton(table: torch.Tensor, lens: torch.Tensor, num_reqs: int,
                        num_planned: int, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                        ws: torch.Tensor, indptr_pos: int, work_req: torch.Tensor,
-                       page_size: int) -> None:
+                       page_size: int, max_requests: int | None = None) -> None:
     """The page lists of the module docstring in one launch: `table` [>= num_reqs, W] int32
     (row r = request r), `lens` the requests' lengths (first num_reqs), `kv_indptr`
     [num_planned + 1] and `kv_indices` int32, `ws` the int32 workspace whose work kv_indptr
     starts at element `indptr_pos`, `work_req` [W] int64 each work's request (padding works:
-    num_reqs). All on one CUDA device (or CPU under TRITON_INTERPRET=1)."""
+    num_reqs). All on one CUDA device (or CPU under TRITON_INTERPRET=1). `max_requests`
+    (default num_planned): the most requests any plan of the caller has, which sets the
+    compiled variant (csr_block)."""
     if not HAS_TRITON:
         raise RuntimeError("rebuild_csr_triton needs Triton; use rebuild_csr_torch")
     if table.stride(1) != 1:
         raise ValueError("rebuild_csr_triton reads the block table's rows contiguously")
+    block_r = csr_block(num_planned if max_requests is None else max_requests)
+    if num_planned > block_r:
+        raise ValueError(f"{num_planned} planned requests exceed max_requests={max_requests}")
+    indptr_base, indptr_off = base_and_offset(kv_indptr)
+    indices_base, indices_off = base_and_offset(kv_indices)
     _REBUILD_CSR_LAUNCH((num_reqs + 1,), table, table.stride(0), lens, num_reqs, num_planned,
-                        kv_indptr, kv_indices, ws, indptr_pos, work_req, work_req.shape[0],
-                        page_size, BLOCK_R=triton.next_power_of_2(max(num_planned, 2)),
+                        indptr_base, indptr_off, indices_base, indices_off, ws, indptr_pos,
+                        work_req, work_req.shape[0], page_size, BLOCK_R=block_r,
                         BLOCK_P=_BLOCK_P, BLOCK_W=_BLOCK_W)
 
 
 def rebuild_csr_torch(table: torch.Tensor, lens: torch.Tensor, num_reqs: int,
                       num_planned: int, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                       ws: torch.Tensor, indptr_pos: int, work_req: torch.Tensor,
-                      page_size: int) -> None:
+                      page_size: int, max_requests: int | None = None) -> None:
     """The same writes with torch ops (the reference, and the path off CUDA: its boolean
     selection reads the page counts on the host)."""
     pages = (lens[:num_reqs].to(torch.int64) + (page_size - 1)) // page_size
@@ -151,6 +167,24 @@ def warm_plan_lowering(device: torch.device) -> None:
     aligned. Scratch tensors only: nothing a step reads is written."""
     if HAS_TRITON and torch.device(device).type == "cuda":
         _warm_launches(device)
+
+
+def warm_page_list_rebuild(device: torch.device, max_requests: int) -> None:
+    """Compile the page-list rebuild's one variant for plans of up to `max_requests` requests
+    (csr_block) at start-up, on scratch tensors laid out as a graph wrapper's (int32 block
+    table and lengths, the CSR arrays as views into one packed int32 buffer, the int32
+    workspace, an int64 work map)."""
+    if HAS_TRITON and torch.device(device).type == "cuda":
+        _warm_rebuild_launch(device, max_requests)
+
+
+def _warm_rebuild_launch(device, max_requests: int) -> None:
+    flat = torch.zeros(64, dtype=torch.int32, device=device)
+    rebuild_csr_triton(torch.zeros(2, 4, dtype=torch.int32, device=device),
+                       torch.ones(1, dtype=torch.int32, device=device), 1, 2, flat[3:6],
+                       flat[9:], torch.zeros(8, dtype=torch.int32, device=device), 0,
+                       torch.zeros(1, dtype=torch.int64, device=device), 16,
+                       max_requests=max_requests)
 
 
 def _warm_launches(device) -> None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm.v1.worker.gpu.block_table import PAD_SLOT_ID, BlockTables
-from vllm.utils.triton_launch import LeanLaunch
+from vllm.utils.triton_launch import LeanLaunch, base_and_offset
 from vllm.v1.worker.gpu.cp_utils import HAS_TRITON, _slot_geometry, tl, triton
 if HAS_TRITON:
     from vllm.v1.worker.gpu.cp_utils import slot_geometry_tl
@@ -209,28 +209,17 @@ def _slots_torch(tables: BlockTables, group_ids: tuple[int, ...], positions: tor
 _BLOCK_INPUTS_LAUNCH = LeanLaunch(_block_draft_inputs_kernel) if HAS_TRITON else None
 
 
-def _base_and_offset(column: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """A column view (EAGLE: drafts[:, step - 1]; the packed step output's last column) as its
-    base tensor plus an element offset, so that the pointer's alignment (which Triton
-    specialises on) does not change with the column: one compiled variant, no JIT in the middle
-    of serving."""
-    base = column._base
-    if base is None or base.dtype != column.dtype:
-        base = column
-    return base, column.storage_offset() - base.storage_offset()
-
-
 def write_block_inputs_triton(tables: BlockTables, buffers: BlockInputBuffers, num_reqs: int,
                               padded: int, q: int, accepted: torch.Tensor,
                               next_token_ids: torch.Tensor, max_model_len: int,
                               start_offset: int = 0, accepted_extra: torch.Tensor | None = None,
                               next_token_rows: torch.Tensor | None = None) -> None:
     geometry = tables.device_slot_geometry()
-    base, next_offset = _base_and_offset(next_token_ids)
+    base, next_offset = base_and_offset(next_token_ids)
     # Unused indirections get a valid pointer that the kernel never reads (constexpr off).
     extra, extra_offset, extra_stride = buffers.anchors, 0, 0
     if accepted_extra is not None:
-        extra, extra_offset = _base_and_offset(accepted_extra)
+        extra, extra_offset = base_and_offset(accepted_extra)
         extra_stride = accepted_extra.stride(0)
     rows = buffers.anchors if next_token_rows is None else next_token_rows
     grid = (padded, len(buffers.group_ids_host))
