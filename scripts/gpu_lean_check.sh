@@ -20,7 +20,7 @@ summary=()
 timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rA --junitxml="$out/junit_lean.xml" \
   tests/v1/attention/test_flashinfer_mla_gpu.py tests/v1/worker/test_cudagraph_runner_gpu.py \
   tests/v1/e2e/test_gpu_exactness.py tests/v1/spec_decode/test_early_draft_launch_gpu.py \
-  -k "${LEAN_K:-carried or advanced or lowered or (graphs_equal and FLASHINFER) or dcp1}" \
+  -k "${LEAN_K:-carried or advanced or lowered or (graphs_equal and FLASHINFER) or dcp1 or launch}" \
   >"$out/pytest_lean.log" 2>&1
 summary+=("tests rc=$? $(tail -n 1 "$out/pytest_lean.log")")
 grep -E "^(FAILED|ERROR)" "$out/pytest_lean.log" | head -n 20
