@@ -1068,16 +1068,15 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
 
     def _rebuild_page_lists(self, decode: MLACommonDecodeMetadata, inputs: HopperPlanInputs,
                             refresher: PlanRefresher, backend: Any, n: int,
-                            upper: np.ndarray) -> bool:
+                            need: np.ndarray) -> bool:
         """A held plan whose requests grew into pages it does not list (or whose rows hold
         other pages now) keeps its chunks: write its page lists from the device block table
         and the device lengths (plan_lowering.py, one launch on CUDA) into the buffers the
-        kernels read, as a host plan would list them. False, writing nothing, where the
-        lengths' pages (bounded by `upper`) would not fit the block table's width or the
-        graph's page buffer."""
+        kernels read, as a host plan would list them. False, writing nothing, where `need`
+        (each request's pages at the upper bound of its length) would not fit the block
+        table's width or the graph's page buffer."""
         table = decode.block_table
         page = self.page_size
-        need = (upper + (page - 1)) // page
         if (table is None or table.dim() != 2 or table.stride(1) != 1
                 or int(need.max()) > table.shape[1]
                 or int(need.sum()) > backend._kv_indices_buf.shape[0]):
@@ -1104,13 +1103,19 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
         if (lower.shape[0] != n or upper.shape[0] != n or lower.min() <= 0
                 or (lower > upper).any()):
             return False
-        rebuild = False
+        # The skeleton's fit (PlanSkeleton.fits) of every length in [lower, upper]: the rows
+        # are the held plan's own and the padding requests stay empty, so only the chunk
+        # bounds of the real requests are left to check (first: the cheapest refusal).
+        if n != skeleton.num_real or not ((lower > skeleton.lo).all()
+                                          and (upper <= skeleton.hi).all()):
+            return False
+        rebuild, need = False, None
         if not same_step:
             page = self.page_size
             counts = kv_indptr[1:n + 1] - kv_indptr[:n]
             table = decode.block_table_cpu
-            if (inputs.host_csr_stale or table is None
-                    or ((upper + (page - 1)) // page > counts).any()):
+            need = (upper + (page - 1)) // page  # pages of the longest lengths possible
+            if inputs.host_csr_stale or table is None or (need > counts).any():
                 rebuild = True  # a length past the pages the plan lists (or unknown lists)
             else:
                 # The listed pages must still be the rows' pages: the batch's rows may hold
@@ -1123,14 +1128,8 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
                 where += _arange(num_pages)
                 rebuild = not np.array_equal(table.reshape(-1).take(where),
                                              inputs.kv_indices.numpy()[:num_pages])
-        # The skeleton's fit (PlanSkeleton.fits) of every length in [lower, upper]: the rows
-        # are the held plan's own and the padding requests stay empty, so only the chunk
-        # bounds of the real requests are left to check.
-        if n != skeleton.num_real or not ((lower > skeleton.lo).all()
-                                          and (upper <= skeleton.hi).all()):
-            return False
         if rebuild and not (self.page_list_rebuild and self._rebuild_page_lists(
-                decode, inputs, refresher, backend, n, upper)):
+                decode, inputs, refresher, backend, n, need)):
             return False
         # the work arrays and the wrapper's kv_len_arr, in one launch on CUDA
         refresher.lower_on_device(decode.seq_lens, n, backend._kv_len_arr_buf)
