@@ -2,8 +2,9 @@
 # One lean GPU pass when device time is short (twenty-fifth session): the graph-step advance and
 # page-list rebuild GPU tests, the engine exactness / sync-budget tests they touch, the issue #10
 # V3-rank overhead, the host probe with the advance off and on, and the tiny B=1 headline, all
-# with the two opt-in switches on (VLLM_GRAPH_STEP_ADVANCE, VLLM_PLAN_PAGE_LIST_REBUILD; the
-# probe turns the advance off for its first run). If the tests pass, their defaults can flip.
+# with the two switches on (VLLM_GRAPH_STEP_ADVANCE, VLLM_PLAN_PAGE_LIST_REBUILD: on by default
+# since this pass succeeded in the twenty-sixth session; the probe turns the advance off for its
+# first run).
 # Each part is bounded; logs and JUnit XML go to $OUT (or ./out); a summary is printed last.
 set -uo pipefail
 export VLLM_GRAPH_STEP_ADVANCE="${VLLM_GRAPH_STEP_ADVANCE:-1}"

@@ -168,7 +168,7 @@ def test_an_advance_past_the_listed_pages_rebuilds_them_on_the_device(held, why)
 
 @pytest.mark.parametrize("why", ["a page the plan does not list", "other pages in a row"])
 def test_without_the_page_list_rebuild_such_an_advance_is_refused(monkeypatch, why):
-    """VLLM_PLAN_PAGE_LIST_REBUILD off (the default): the same two advances are refused and
+    """VLLM_PLAN_PAGE_LIST_REBUILD=0: the same two advances are refused and
     write nothing (the step builds on the host)."""
     builder, md, ws, _, _ = _held(monkeypatch, causal=False, rebuild=False)
     assert not builder.page_list_rebuild
@@ -186,9 +186,9 @@ def test_without_the_page_list_rebuild_such_an_advance_is_refused(monkeypatch, w
 
 
 def test_the_switch(monkeypatch):
-    """Opt-in until the GPU tests have run (test_flashinfer_mla_gpu.py)."""
+    """On by default since its GPU tests passed (test_flashinfer_mla_gpu.py)."""
     from vllm.v1.attention.backends.mla.flashinfer_mla import page_list_rebuild_enabled
-    check_switch(monkeypatch, PAGE_LIST_REBUILD_FLAG, page_list_rebuild_enabled, default=False)
+    check_switch(monkeypatch, PAGE_LIST_REBUILD_FLAG, page_list_rebuild_enabled, default=True)
 
 
 def test_the_same_step_lowering_shares_the_checks(held):

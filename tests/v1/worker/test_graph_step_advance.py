@@ -112,5 +112,5 @@ def test_a_step_whose_rows_changed_is_built(monkeypatch):
 
 
 def test_the_switch(monkeypatch):
-    """Opt-in until the GPU tests have run (test_flashinfer_mla_gpu.py)."""
-    check_switch(monkeypatch, GRAPH_STEP_ADVANCE_FLAG, graph_step_advance_enabled, default=False)
+    """On by default since its GPU tests passed (test_flashinfer_mla_gpu.py)."""
+    check_switch(monkeypatch, GRAPH_STEP_ADVANCE_FLAG, graph_step_advance_enabled, default=True)

@@ -17,13 +17,13 @@ from vllm.utils.env_flags import switch_flag
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
 # Graph decode steps with the previous graph step's rows carry its attention metadata over
-# (advance_graph_metadata) instead of building it: off unless set to "1" until it has run on
-# a GPU (twenty-fifth session: CPU-tested only; scripts/gpu_lean_check.sh runs its GPU tests).
+# (advance_graph_metadata) instead of building it. On by default since its GPU tests passed
+# (twenty-sixth session, one H100, scripts/gpu_lean_check.sh); "0" builds every step.
 GRAPH_STEP_ADVANCE_FLAG = "VLLM_GRAPH_STEP_ADVANCE"
 
 
 def graph_step_advance_enabled() -> bool:
-    return switch_flag(GRAPH_STEP_ADVANCE_FLAG, False,
+    return switch_flag(GRAPH_STEP_ADVANCE_FLAG, True,
                        "graph decode steps with the previous graph step's rows advance its "
                        "attention metadata on the device", "build it on the host every step")
 

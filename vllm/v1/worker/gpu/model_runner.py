@@ -263,7 +263,7 @@ class GPUModelRunner:
         self._write_only_entries: dict[int, dict[str, KVWriteOnlyMetadata]] = {}
         # The last graph step's (shape, row slots, attention metadata): the next graph step
         # with the same rows carries it over (_advance_graph_step) where
-        # VLLM_GRAPH_STEP_ADVANCE=1 (off by default until it has run on a GPU).
+        # VLLM_GRAPH_STEP_ADVANCE is not "0" (on by default).
         self._held_graph_step = None
         self._graph_step_advance = graph_step_advance_enabled()
         for builder in self.attn_metadata_builders:

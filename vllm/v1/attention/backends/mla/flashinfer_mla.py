@@ -47,13 +47,13 @@ _FA3_DTYPES = (torch.bfloat16, torch.float16)  # what the kernels accept (float 
 
 
 # Held graph plans whose requests grew into pages they do not list get their page lists
-# rebuilt on the device (_rebuild_page_lists) instead of a host build: off unless set to "1"
-# until it has run on a GPU (twenty-fifth session: CPU-tested, compiled for sm_90 only).
+# rebuilt on the device (_rebuild_page_lists) instead of a host build. On by default since its
+# GPU tests passed (twenty-sixth session, one H100); "0" builds such steps on the host.
 PAGE_LIST_REBUILD_FLAG = "VLLM_PLAN_PAGE_LIST_REBUILD"
 
 
 def page_list_rebuild_enabled() -> bool:
-    return switch_flag(PAGE_LIST_REBUILD_FLAG, False,
+    return switch_flag(PAGE_LIST_REBUILD_FLAG, True,
                        "rebuild a held plan's page lists on the device when its requests grew "
                        "into pages it does not list", "build such steps on the host")
 
