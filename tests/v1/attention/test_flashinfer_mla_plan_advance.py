@@ -131,8 +131,8 @@ def test_an_advance_past_the_listed_pages_rebuilds_them_on_the_device(held, why)
     not the listed ones any more, the chunks still hold: the advance writes the page lists
     from the device block table and lengths (one launch on CUDA) before the lengths. The
     kernels' CSR then lists what a host plan would, the work arrays equal a host refresh
-    for those lists and lengths, and the host arrays are marked stale (later advances
-    rebuild again, host refreshes of that staged set are refused)."""
+    for those lists and lengths, and the host arrays are marked stale (host refreshes of
+    that staged set are refused; later advances check against the rebuilt lists, below)."""
     builder, md, ws, _, _ = held
     state = md.decode.backend_state
     refresher = state.wrapper_slot.refresher
@@ -183,6 +183,61 @@ def test_without_the_page_list_rebuild_such_an_advance_is_refused(monkeypatch, w
     assert not builder.advance_decode_plan_on_device(md, bounds)
     assert torch.equal(ws, before) and refresher.device_lowerings == lowerings
     assert refresher.page_list_rebuilds == 0
+
+
+def _expect_lists_and_lengths(md, ws, refresher, listed_lengths, lengths):
+    """The kernels' CSR lists the pages of `listed_lengths` over the current table rows, and
+    the work arrays equal a host refresh for those lists and `lengths`."""
+    state = md.decode.backend_state
+    backend = state.wrapper_slot.wrapper._planned_backend
+    indptr, indices = _page_lists(md.decode.block_table, listed_lengths)
+    assert backend._kv_indptr_buf[:5].tolist() == indptr
+    assert backend._kv_indices_buf[: indptr[-1]].tolist() == indices
+    qo = state.hopper_inputs.arrays[0]
+    kv = np.zeros(qo.shape[0] - 1, dtype=np.int32)
+    kv[:4] = lengths
+    oracle = PlanRefresher(ws.clone(), max_works=refresher.max_works)
+    oracle.adopt(refresher.skeleton)
+    full_indptr = np.full(qo.shape[0], indptr[-1], dtype=np.int32)
+    full_indptr[:5] = indptr
+    assert oracle.try_refresh(qo, full_indptr, kv)
+    assert torch.equal(ws, oracle.device_ws)
+
+
+@pytest.mark.parametrize("case", ["same pages", "a page past the lists",
+                                  "a listed page changed", "lists of a lower bound"])
+def test_the_advance_after_a_rebuild_checks_against_the_rebuilt_lists(held, case):
+    """After a device rebuild the host arrays no longer say what the device lists, so the
+    next advance compares against what the rebuild wrote (`rebuilt_lists`): within those
+    pages, with the rows' pages unchanged, it only writes the lengths (no second rebuild);
+    a page past them, a changed page, or a first rebuild that only knew a lower bound of
+    the lengths (fewer pages surely listed) rebuilds again. Either way the kernels' lists and
+    work arrays are what a host plan and refresh would give."""
+    builder, md, ws, _, _ = held
+    refresher = md.decode.backend_state.wrapper_slot.refresher
+    first = list(EXACT)
+    first[2] = 81  # 6 pages of 16: the plan lists 5 for request 2, so this advance rebuilds
+    md.decode.seq_lens[:4] = torch.tensor(first)
+    lower = list(first)
+    if case == "lists of a lower bound":
+        lower[2] = 78  # the device may hold 78..81: only 5 pages of request 2 are sure
+    assert builder.advance_decode_plan_on_device(md, _bounds(lower, first))
+    assert refresher.page_list_rebuilds == 1
+    second = [714, 2058, 83, 16]  # request 2 still in 6 pages, the others in theirs
+    listed = list(second)
+    if case == "a page past the lists":
+        second[2] = listed[2] = 97  # 7 pages
+    elif case == "a listed page changed":
+        md.decode.block_table[0, 2] += 1000
+        md.decode.block_table_cpu[0, 2] += 1000
+    elif case == "same pages":
+        listed = first  # no rebuild: the lists stay the first advance's
+    md.decode.seq_lens[:4] = torch.tensor(second)
+    lowerings = refresher.device_lowerings
+    assert builder.advance_decode_plan_on_device(md, _bounds(second, second))
+    assert refresher.page_list_rebuilds == (1 if case == "same pages" else 2)
+    assert refresher.device_lowerings == lowerings + 1
+    _expect_lists_and_lengths(md, ws, refresher, listed, second)
 
 
 def test_the_switch(monkeypatch):

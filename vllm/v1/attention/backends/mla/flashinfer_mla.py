@@ -109,8 +109,15 @@ class HopperPlanInputs:
     request_rows: np.ndarray | None = None
     # The device page lists were rebuilt from the device block table since these host arrays
     # were planned (_lower_held_plan): kv_indptr / kv_indices here no longer say what the
-    # device lists, so later advances rebuild again instead of comparing against them.
+    # device lists (host refreshes in place are refused); later advances compare against
+    # `rebuilt_lists` instead.
     host_csr_stale: bool = False
+    # After such a rebuild: (the pages each request surely lists [n], those of the lowest
+    # length the device may have held, and the host twin of the block table rows [n, w] the
+    # lists were cut from). A later advance whose pages lie within them and whose rows still
+    # hold those pages needs no rebuild (without it every advance after the first page
+    # crossing rebuilt: 32 of 60 plain B=1 steps, twenty-sixth session's profile).
+    rebuilt_lists: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def num_requests(self) -> int:
@@ -1086,7 +1093,24 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
             backend._kv_indices_buf, page,
             max_requests=max(self.max_plan_requests, inputs.num_requests))
         inputs.host_csr_stale = True
+        inputs.rebuilt_lists = None
         return True
+
+    @staticmethod
+    def _rebuilt_lists_hold(inputs: HopperPlanInputs, table: np.ndarray, need: np.ndarray,
+                            n: int) -> bool:
+        """Whether the page lists the last device rebuild wrote (`rebuilt_lists`) serve
+        lengths of up to `need` pages per request: every request lists at least that many
+        and its row of the block table still holds them."""
+        lists = inputs.rebuilt_lists
+        if lists is None:
+            return False
+        listed, rows = lists
+        if listed.shape[0] != n or (need > listed).any():
+            return False
+        width = int(need.max())
+        read = _arange(width) < need[:, None]  # the pages the kernels may read
+        return np.array_equal(table[:n, :width][read], rows[:, :width][read])
 
     def _lower_held_plan(self, held: tuple, lower_np, upper_np, same_step: bool) -> bool:
         """Write the device lengths into the held plan (`_held_graph_plan`) where every length
@@ -1115,8 +1139,13 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
             counts = kv_indptr[1:n + 1] - kv_indptr[:n]
             table = decode.block_table_cpu
             need = (upper + (page - 1)) // page  # pages of the longest lengths possible
-            if inputs.host_csr_stale or table is None or (need > counts).any():
-                rebuild = True  # a length past the pages the plan lists (or unknown lists)
+            if table is None:
+                rebuild = True
+            elif inputs.host_csr_stale:  # the device lists are the last rebuild's
+                table = np.ascontiguousarray(table.numpy())
+                rebuild = not self._rebuilt_lists_hold(inputs, table, need, n)
+            elif (need > counts).any():
+                rebuild = True  # a length past the pages the plan lists
             else:
                 # The listed pages must still be the rows' pages: the batch's rows may hold
                 # other requests now (same count, other requests), and the kernels read these
@@ -1128,9 +1157,15 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
                 where += _arange(num_pages)
                 rebuild = not np.array_equal(table.reshape(-1).take(where),
                                              inputs.kv_indices.numpy()[:num_pages])
-        if rebuild and not (self.page_list_rebuild and self._rebuild_page_lists(
-                decode, inputs, refresher, backend, n, need)):
-            return False
+        if rebuild:
+            if not (self.page_list_rebuild and self._rebuild_page_lists(
+                    decode, inputs, refresher, backend, n, need)):
+                return False
+            # What the device lists now, for the next advance: the device lengths lie in
+            # [lower, upper], so every request lists at least the lower bound's pages, cut
+            # from these rows (the host twin the device table copies).
+            cut_from = decode.block_table_cpu.numpy()[:n, :int(need.max())].copy()
+            inputs.rebuilt_lists = ((lower + (self.page_size - 1)) // self.page_size, cut_from)
         # the work arrays and the wrapper's kv_len_arr, in one launch on CUDA
         refresher.lower_on_device(decode.seq_lens, n, backend._kv_len_arr_buf)
         decode.row_seq_lens_cpu = None  # the planned host rows are stale now
