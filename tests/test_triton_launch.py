@@ -181,10 +181,12 @@ def test_installed_launch_hooks_disabled_flag_and_unknown_layouts_go_through_tri
     assert off.lean_launches == 0 and off.triton_launches == 3
     monkeypatch.delenv(tl_launch.ENV_FLAG, raising=False)
     assert LeanLaunch(kernel).enabled is False  # off by default (the module doc says why)
+    assert LeanLaunch(kernel, default=True).enabled is True  # unless the kernel says on
     monkeypatch.setenv(tl_launch.ENV_FLAG, "1")
     assert LeanLaunch(kernel).enabled is True
     monkeypatch.setenv(tl_launch.ENV_FLAG, "0")
     assert LeanLaunch(kernel).enabled is False
+    assert LeanLaunch(kernel, default=True).enabled is False  # "0" turns every one off
     monkeypatch.setenv(tl_launch.ENV_FLAG, "2")
     with pytest.raises(ValueError, match="VLLM_LEAN_TRITON_LAUNCH='2' is invalid"):
         LeanLaunch(kernel)

@@ -28,14 +28,18 @@ changed, a Triton whose kernel objects lack the attributes used here) goes throu
 where it can, re-learns; up to four compiled variants stay learned side by side (one call
 site builds the row lengths of a causal and a non-causal group in turn).
 
-Off by default (`VLLM_LEAN_TRITON_LAUNCH=1` turns it on; twentieth session, runs GE/GF on one
-H100): with it on, the graphs-vs-eager, exactness, step-preparation, row-length and block-input
+Off by default for the kernels a plain decode step launches (`VLLM_LEAN_TRITON_LAUNCH=1`
+turns every LeanLaunch on, `=0` every one off); the speculative-only block-input write is lean
+by default (`LeanLaunch(..., default=True)`; twenty-sixth session, see block_inputs.py). Why
+the others stay off (twentieth session, runs GE/GF on one H100): with it on, the graphs-vs-eager, exactness, step-preparation, row-length and block-input
 GPU tests passed, but `test_memory_profile_gpu.py::test_profile_leaves_nothing...` failed in
 both runs (32 MiB more held after the profile than weights + buffers; it passed earlier the
 same day without this module, with other tests before it in the process, and 32 MiB is
 cuBLAS's per-stream workspace on Hopper, so the order may be the cause; not settled: no device
 time was left), and the in-process tok/s A/B of tiny DSpark against no drafts was inside the
-node's noise. Settle both before turning it on.
+node's noise. Settle both before turning it on. (Later: the memory-profile failure was the
+test's order, not this module, and with every kernel lean the async no-drafts engine lost
+4-7 % of tok/s at B=8 in three runs, unexplained, while DSpark engines did not: HB, HG, JC.)
 """
 from __future__ import annotations
 
@@ -63,8 +67,10 @@ def base_and_offset(view: torch.Tensor) -> tuple[torch.Tensor, int]:
     return base, view.storage_offset() - base.storage_offset()
 
 
-def lean_launch_enabled() -> bool:
-    return switch_flag(ENV_FLAG, False, "launch hot Triton kernels through their compiled "
+def lean_launch_enabled(default: bool = False) -> bool:
+    """VLLM_LEAN_TRITON_LAUNCH: "1" / "0" turn every LeanLaunch on / off; unset, each kernel
+    takes its own `default` (LeanLaunch(kernel, default=...))."""
+    return switch_flag(ENV_FLAG, default, "launch hot Triton kernels through their compiled "
                        "launcher while their specialization holds", "every launch through Triton")
 
 
@@ -131,9 +137,10 @@ class LeanLaunch:
     non-constexpr parameters in order, the constexprs by keyword, and the constexpr parameters
     must follow all the others in the kernel's signature."""
 
-    def __init__(self, kernel: Any, enabled: bool | None = None):
+    def __init__(self, kernel: Any, enabled: bool | None = None, default: bool = False):
         self.kernel = kernel
-        self.enabled = lean_launch_enabled() if enabled is None else enabled
+        # `enabled` fixes it (tests, A/Bs); else VLLM_LEAN_TRITON_LAUNCH, else `default`
+        self.enabled = lean_launch_enabled(default) if enabled is None else enabled
         self.lean_launches = 0     # launches that skipped Triton's binding
         self.triton_launches = 0   # launches through Triton (first, changed, hooked)
         self._learned: list[_Learned] = []

@@ -145,3 +145,33 @@ def test_triton_kernel_equals_brute_force_on_cuda():
         assert observed_writes(case) == expected_writes(case), seed
         assert observed_writes(case) == observed_writes(twin), seed
         assert untouched_tails(case), seed
+
+
+def test_the_kernel_launches_lean_by_default():
+    """block_inputs.py launches its kernel through LeanLaunch, on unless
+    VLLM_LEAN_TRITON_LAUNCH=0 (the step-preparation kernel stays off unless =1)."""
+    from vllm.utils.triton_launch import lean_launch_enabled
+    launch = block_inputs._BLOCK_INPUTS_LAUNCH
+    if launch is None:
+        pytest.skip("Triton is not installed")
+    assert launch.enabled is lean_launch_enabled(default=True)
+
+
+@pytest.mark.gpu
+def test_lean_launches_equal_brute_force_on_cuda(monkeypatch):
+    """A write whose arguments match the one before (other buffers of the same dtypes, device
+    and alignment, the same specialized values) skips Triton's binding and calls the compiled
+    launcher directly (the default for this kernel). Those writes equal the oracle too."""
+    launch = block_inputs._BLOCK_INPUTS_LAUNCH
+    monkeypatch.setattr(launch, "enabled", True)
+    leaned = 0
+    for seed in range(40):
+        run_write(random_case(seed, "cuda"), block_inputs.write_block_inputs_triton)  # learns
+        case = random_case(seed, "cuda")
+        before = launch.lean_launches
+        run_write(case, block_inputs.write_block_inputs_triton)
+        torch.cuda.synchronize()
+        leaned += launch.lean_launches - before
+        assert observed_writes(case) == expected_writes(case), seed
+        assert untouched_tails(case), seed
+    assert leaned >= 30  # seeds with no rows (an empty grid) may stay on Triton

@@ -205,8 +205,14 @@ def _slots_torch(tables: BlockTables, group_ids: tuple[int, ...], positions: tor
         tables.slot_mappings[group, :num_tokens] = torch.where(owned & real, slots, PAD_SLOT_ID)
 
 
-# Through LeanLaunch (vllm/utils/triton_launch.py; off unless VLLM_LEAN_TRITON_LAUNCH=1).
-_BLOCK_INPUTS_LAUNCH = LeanLaunch(_block_draft_inputs_kernel) if HAS_TRITON else None
+# Through LeanLaunch (vllm/utils/triton_launch.py), lean by default (VLLM_LEAN_TRITON_LAUNCH=0
+# turns it off). Why this kernel and not the step preparation: its 26 runtime arguments cost ~0.06 ms
+# of a DSpark step's ~0.76 ms host time through Triton's binding (twenty-sixth session's B=1
+# profile, H100), only block drafters launch it, and the one unexplained loss with lean
+# launches was the no-drafts engine's (its step-preparation kernel) at B=8; DSpark engines with
+# every kernel lean matched or beat those without (runs HB, HG, JC, docs/performance.md).
+_BLOCK_INPUTS_LAUNCH = (LeanLaunch(_block_draft_inputs_kernel, default=True) if HAS_TRITON
+                        else None)
 
 
 def write_block_inputs_triton(tables: BlockTables, buffers: BlockInputBuffers, num_reqs: int,
