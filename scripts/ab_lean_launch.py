@@ -48,7 +48,7 @@ def run(args) -> dict:
     for rnd in range(args.warmup_rounds + args.rounds):
         order = (False, True) if rnd % 2 == 0 else (True, False)
         for lean in order:
-            set_lean_launches(lean)
+            set_lean_launches(lean, args.kernels)
             for batch in args.batch_sizes:
                 for variant in args.variants:
                     case = SpecPolicyCase(variant, batch, output_len=args.output_len,
@@ -73,7 +73,7 @@ def run(args) -> dict:
                                 total = sums.setdefault(name, [0, 0])
                                 total[0] += counts[0]
                                 total[1] += counts[1]
-    set_lean_launches(False)
+    set_lean_launches(False, args.kernels)
     rows = []
     base = args.variants[0]
     for batch in args.batch_sizes:
@@ -102,6 +102,9 @@ def main() -> None:
                         help="the first is the baseline of the ratios")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--kernels", nargs="+", default=None,
+                        help="switch only these kernels' launchers (e.g. "
+                             "_block_draft_inputs_kernel); the others keep their defaults")
     parser.add_argument("--warmup-rounds", type=int, default=1)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--warmup-steps", type=int, default=32)

@@ -261,4 +261,7 @@ def test_set_lean_launches_switches_every_launcher_and_forgets_what_it_learned(n
     assert (launch.triton_launches, launch.lean_launches) == (3, 1)
     kernel.__name__ = "fake_kernel_counted"
     assert tl_launch.launch_counts()["fake_kernel_counted"] == (1, 3)
+    other = LeanLaunch(_kernel(), enabled=True)
+    assert tl_launch.set_lean_launches(False, kernels={"fake_kernel_counted"}) == 1
+    assert not launch.enabled and other.enabled  # only the named kernel's launcher switched
     tl_launch.set_lean_launches(False)

@@ -114,11 +114,14 @@ def _current_raw_stream(device: int) -> int:
 _INSTANCES: "weakref.WeakSet[LeanLaunch]" = weakref.WeakSet()
 
 
-def set_lean_launches(enabled: bool) -> int:
-    """Turn lean launches on or off for every LeanLaunch of the process and forget what they
-    learned (an in-process A/B: scripts/ab_lean_launch.py). Returns how many it switched."""
+def set_lean_launches(enabled: bool, kernels=None) -> int:
+    """Turn lean launches on or off for every LeanLaunch of the process (or those of the
+    kernels named in `kernels`) and forget what they learned (an in-process A/B:
+    scripts/ab_lean_launch.py). Returns how many it switched."""
     count = 0
     for launch in list(_INSTANCES):
+        if kernels is not None and getattr(launch.kernel, "__name__", None) not in kernels:
+            continue
         launch.enabled = bool(enabled)
         launch._learned = []
         count += 1
