@@ -31,6 +31,7 @@
 #   bash scripts/gpu_validation.sh advance   # the one-launch plan lowering and advance vs TORCH_MLA (~1 min)
 #   bash scripts/gpu_validation.sh leanb8    # lean Triton launches off/on at B=8, launches and host waits per case (~5 min)
 #   bash scripts/gpu_validation.sh graphadvance # graph steps carrying the previous step's metadata: tests, probe off/on (~5 min)
+#   bash scripts/gpu_validation.sh leanblock # advances after a page-list rebuild, the lean block-input write: tests, probe, A/B (~6 min)
 #   bash scripts/gpu_validation.sh headline  # tiny DSpark vs none (always, 3 repeats) and the V3-rank DSpark overhead (~5 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
 set -uo pipefail
@@ -278,6 +279,20 @@ for what in "${groups[@]}"; do
         grep -E "step .* ms|engine.step|_prepare_inputs|builder build|_advance_graph" \
           "$out/probe_advance$adv.log" | tail -n 12
       done ;;
+    leanblock)  # twenty-sixth session: advances after a page-list rebuild, the lean block-input write: GPU tests, probe, in-process A/B (~6 min)
+      PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-170}" run_pytest leanblock \
+        tests/v1/spec_decode/test_block_inputs.py tests/test_triton_launch.py \
+        tests/v1/attention/test_flashinfer_mla_gpu.py tests/v1/e2e/test_gpu_exactness.py \
+        tests/v1/worker/test_cudagraph_runner_gpu.py tests/v1/spec_decode/test_early_draft_launch_gpu.py \
+        -k "cuda or lean or carried or advanced or lowered or dcp1 or (graphs_equal and FLASHINFER) or device_to_host or launch"
+      timeout 70 python3 scripts/probe_spec_step.py --device cuda --dtype bfloat16 \
+        --attention-backend FLASHINFER_MLA --batch 1 8 --modes plain draft --steps 100 \
+        >"$out/probe.log" 2>&1
+      summary+=("probe rc=$?"); grep -E "step .* ms, graph" "$out/probe.log"
+      timeout 200 python3 scripts/ab_lean_launch.py --kernels _block_draft_inputs_kernel \
+        --batch-sizes 1 --variants none always --rounds 3 --json "$out/ab_leanblock.json" \
+        >"$out/ab_leanblock.log" 2>&1
+      summary+=("ab leanblock rc=$?"); grep -v "^{" "$out/ab_leanblock.log" | tail -n 8 ;;
     hostprofile)  # where a speculative step's host time goes, by phase and by function
       timeout 200 python3 scripts/probe_spec_step.py --device cuda --dtype bfloat16 \
         --attention-backend FLASHINFER_MLA --batch 1 8 --modes plain draft --steps 100 \

@@ -41,6 +41,7 @@ MODES = {"plain": None, "nodraft": 1, "draft": "always", "nopay": "auto"}
 
 # One accumulator per label for the current step; flushed into _STEPS after each step.
 _CURRENT: dict[str, float] = defaultdict(float)
+_CALLS: dict[str, int] = defaultdict(int)  # calls of each wrapped function, all steps
 _STEPS: list[dict[str, float]] = []
 _WRAPPED: list[tuple[object, str, object]] = []
 # --count-ops: ATen ops (views excluded) per step, charged to the innermost wrapped phase. On a
@@ -65,6 +66,9 @@ def _op_counter():
     return Mode()
 
 
+_REBUILD_LABEL = "    FI page lists rebuilt on the device"
+
+
 def _wrap(owner, name: str, label: str) -> None:
     original = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name)
     if original is None:
@@ -75,6 +79,7 @@ def _wrap(owner, name: str, label: str) -> None:
     @functools.wraps(original)
     def timed(*args, **kwargs):
         _STACK.append(label)
+        _CALLS[label] += 1
         start = time.perf_counter()
         try:
             return original(*args, **kwargs)
@@ -152,6 +157,8 @@ def _instrument(engine) -> None:
         _wrap(flashinfer_mla, "_refresh", "    FI refresh try (incl. CSR upload)")
         _wrap(flashinfer_mla, "_native_replan", "    FI native re-plan (incl. CSR upload)")
         _wrap(flashinfer_mla, "_adopt_plan", "    FI skeleton read-back after a plan")
+        from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import PlanRefresher
+        _wrap(PlanRefresher, "rebuild_page_lists_on_device", _REBUILD_LABEL)
 
 
 def _kinds_table(results: list[dict]) -> str:
@@ -220,6 +227,7 @@ def probe(mode: str, batch: int, args) -> dict:
         step_ms = []
         model_runner = engine.executor.worker.model_runner
         advances_before = getattr(model_runner, "graph_step_advances", 0)
+        rebuilds_before = _CALLS[_REBUILD_LABEL]
         for _ in range(args.steps):
             kinds.before()
             t0 = time.perf_counter()
@@ -232,6 +240,7 @@ def probe(mode: str, batch: int, args) -> dict:
         # graph steps that carried the previous step's metadata (the runner's
         # _advance_graph_step; VLLM_GRAPH_STEP_ADVANCE=0 turns it off)
         advanced = getattr(model_runner, "graph_step_advances", 0) - advances_before
+        rebuilt = _CALLS[_REBUILD_LABEL] - rebuilds_before
         ops = {}
         if args.count_ops:
             _OPS.clear()
@@ -265,7 +274,9 @@ def probe(mode: str, batch: int, args) -> dict:
         return {"mode": mode, "batch": batch, "step_ms": statistics.median(step_ms),
                 "phases_ms": phases, "ops_per_step": ops, "policy": stats.get("policy"),
                 "mean_acceptance_length": stats.get("mean_acceptance_length"),
-                "step_kinds": kinds.summary(), "graph_step_advances_per_step": advanced / len(step_ms)}
+                "step_kinds": kinds.summary(), "graph_step_advances_per_step": advanced / len(step_ms),
+                "page_list_rebuilds_per_step": rebuilt / len(step_ms),
+                "step_mean_ms": statistics.fmean(step_ms)}
     finally:
         _unwrap()
         if _gc_callback in gc.callbacks:
@@ -363,7 +374,9 @@ def main() -> None:
             r["step_kinds"] = runs[-1]["step_kinds"]
             results.append(r)
             print(f"{mode:8s} B={batch:<3d} step {r['step_ms']:.3f} ms, graph steps advanced "
-                  f"{r['graph_step_advances_per_step']:.2f} / step", flush=True)
+                  f"{r['graph_step_advances_per_step']:.2f} / step, page lists rebuilt "
+                  f"{r['page_list_rebuilds_per_step']:.2f} / step, mean step "
+                  f"{r['step_mean_ms']:.3f} ms", flush=True)
     print(_table(results))
     print()
     print(_kinds_table(results))
