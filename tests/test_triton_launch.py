@@ -248,7 +248,18 @@ def test_lean_launches_of_a_real_kernel_equal_tritons():
     assert launch.lean_launches >= 3  # (the same src and a new view of the same class)
 
 
-def test_set_lean_launches_switches_every_launcher_and_forgets_what_it_learned(no_cuda_needed):
+@pytest.fixture
+def launchers_restored():
+    """set_lean_launches switches the process's every LeanLaunch (the engine's module-level
+    ones too): put each one's setting back afterwards, for the tests that run later."""
+    saved = [(launch, launch.enabled) for launch in list(tl_launch._INSTANCES)]
+    yield
+    for launch, enabled in saved:
+        launch.enabled = enabled
+
+
+def test_set_lean_launches_switches_every_launcher_and_forgets_what_it_learned(
+        no_cuda_needed, launchers_restored):
     kernel = _kernel()
     launch = LeanLaunch(kernel, enabled=True)
     x, y = torch.zeros(8), torch.zeros(8)
