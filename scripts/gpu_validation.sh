@@ -219,7 +219,7 @@ for what in "${groups[@]}"; do
     tapstests)  # the seventeenth session's changes (none ran on a GPU that session): GPU tests
       PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-300}" run_pytest taps \
         tests/v1/worker/test_cudagraph_runner_gpu.py tests/model_executor/layers/test_layernorm.py \
-        tests/model_executor/test_models_gpu.py tests/test_cuda_streams.py \
+        tests/model_executor/test_models_gpu.py tests/utils_/test_cuda_streams.py \
         tests/model_executor/layers/attention/test_mla_context_kv_writer.py \
         tests/v1/attention/test_flashinfer_mla_gpu.py
       PYTEST_TIMEOUT_S=150 run_pytest tapspolicy tests/v1/e2e/test_spec_policy_gpu.py \
@@ -281,7 +281,7 @@ for what in "${groups[@]}"; do
       done ;;
     leanblock)  # twenty-sixth session: advances after a page-list rebuild, the lean block-input write: GPU tests, probe, in-process A/B (~6 min)
       PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-170}" run_pytest leanblock \
-        tests/v1/spec_decode/test_block_inputs.py tests/test_triton_launch.py \
+        tests/v1/spec_decode/test_block_inputs.py tests/utils_/test_triton_launch.py \
         tests/v1/attention/test_flashinfer_mla_gpu.py tests/v1/e2e/test_gpu_exactness.py \
         tests/v1/worker/test_cudagraph_runner_gpu.py tests/v1/spec_decode/test_early_draft_launch_gpu.py \
         -k "cuda or lean or carried or advanced or lowered or dcp1 or (graphs_equal and FLASHINFER) or device_to_host or launch"
