@@ -152,16 +152,7 @@ def test_an_advance_past_the_listed_pages_rebuilds_them_on_the_device(held, why)
     assert builder.advance_decode_plan_on_device(md, bounds)
     assert refresher.page_list_rebuilds == rebuilds + 1
     assert state.hopper_inputs.host_csr_stale
-    indptr, indices = _page_lists(md.decode.block_table, lengths)
-    backend = state.wrapper_slot.wrapper._planned_backend
-    assert backend._kv_indptr_buf[:5].tolist() == indptr
-    assert backend._kv_indices_buf[: indptr[-1]].tolist() == indices
-    oracle = PlanRefresher(ws.clone(), max_works=refresher.max_works)
-    oracle.adopt(refresher.skeleton)
-    full_indptr = np.full(qo.shape[0], indptr[-1], dtype=np.int32)
-    full_indptr[:5] = indptr
-    assert oracle.try_refresh(qo, full_indptr, kv)
-    assert torch.equal(ws, oracle.device_ws)
+    _expect_lists_and_lengths(md, ws, refresher, lengths, lengths)
     # the staged host arrays say nothing of the device lists now: no host lowering in place
     assert not builder.refresh_decode_seq_lens(md, np.array(lengths))
 
