@@ -81,6 +81,9 @@ def main() -> None:
             ranked = sorted(variant_runs, key=lambda r: r["tok_s"])
             row = dict(ranked[(len(ranked) - 1) // 2])  # the median run (lower middle)
             row["tok_s_runs"] = [r["tok_s"] for r in variant_runs]
+            # collections are rare events: the mean over the runs, not the median run's
+            row["gc_ms_per_step"] = sum(r.get("gc_ms_per_step", 0.0)
+                                        for r in variant_runs) / len(variant_runs)
             # tokens per engine step of the timed steps: with every step costing the same,
             # tok/s would be this over no speculation's. A batch that finishes its requests in
             # different steps (speculation) runs its last steps part-empty, which this counts.
@@ -95,7 +98,7 @@ def main() -> None:
     # tok/step x: tokens per step over no speculation's, the tok/s ratio at equal step cost
     # (x none = tok/step x * none's step time / the variant's)
     print(f"{'variant':11} {'B':>3} {'ctx':>6} {'tok/s':>9} {'x none':>7} {'tok/step x':>10} "
-          f"{'AL':>5} {'drafted':>8} {'skipped':>24} {'greedy':>7}")
+          f"{'AL':>5} {'drafted':>8} {'skipped':>24} {'greedy':>7} {'gc ms/step':>10}")
     ok = True
     for r in rows:
         b = base[r["batch"]]
@@ -114,7 +117,7 @@ def main() -> None:
               f"{'-' if al is None else f'{al:.2f}':>5} "
               f"{policy.get('num_drafted', '-')!s:>8} "
               f"{json.dumps(policy.get('num_skipped', {})):>24} "
-              f"{'ok' if r['greedy_equal'] else 'DIFF':>7}")
+              f"{'ok' if r['greedy_equal'] else 'DIFF':>7} {r.get('gc_ms_per_step', float('nan')):10.3f}")
     never = {r["batch"]: r for r in rows if r["variant"] == "never"}
     for r in rows:
         if r["variant"] == "auto-nopay":

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm.benchmarks.datasets import spec_bench_prompt
+from vllm.benchmarks.gc_pauses import GcPauses
 from vllm.benchmarks.rounds import alternating_rounds
 from vllm.benchmarks.rounds import paired_ratio as paired_tok_ratio
 from vllm.benchmarks.warmup import early_draft_tuner
@@ -198,7 +199,8 @@ def run_case(case: SpecPolicyCase, timed_region: Any = None) -> dict:
                 step()
         tokens_before = engine._num_generation_tokens
         _sync(case.device)
-        with timed_region if timed_region is not None else contextlib.nullcontext():
+        pauses = GcPauses()
+        with pauses, (timed_region if timed_region is not None else contextlib.nullcontext()):
             start = time.perf_counter()
             timed_steps = 0
             while engine.has_unfinished_requests():
@@ -219,6 +221,9 @@ def run_case(case: SpecPolicyCase, timed_region: Any = None) -> dict:
                 "early_draft_trials": None if tuner is None else list(tuner.history),
                 "tok_s": tokens / seconds,
                 "timed_steps": timed_steps, "timed_tokens": tokens,
+                # the collector's work inside the timed steps (gc_pauses.py says why)
+                "gc_pauses": pauses.summary(), "gc_ms_per_step": pauses.seconds * 1e3 / max(
+                    timed_steps, 1),
                 "mean_acceptance_length": spec_stats.get("mean_acceptance_length"),
                 "num_drafts": spec_stats.get("num_drafts"),
                 "policy": spec_stats.get("policy"),
