@@ -231,6 +231,24 @@ def test_the_advance_after_a_rebuild_checks_against_the_rebuilt_lists(held, case
     _expect_lists_and_lengths(md, ws, refresher, listed, second)
 
 
+def test_a_page_changed_after_an_advance_is_seen_by_the_next(held):
+    """The page comparison's positions and listed ids are made once per plan (the first
+    advance) and reused: a row that holds another page by the next advance is still caught
+    (rebuilt here), not compared against what the first advance saw."""
+    builder, md, ws, _, _ = held
+    refresher = md.decode.backend_state.wrapper_slot.refresher
+    assert builder.advance_decode_plan_on_device(md, _bounds())
+    assert refresher.page_list_rebuilds == 0
+    assert md.decode.backend_state.hopper_inputs.page_check is not None
+    md.decode.block_table[1, 3] += 1000
+    md.decode.block_table_cpu[1, 3] += 1000
+    second = [714, 2058, 76, 15]
+    md.decode.seq_lens[:4] = torch.tensor(second)
+    assert builder.advance_decode_plan_on_device(md, _bounds(second, second))
+    assert refresher.page_list_rebuilds == 1
+    _expect_lists_and_lengths(md, ws, refresher, second, second)
+
+
 def test_the_switch(monkeypatch):
     """On by default since its GPU tests passed (test_flashinfer_mla_gpu.py)."""
     from vllm.v1.attention.backends.mla.flashinfer_mla import page_list_rebuild_enabled
