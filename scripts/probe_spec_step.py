@@ -274,7 +274,8 @@ def probe(mode: str, batch: int, args) -> dict:
         return {"mode": mode, "batch": batch, "step_ms": statistics.median(step_ms),
                 "phases_ms": phases, "ops_per_step": ops, "policy": stats.get("policy"),
                 "mean_acceptance_length": stats.get("mean_acceptance_length"),
-                "step_kinds": kinds.summary(), "graph_step_advances_per_step": advanced / len(step_ms),
+                "step_kinds": kinds.summary(),
+                "graph_step_advances_per_step": advanced / len(step_ms),
                 "page_list_rebuilds_per_step": rebuilt / len(step_ms),
                 "step_mean_ms": statistics.fmean(step_ms)}
     finally:

@@ -117,7 +117,8 @@ def main() -> None:
               f"{'-' if al is None else f'{al:.2f}':>5} "
               f"{policy.get('num_drafted', '-')!s:>8} "
               f"{json.dumps(policy.get('num_skipped', {})):>24} "
-              f"{'ok' if r['greedy_equal'] else 'DIFF':>7} {r.get('gc_ms_per_step', float('nan')):10.3f}")
+              f"{'ok' if r['greedy_equal'] else 'DIFF':>7} "
+              f"{r.get('gc_ms_per_step', float('nan')):10.3f}")
     never = {r["batch"]: r for r in rows if r["variant"] == "never"}
     for r in rows:
         if r["variant"] == "auto-nopay":

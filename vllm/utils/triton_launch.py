@@ -31,8 +31,8 @@ site builds the row lengths of a causal and a non-causal group in turn).
 Off by default for the kernels a plain decode step launches (`VLLM_LEAN_TRITON_LAUNCH=1`
 turns every LeanLaunch on, `=0` every one off); the speculative-only block-input write is lean
 by default (`LeanLaunch(..., default=True)`; twenty-sixth session, see block_inputs.py). Why
-the others stay off (twentieth session, runs GE/GF on one H100): with it on, the graphs-vs-eager, exactness, step-preparation, row-length and block-input
-GPU tests passed, but `test_memory_profile_gpu.py::test_profile_leaves_nothing...` failed in
+the others stay off (twentieth session, runs GE/GF on one H100): with it on, the
+graphs-vs-eager, exactness, step-preparation, row-length and block-input GPU tests passed, but `test_memory_profile_gpu.py::test_profile_leaves_nothing...` failed in
 both runs (32 MiB more held after the profile than weights + buffers; it passed earlier the
 same day without this module, with other tests before it in the process, and 32 MiB is
 cuBLAS's per-stream workspace on Hopper, so the order may be the cause; not settled: no device

@@ -349,7 +349,7 @@ def test_a_plan_held_from_the_previous_step_advanced_on_the_device_matches_torch
     import numpy as np
 
     from vllm.v1.attention.backends.mla.flashinfer_mla import PAGE_LIST_REBUILD_FLAG
-    monkeypatch.setenv(PAGE_LIST_REBUILD_FLAG, "1")  # the default, pinned: read when a builder is made
+    monkeypatch.setenv(PAGE_LIST_REBUILD_FLAG, "1")  # the default, pinned (read per builder)
     builder, upper_cm, run, rows = _upper_bound_plan_case(
         74, 75, exact=(712, 2056, 74, 14), upper=(708, 2053, 70, 12))
     md = builder.build(0, upper_cm)
@@ -394,7 +394,7 @@ def test_a_graph_step_carried_to_the_next_step_matches_torch_mla(non_causal, cro
     import numpy as np
     from dataclasses import replace
     from vllm.v1.attention.backends.mla.flashinfer_mla import PAGE_LIST_REBUILD_FLAG
-    monkeypatch.setenv(PAGE_LIST_REBUILD_FLAG, "1")  # the default, pinned: read when a builder is made
+    monkeypatch.setenv(PAGE_LIST_REBUILD_FLAG, "1")  # the default, pinned (read per builder)
     q_len, previous = 5, [700, 2040, 60, 9]
     nxt = [704, 2044, 70 if crossing else 64, 13]
     builder = _graph_builder(q_len, non_causal=non_causal, max_model_len=8192)
