@@ -231,6 +231,21 @@ def test_the_advance_after_a_rebuild_checks_against_the_rebuilt_lists(held, case
     _expect_lists_and_lengths(md, ws, refresher, listed, second)
 
 
+def test_without_a_host_table_twin_every_advance_past_the_lists_rebuilds(held):
+    """Metadata without the host block table (no twin to compare pages against) still
+    advances by rebuilding the lists on the device, and keeps no record of them: the next
+    advance rebuilds again."""
+    builder, md, ws, _, _ = held
+    refresher = md.decode.backend_state.wrapper_slot.refresher
+    md.decode.block_table_cpu = None
+    for step, lengths in enumerate(([712, 2056, 81, 14], [713, 2057, 82, 15]), start=1):
+        md.decode.seq_lens[:4] = torch.tensor(lengths)
+        assert builder.advance_decode_plan_on_device(md, _bounds(lengths, lengths))
+        assert refresher.page_list_rebuilds == step
+        assert md.decode.backend_state.hopper_inputs.rebuilt_lists is None
+        _expect_lists_and_lengths(md, ws, refresher, lengths, lengths)
+
+
 def test_a_page_changed_after_an_advance_is_seen_by_the_next(held):
     """The page comparison's positions and listed ids are made once per plan (the first
     advance) and reused: a row that holds another page by the next advance is still caught

@@ -1181,9 +1181,10 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
                 return False
             # What the device lists now, for the next advance: the device lengths lie in
             # [lower, upper], so every request lists at least the lower bound's pages, cut
-            # from these rows (the host twin the device table copies).
-            cut_from = decode.block_table_cpu.numpy()[:n, :int(need.max())].copy()
-            inputs.rebuilt_lists = ((lower + (self.page_size - 1)) // self.page_size, cut_from)
+            # from these rows (the host twin the device table copies; without a twin the
+            # next advance rebuilds again).
+            inputs.rebuilt_lists = None if table is None else (
+                (lower + (page - 1)) // page, table[:n, :int(need.max())].copy())
         # the work arrays and the wrapper's kv_len_arr, in one launch on CUDA
         refresher.lower_on_device(decode.seq_lens, n, backend._kv_len_arr_buf)
         decode.row_seq_lens_cpu = None  # the planned host rows are stale now
