@@ -32,6 +32,7 @@
 #   bash scripts/gpu_validation.sh leanb8    # lean Triton launches off/on at B=8, launches and host waits per case (~5 min)
 #   bash scripts/gpu_validation.sh graphadvance # graph steps carrying the previous step's metadata: tests, probe off/on (~5 min)
 #   bash scripts/gpu_validation.sh leanblock # advances after a page-list rebuild, the lean block-input write: tests, probe, A/B (~6 min)
+#   bash scripts/gpu_validation.sh leanblocktests # ... its GPU tests only (~2 min)
 #   bash scripts/gpu_validation.sh headline  # tiny DSpark vs none (always, 3 repeats) and the V3-rank DSpark overhead (~5 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
 set -uo pipefail
@@ -293,11 +294,17 @@ for what in "${groups[@]}"; do
         --batch-sizes 1 --variants none always --rounds 3 --json "$out/ab_leanblock.json" \
         >"$out/ab_leanblock.log" 2>&1
       summary+=("ab leanblock rc=$?"); grep -v "^{" "$out/ab_leanblock.log" | tail -n 8 ;;
+    leanblocktests)  # leanblock's GPU tests only (~2 min)
+      PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-170}" run_pytest leanblock \
+        tests/v1/spec_decode/test_block_inputs.py tests/utils_/test_triton_launch.py \
+        tests/v1/attention/test_flashinfer_mla_gpu.py tests/v1/e2e/test_gpu_exactness.py \
+        tests/v1/worker/test_cudagraph_runner_gpu.py tests/v1/spec_decode/test_early_draft_launch_gpu.py \
+        -k "cuda or lean or carried or advanced or lowered or dcp1 or (graphs_equal and FLASHINFER) or device_to_host or launch" ;;
     hostprofile)  # where a speculative step's host time goes, by phase and by function
       timeout 200 python3 scripts/probe_spec_step.py --device cuda --dtype bfloat16 \
         --attention-backend FLASHINFER_MLA --batch 1 8 --modes plain draft --steps 100 \
         --cprofile 60 --cprofile-top 45 >"$out/hostprofile.log" 2>&1
-      summary+=("host profile rc=$?"); grep -v "Warn\|warn_once\|^####\|^ " "$out/hostprofile.log" | tail -n 40 ;;
+      summary+=("host profile rc=$?"); grep -v "Warn\|warn_once\|^####\|^ " "$out/hostprofile.log" | tail -n 75 ;;
     *) echo "unknown group $what" >&2; exit 2 ;;
   esac
 done

@@ -179,6 +179,23 @@ def _kinds_table(results: list[dict]) -> str:
 _GC_START: list[float] = []
 
 
+def _kind_phases_table(results: list[dict], top: int = 16) -> str:
+    """Mean ms per step of each phase by kind of step: what a re-planned step pays beyond an
+    advanced one (the kinds split off steps that made a FlashInfer plan). The `top` phases by
+    their largest mean are listed."""
+    cols = [(f"{r['mode']} B={r['batch']} {kind} ({k['steps']})", k["phases_mean_ms"])
+            for r in results for kind, k in sorted(r.get("step_kinds", {}).items())]
+    if not cols:
+        return ""
+    labels = sorted({label for _, p in cols for label in p},
+                    key=lambda label: -max(p.get(label, 0.0) for _, p in cols))[:top]
+    lines = ["| phase (mean ms/step) | " + " | ".join(c for c, _ in cols) + " |",
+             "|" + "---|" * (len(cols) + 1)]
+    lines += [f"| {label} | " + " | ".join(f"{p.get(label, 0.0):.3f}" for _, p in cols) + " |"
+              for label in labels]
+    return "\n".join(lines)
+
+
 def _gc_callback(phase: str, info: dict) -> None:
     """Python's cyclic GC runs inside whatever phase allocates: its time is reported apart
     (a step that allocates more objects per request pays it more often)."""
@@ -219,7 +236,7 @@ def probe(mode: str, batch: int, args) -> dict:
             engine.step()
         if mode == "nopay" and args.probe_interval:
             set_probe_interval(engine.scheduler.spec_policy.cost_model, args.probe_interval)
-        kinds = StepKinds(engine)
+        kinds = StepKinds(engine, split_replans=True)
         _instrument(engine)
         gc.callbacks.append(_gc_callback)
         _STEPS.clear()
@@ -381,6 +398,8 @@ def main() -> None:
     print(_table(results))
     print()
     print(_kinds_table(results))
+    print()
+    print(_kind_phases_table(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

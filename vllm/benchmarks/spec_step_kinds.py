@@ -51,8 +51,11 @@ class StepKinds:
     engine's scheduler.schedule (on the instance) to see the step's SchedulerOutput; call
     before() / after(ms, phases) around every timed engine.step(), restore() at the end."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, split_replans: bool = False):
         self.engine = engine
+        # split_replans: a step that made a FlashInfer plan (full or native re-plan) is its
+        # own kind ("verify, re-planned"), so the table shows what such steps cost apart
+        self.split_replans = split_replans
         self.runner = engine.executor.worker.model_runner
         self.sched = engine.scheduler
         self.last = None
@@ -87,6 +90,8 @@ class StepKinds:
         self._previous = kind
         by_group = flashinfer_plan_counts_by_group(self.runner)
         full, native = sum(c[0] for c in by_group), sum(c[1] for c in by_group)
+        if self.split_replans and (full, native) != self._counts:
+            kind += ", re-planned"
         self.rows[kind].append((ms, full - self._counts[0], native - self._counts[1], phases))
         self.group_rows[kind].append([tuple(a - b for a, b in zip(now, then))
                                       for now, then in zip(by_group, self._by_group)])
