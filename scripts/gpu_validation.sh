@@ -33,6 +33,7 @@
 #   bash scripts/gpu_validation.sh graphadvance # graph steps carrying the previous step's metadata: tests, probe off/on (~5 min)
 #   bash scripts/gpu_validation.sh leanblock # advances after a page-list rebuild, the lean block-input write: tests, probe, A/B (~6 min)
 #   bash scripts/gpu_validation.sh leanblocktests # ... its GPU tests only (~2 min)
+#   bash scripts/gpu_validation.sh plancache # kept plans by chunk structure: GPU tests, probe, B=1 headline cache on / off (~8 min)
 #   bash scripts/gpu_validation.sh headline  # tiny DSpark vs none (always, 3 repeats) and the V3-rank DSpark overhead (~5 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
 set -uo pipefail
@@ -300,6 +301,22 @@ for what in "${groups[@]}"; do
         tests/v1/attention/test_flashinfer_mla_gpu.py tests/v1/e2e/test_gpu_exactness.py \
         tests/v1/worker/test_cudagraph_runner_gpu.py tests/v1/spec_decode/test_early_draft_launch_gpu.py \
         -k "cuda or lean or carried or advanced or lowered or dcp1 or (graphs_equal and FLASHINFER) or device_to_host or launch" ;;
+    plancache)  # twenty-seventh session: kept plans by chunk structure; their GPU tests, probe, B=1 headline on / off (~8 min)
+      PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-240}" run_pytest plancache tests/v1/e2e/test_plan_cache_gpu.py \
+        tests/v1/spec_decode/test_block_inputs.py tests/utils_/test_triton_launch.py \
+        tests/v1/attention/test_flashinfer_mla_gpu.py tests/v1/e2e/test_gpu_exactness.py \
+        tests/v1/worker/test_cudagraph_runner_gpu.py tests/v1/spec_decode/test_early_draft_launch_gpu.py \
+        -k "kept or cuda or lean or carried or advanced or lowered or dcp1 or (graphs_equal and FLASHINFER) or device_to_host or launch"
+      timeout 90 python3 scripts/probe_spec_step.py --device cuda --dtype bfloat16 \
+        --attention-backend FLASHINFER_MLA --batch 1 --modes plain draft --steps 150 \
+        >"$out/probe.log" 2>&1
+      summary+=("probe rc=$?"); grep -E "step .* ms, graph|^\| (draft|plain) B" "$out/probe.log"
+      for cache in 1 0; do
+        VLLM_MLA_PLAN_CACHE=$cache timeout 150 python3 benchmarks/engine/benchmark_spec_policy.py \
+          --batch-sizes 1 --variants none always --repeats 3 --out "$out/tiny_cache$cache" \
+          >"$out/tiny_cache$cache.log" 2>&1
+        summary+=("tiny B=1 cache=$cache rc=$?"); grep -v "^{" "$out/tiny_cache$cache.log" | tail -n 6
+      done ;;
     hostprofile)  # where a speculative step's host time goes, by phase and by function
       timeout 200 python3 scripts/probe_spec_step.py --device cuda --dtype bfloat16 \
         --attention-backend FLASHINFER_MLA --batch 1 8 --modes plain draft --steps 100 \

@@ -211,6 +211,16 @@ def plan_model_native(fws, iws, pws, qo, kv_indptr, kv_len, num_heads, head_dim,
     return info, scratch.numel()
 
 
+def plan_model_raw(fws, iws, pws, qo, kv_indptr, kv_len, num_heads, head_dim, causal):
+    """FlashInfer's JIT planner (`_module.plan`), modelled: the plan model's plan written
+    into the page-locked scratch `pws` only (the device workspace is the caller's to fill)."""
+    from tests.utils.flashinfer_mla_plan_model import model_plan
+    info, scratch, _ = model_plan(qo.numpy(), kv_len.numpy(), kv_indptr.numpy(), num_heads,
+                                  num_sm=132, causal=bool(causal))
+    pws[: scratch.numel()] = scratch
+    return info, scratch.numel()
+
+
 class PlanModelWrapper:
     """A stand-in fa3 wrapper on the CPU whose plans are real plan layouts: plan() (the first
     plan of a wrapper) leaves a planned backend with the graph buffers, 2 MiB int workspaces
@@ -219,6 +229,9 @@ class PlanModelWrapper:
     run on these CPU tensors. run() is not modelled."""
 
     native = staticmethod(plan_model_native)
+    # The JIT module's own planner (`_module.plan`: writes the page-locked scratch only); None
+    # leaves it out, and native re-plans go through plan_with_staged_workspace_bytes.
+    raw = None
 
     def __init__(self, workspace, use_cuda_graph=False, backend="fa3", qo_indptr=None,
                  kv_indptr=None, kv_indices=None, kv_len_arr=None):
@@ -230,7 +243,9 @@ class PlanModelWrapper:
     def plan(self, metadata, causal, **kwargs):
         qo, kvp, kvi, kvl = self._bufs
         self._planned_backend = SimpleNamespace(
-            _cached_module=SimpleNamespace(plan_with_staged_workspace_bytes=self.native),
+            _cached_module=SimpleNamespace(
+                plan_with_staged_workspace_bytes=self.native,
+                **({} if self.raw is None else {"_module": SimpleNamespace(plan=self.raw)})),
             _backend="fa3", _causal=causal, _use_cuda_graph=self._graph,
             device=torch.device("cpu"), _qo_indptr_buf=qo, _kv_indptr_buf=kvp,
             _kv_indices_buf=kvi, _kv_len_arr_buf=kvl, _float_workspace_buffer=None,

@@ -40,6 +40,18 @@ def flashinfer_plan_counts_by_group(runner) -> list[tuple[int, int, int]]:
     return counts
 
 
+def plan_cache_put_backs(runner) -> list[int]:
+    """Per KV cache group (the runner's builder order): kept plans put back so far by that
+    builder's graph wrappers (flashinfer_plan_cache.py) in place of a re-plan."""
+    counts = []
+    for builder in runner.attn_metadata_builders:
+        slots = list(getattr(builder, "_slots", {}).values())
+        slots += list(getattr(builder, "_graph_slots", {}).values())
+        counts.append(sum(getattr(getattr(s, "refresher", None), "cache_put_backs", 0)
+                          for s in slots))
+    return counts
+
+
 def flashinfer_plan_counts(runner) -> tuple[int, int]:
     """(full FlashInfer plans, native re-plans) made so far over every group's builder."""
     by_group = flashinfer_plan_counts_by_group(runner)

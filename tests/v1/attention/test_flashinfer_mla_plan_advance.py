@@ -8,26 +8,19 @@ real plan layouts, FlashInfer's planner modelled), so skeletons and refreshes ar
 the GPU test (test_flashinfer_mla_gpu.py) checks the attention output itself."""
 from __future__ import annotations
 
-from dataclasses import replace
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from tests.utils.call_probes import check_switch
-from tests.utils.fake_flashinfer import PlanModelWrapper, install_native_replan
-from tests.utils.mla_dcp_helpers import build_rank, make_case, mla_spec, parallel_config
+from tests.utils.held_flashinfer_plan import EXACT, Q, UPPER, held_plan, page_lists
 from vllm.v1.attention.backends.mla.flashinfer_mla import PAGE_LIST_REBUILD_FLAG
 from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import PlanRefresher
 
-Q = 5  # a DSpark block of k = 4 drafts and its anchor: non-causal rows
-PAGE = 16
 # The plan is made one step earlier for UPPER (that step's bound); this step's device lengths
 # are EXACT (past UPPER for every request), its bounds [LOWER, NEXT_UPPER] keep every request
 # in the pages listed for UPPER (45, 129, 5, 1 pages of 16) and in its chunk count.
-UPPER = [708, 2053, 70, 12]
-EXACT = [712, 2056, 74, 14]
 LOWER = [712, 2056, 74, 12]
 NEXT_UPPER = [716, 2060, 78, 16]
 
@@ -37,50 +30,7 @@ def held(monkeypatch):
     """(builder, metadata planned for UPPER with the device lengths at EXACT, the int
     workspace as int32, a host refresh of that workspace for lengths -> its bytes, the
     metadata input that planned it)."""
-    return _held(monkeypatch, causal=False)
-
-
-def _held(monkeypatch, causal: bool, rebuild: bool = True):
-    """The `held` fixture's plan for draft blocks (non-causal) or verify rows (causal), on a
-    builder with the page-list rebuild (VLLM_PLAN_PAGE_LIST_REBUILD) on unless `rebuild` is
-    False."""
-    install_native_replan(monkeypatch, PlanModelWrapper)
-    monkeypatch.setenv(PAGE_LIST_REBUILD_FLAG, "1" if rebuild else "0")
-    from vllm.v1.attention.backends.mla import flashinfer_mla as fm
-    from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import PlanRefresher
-    config = SimpleNamespace(parallel_config=parallel_config(1, 1).parallel_config,
-                             model_config=SimpleNamespace(max_model_len=4096), max_num_seqs=4)
-    builder = fm.FlashInferMLAMetadataBuilder(mla_spec(PAGE, not causal, torch.float32),
-                                              ["layer.0"], config, "cpu", dcp_rank=0,
-                                              kernel_family="hopper")
-    builder.reorder_batch_threshold = Q
-    case = make_case(EXACT, [Q] * 4, num_heads=16, causal=causal, seed=3, dtype=torch.float32)
-    _, _, cm, _ = build_rank(case, fm.FlashInferMLAMetadataBuilder, 1, 0, 1, PAGE, fill=0.0,
-                             builder_kwargs=dict(kernel_family="hopper"))
-    upper_cm = replace(cm, cudagraph=True, seq_lens_cpu=torch.tensor(UPPER, dtype=torch.int32),
-                       block_table_cpu=cm.block_table_cpu.clone())
-    md = builder.build(0, upper_cm)
-    slot = md.decode.backend_state.wrapper_slot
-    # the first plan of a graph wrapper is made by the first layer's forward (what records the
-    # layer arguments); later builds plan at build time, natively, and keep a skeleton
-    fm._plan(slot, md.decode.backend_state.hopper_inputs, ("first",), num_heads=16,
-             head_dim_ckv=512, head_dim_kpe=64, page_size=PAGE, sm_scale=0.1,
-             q_data_type=torch.float32, kv_data_type=torch.float32, lse_mode="basee")
-    md = builder.build(0, upper_cm)
-    assert slot.refresher is not None and slot.refresher.skeleton is not None
-    ws = slot.wrapper._planned_backend._int_workspace_buffer.view(torch.int32)
-    inputs = md.decode.backend_state.hopper_inputs
-    qo, kv_indptr, _ = (a.copy() for a in inputs.arrays)
-
-    def host_refresh(lengths) -> torch.Tensor:
-        oracle = PlanRefresher(ws.clone(), max_works=slot.refresher.max_works)
-        oracle.adopt(slot.refresher.skeleton)
-        kv = np.zeros(qo.shape[0] - 1, dtype=kv_indptr.dtype)
-        kv[:4] = lengths
-        assert oracle.try_refresh(qo, kv_indptr, kv)
-        return oracle.device_ws
-
-    return builder, md, ws, host_refresh, upper_cm
+    return held_plan(monkeypatch, causal=False)
 
 
 def _bounds(lower=LOWER, upper=NEXT_UPPER):
@@ -116,13 +66,6 @@ def test_a_refused_advance_changes_nothing(held, why):
     if why != "a later build":
         assert torch.equal(ws, before)
     assert slot.refresher.device_lowerings == lowerings
-
-
-def _page_lists(table: torch.Tensor, lengths) -> tuple[list[int], list[int]]:
-    """(kv_indptr, kv_indices) a host plan lists for these lengths over these table rows."""
-    pages = [-(-g // PAGE) for g in lengths]
-    indptr = np.concatenate([[0], np.cumsum(pages)]).tolist()
-    return indptr, [int(v) for r, p in enumerate(pages) for v in table[r, :p]]
 
 
 @pytest.mark.parametrize("why", ["a page the plan does not list", "other pages in a row"])
@@ -161,7 +104,7 @@ def test_an_advance_past_the_listed_pages_rebuilds_them_on_the_device(held, why)
 def test_without_the_page_list_rebuild_such_an_advance_is_refused(monkeypatch, why):
     """VLLM_PLAN_PAGE_LIST_REBUILD=0: the same two advances are refused and
     write nothing (the step builds on the host)."""
-    builder, md, ws, _, _ = _held(monkeypatch, causal=False, rebuild=False)
+    builder, md, ws, _, _ = held_plan(monkeypatch, causal=False, rebuild=False)
     assert not builder.page_list_rebuild
     lengths = list(EXACT)
     if why == "a page the plan does not list":
@@ -181,7 +124,7 @@ def _expect_lists_and_lengths(md, ws, refresher, listed_lengths, lengths):
     the work arrays equal a host refresh for those lists and `lengths`."""
     state = md.decode.backend_state
     backend = state.wrapper_slot.wrapper._planned_backend
-    indptr, indices = _page_lists(md.decode.block_table, listed_lengths)
+    indptr, indices = page_lists(md.decode.block_table, listed_lengths)
     assert backend._kv_indptr_buf[:5].tolist() == indptr
     assert backend._kv_indices_buf[: indptr[-1]].tolist() == indices
     qo = state.hopper_inputs.arrays[0]
@@ -290,7 +233,7 @@ NEXT = [713, 2057, 75, 15]
 
 @pytest.fixture(params=[True, False], ids=["verify-causal", "draft-noncausal"])
 def held_step(request, monkeypatch):
-    return _held(monkeypatch, causal=request.param), request.param
+    return held_plan(monkeypatch, causal=request.param), request.param
 
 
 def _rows_of(lengths, causal: bool) -> list[int]:
@@ -320,7 +263,7 @@ def test_a_graph_step_advance_writes_the_lengths_a_build_would(held_step, crossi
     qo = state.hopper_inputs.arrays[0]
     kv = np.zeros(qo.shape[0] - 1, dtype=np.int32)
     kv[:4] = lengths
-    indptr, _ = _page_lists(md.decode.block_table, lengths)
+    indptr, _ = page_lists(md.decode.block_table, lengths)
     full_indptr = np.full(qo.shape[0], indptr[-1], dtype=np.int32)
     full_indptr[:5] = indptr
     assert oracle.try_refresh(qo, full_indptr, kv)

@@ -36,6 +36,9 @@ from vllm.v1.attention.backends.mla.common import (MLACommonDecodeMetadata, MLAC
                                                     MLACommonMetadata,
                                                     MLACommonMetadataBuilder, MLADecodeKind,
                                                     uniform_query_block)
+from vllm.v1.attention.backends.mla.flashinfer_plan_cache import (capturing,
+                                                                  single_request_lengths,
+                                                                  structure_of)
 from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import PlanRefresher, PlanSkeleton
 from vllm.v1.attention.ops.dcp_combine import LN2
 
@@ -476,6 +479,9 @@ class _WrapperSlot:
     # A block drafter's draft-block wrapper: its refreshes take the draft slack
     # (flashinfer_plan_refresh.refresh_slack), since no output token depends on its split.
     draft: bool = False
+    # Graph wrappers: the longest KV a request may have (the model's length; DCP 1), up to
+    # which a one-request layout's chunk structures are planned ahead (_plan_lone_request)
+    max_kv_len: int = 0
 
     @property
     def refreshes(self) -> int:
@@ -717,13 +723,95 @@ def _adopt_plan(slot: _WrapperSlot, inputs: HopperPlanInputs, plan_args: dict) -
     slot.refresher.adopt(PlanSkeleton.from_plan(
         plan_info, pinned, inputs.qo_indptr.numpy(), inputs.kv_len_arr.numpy(),
         plan_args["num_heads"], inputs.causal, draft=slot.draft))
+    slot.refresher.keep(pinned)  # by its chunk structure, for later steps that reach it
+    _plan_lone_request(slot, inputs, plan_args, backend)
+
+
+def _plan_lone_request(slot: _WrapperSlot, inputs: HopperPlanInputs, plan_args: dict,
+                       backend: Any) -> int:
+    """The first real plan of a one-request layout on a graph wrapper: plan every chunk
+    structure a lone request can reach up to slot.max_kv_len (single_request_lengths) and keep
+    them (flashinfer_plan_cache.py says why). FlashInfer's JIT planner writes only the
+    page-locked scratch (its Python layer copies that to the device; this does not), so the
+    device workspace keeps the live plan; the scratch's last copy is waited for once, here.
+    Returns the plans kept (0 where not applicable: more than one request, no cache, no JIT
+    planner, a layout already done)."""
+    refresher = slot.refresher
+    held = refresher.skeleton
+    cache = refresher.cache
+    if (cache is None or held is None or held.num_real != 1 or slot.max_kv_len <= 0
+            or held.qo_bytes in cache.warmed or inputs.arrays is None
+            or capturing()):
+        return 0
+    cache.warmed.add(held.qo_bytes)
+    module = getattr(backend, "_cached_module", None)
+    raw_plan = getattr(getattr(module, "_module", None), "plan", None)
+    if raw_plan is None:
+        return 0
+    pinned = backend._pin_memory_int_workspace_buffer
+    _wait_pinned_copy(pinned)  # the live plan's copy out of the scratch has been made
+    qo_np = inputs.arrays[0]
+    qo = torch.from_numpy(qo_np.copy())
+    kv_indptr = torch.zeros_like(qo)
+    kv_len = torch.zeros(qo.shape[0] - 1, dtype=qo.dtype)
+    heads, causal = plan_args["num_heads"], bool(inputs.causal)
+    page = int(plan_args["page_size"])
+    kept = 0
+    for length in single_request_lengths(slot.max_kv_len, held.num_clusters):
+        if len(cache) >= cache.capacity:
+            break
+        limit, counts = structure_of(np.array([length]), held.num_clusters)
+        if cache.holds(held.qo_bytes, limit, counts):
+            continue
+        kv_len[0] = length
+        kv_indptr[1:] = -(-length // page)
+        plan_info, _ = raw_plan(backend._float_workspace_buffer, backend._int_workspace_buffer,
+                                pinned, qo, kv_indptr, kv_len, heads,
+                                plan_args["head_dim_ckv"], causal)
+        skeleton = PlanSkeleton.from_plan(plan_info, pinned, qo_np, kv_len.numpy(), heads,
+                                          causal, draft=slot.draft)
+        if skeleton is None or skeleton.info != held.info:
+            continue
+        cache.store(skeleton, skeleton.info, pinned, refresher.device_ws.device)
+        kept += 1
+    return kept
+
+
+def _put_back_kept(slot: _WrapperSlot, inputs: HopperPlanInputs, plan_args: dict) -> bool:
+    """A graph wrapper whose held plan no longer fits the step's lengths: put back a plan kept
+    for their chunk structure (flashinfer_plan_cache.py) and refresh it for them, in place of
+    FlashInfer's planner; False, changing nothing, without one."""
+    refresher = slot.refresher
+    if refresher is None or refresher.cache is None or slot.plan_args != plan_args:
+        return False
+    backend = getattr(slot.wrapper, "_planned_backend", None)
+    held_causal = getattr(backend, "_causal", None)
+    if backend is None or held_causal is None or bool(held_causal) != bool(inputs.causal):
+        return False
+    arrays = inputs.arrays
+    if arrays is None:
+        return False
+    qo, _, kv = arrays
+    real = int(np.count_nonzero(qo[1:] != qo[:-1]))
+    # the real requests first (plan_hopper_decode), padding requests empty
+    if real == 0 or qo[real] != qo[-1] or kv[real:].any() or (kv[:real] <= 0).any():
+        return False
+    lengths = kv[:real]
+    entry = refresher.find_kept(qo.tobytes(), lengths, lengths, slot.draft)
+    if entry is None:
+        return False
+    refresher.put_back(entry)
+    if not _refresh(slot, inputs, plan_args):  # cannot be: the kept plan is of this structure
+        raise RuntimeError("a kept plan of the step's chunk structure refused its refresh")
+    return True
 
 
 def _plan(slot: _WrapperSlot, inputs: HopperPlanInputs, key: tuple, **plan_args) -> None:
     graph = slot.packed_device is not None
     # Graph wrappers in steady decode: refresh the held plan (flashinfer_plan_refresh.py);
     # otherwise re-plan natively, or make a full FlashInfer plan.
-    if not (graph and _refresh(slot, inputs, plan_args)):
+    if not (graph and (_refresh(slot, inputs, plan_args)
+                       or _put_back_kept(slot, inputs, plan_args))):
         if not _native_replan(slot, inputs, plan_args):
             fi = _import_flashinfer()
             pinned = getattr(getattr(slot.wrapper, "_planned_backend", None),
@@ -930,8 +1018,13 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
             slot = self._graph_slots[(num_requests, kind)] = _WrapperSlot(
                 wrapper, staging=PlanStaging(num_requests, max_pages, depth=2),
                 packed_device=packed, packed_layout=(num_requests, max_pages),
-                draft=kind == MLADecodeKind.NON_CAUSAL_BLOCK)
+                draft=kind == MLADecodeKind.NON_CAUSAL_BLOCK,
+                max_kv_len=self._max_kv_len() if self.dcp_world_size == 1 else 0)
         return slot
+
+    def _max_kv_len(self) -> int:
+        model_config = getattr(self.vllm_config, "model_config", None)
+        return int(getattr(model_config, "max_model_len", 0) or 0)
 
     def _max_pages_per_request(self) -> int:
         model_config = getattr(self.vllm_config, "model_config", None)
@@ -1096,28 +1189,30 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
         exact = np.asarray(seq_lens_np)[:n]
         return self._lower_held_plan(held, exact, exact, same_step=False)
 
-    def _rebuild_page_lists(self, decode: MLACommonDecodeMetadata, inputs: HopperPlanInputs,
-                            refresher: PlanRefresher, backend: Any, n: int,
-                            need: np.ndarray) -> bool:
-        """A held plan whose requests grew into pages it does not list (or whose rows hold
-        other pages now) keeps its chunks: write its page lists from the device block table
-        and the device lengths (plan_lowering.py, one launch on CUDA) into the buffers the
-        kernels read, as a host plan would list them. False, writing nothing, where `need`
-        (each request's pages at the upper bound of its length) would not fit the block
-        table's width or the graph's page buffer."""
+    def _page_lists_fit(self, decode: MLACommonDecodeMetadata, backend: Any,
+                        need: np.ndarray) -> bool:
+        """Whether `need` pages per request (the upper bound of each length) fit the device
+        block table's width and the graph's page buffer: what a device rebuild of the page
+        lists needs."""
         table = decode.block_table
-        page = self.page_size
-        if (table is None or table.dim() != 2 or table.stride(1) != 1
-                or int(need.max()) > table.shape[1]
-                or int(need.sum()) > backend._kv_indices_buf.shape[0]):
-            return False
+        return not (table is None or table.dim() != 2 or table.stride(1) != 1
+                    or int(need.max()) > table.shape[1]
+                    or int(need.sum()) > backend._kv_indices_buf.shape[0])
+
+    def _rebuild_page_lists(self, decode: MLACommonDecodeMetadata, inputs: HopperPlanInputs,
+                            refresher: PlanRefresher, backend: Any, n: int) -> None:
+        """A held plan whose requests grew into pages it does not list (or whose rows hold
+        other pages now, or a plan just put back from the plan cache, whose works' first
+        pages are another step's) keeps its chunks: write its page lists from the device
+        block table and the device lengths (plan_lowering.py, one launch on CUDA) into the
+        buffers the kernels read, as a host plan would list them. The caller has checked
+        _page_lists_fit."""
         refresher.rebuild_page_lists_on_device(
-            table, decode.seq_lens, n, inputs.num_requests, backend._kv_indptr_buf,
-            backend._kv_indices_buf, page,
+            decode.block_table, decode.seq_lens, n, inputs.num_requests, backend._kv_indptr_buf,
+            backend._kv_indices_buf, self.page_size,
             max_requests=max(self.max_plan_requests, inputs.num_requests))
         inputs.host_csr_stale = True
         inputs.rebuilt_lists = None
-        return True
 
     @staticmethod
     def _rebuilt_lists_hold(inputs: HopperPlanInputs, table: np.ndarray, need: np.ndarray,
@@ -1139,8 +1234,11 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
         """Write the device lengths into the held plan (`_held_graph_plan`) where every length
         in [lower, upper] (host bounds, one per decode request) keeps its rows, listed pages and
         chunk counts; False, changing nothing, otherwise. `same_step`: the plan was built for
-        this step (upper = its planned lengths), so its pages are this step's rows' own."""
-        decode, inputs, _, refresher, skeleton, backend = held
+        this step (upper = its planned lengths), so its pages are this step's rows' own.
+        Lengths of another chunk structure take a plan kept for that structure
+        (flashinfer_plan_cache.py), put back on the device with its page lists rebuilt there;
+        without one (or without the page-list rebuild) they are refused."""
+        decode, inputs, slot, refresher, skeleton, backend = held
         rows = inputs.request_rows
         n = rows.shape[0]
         if inputs.rows_first is None:
@@ -1149,36 +1247,40 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
             return False  # the device lengths are read as the first n rows
         lower, upper = np.asarray(lower_np)[:n], np.asarray(upper_np)[:n]
         if (lower.shape[0] != n or upper.shape[0] != n or lower.min() <= 0
-                or (lower > upper).any()):
+                or (lower > upper).any() or n != skeleton.num_real):
             return False
         # The skeleton's fit (PlanSkeleton.fits) of every length in [lower, upper]: the rows
         # are the held plan's own and the padding requests stay empty, so only the chunk
         # bounds of the real requests are left to check (first: the cheapest refusal).
-        if n != skeleton.num_real or not ((lower > skeleton.lo).all()
-                                          and (upper <= skeleton.hi).all()):
-            return False
-        rebuild, need = False, None
-        if not same_step:
-            page = self.page_size
-            table = decode.block_table_cpu
-            need = (upper + (page - 1)) // page  # pages of the longest lengths possible
+        kept = None
+        if not ((lower > skeleton.lo).all() and (upper <= skeleton.hi).all()):
+            kept = refresher.find_kept(skeleton.qo_bytes, lower, upper, slot.draft)
+            if kept is None or not self.page_list_rebuild:
+                return False
+        page = self.page_size
+        need = (upper + (page - 1)) // page  # pages of the longest lengths possible
+        table = decode.block_table_cpu
+        if table is not None and (kept is not None or not same_step):
+            table = np.ascontiguousarray(table.numpy())
+        rebuild = kept is not None  # a kept plan's works list another step's first pages
+        if not (same_step or rebuild):
             if table is None:
                 rebuild = True
+            elif inputs.host_csr_stale:  # the device lists are the last rebuild's
+                rebuild = not self._rebuilt_lists_hold(inputs, table, need, n)
             else:
-                table = np.ascontiguousarray(table.numpy())
-                if inputs.host_csr_stale:  # the device lists are the last rebuild's
-                    rebuild = not self._rebuilt_lists_hold(inputs, table, need, n)
-                else:
-                    where, listed, counts = _page_check(inputs, n, table.shape[1])
-                    # a length past the pages the plan lists, or listed pages that are not
-                    # the rows' pages any more (the batch's rows may hold other requests now:
-                    # same count, other requests), whose ids the kernels read
-                    rebuild = bool((need > counts).any()) or not np.array_equal(
-                        table.reshape(-1).take(where), listed)
+                where, listed, counts = _page_check(inputs, n, table.shape[1])
+                # a length past the pages the plan lists, or listed pages that are not
+                # the rows' pages any more (the batch's rows may hold other requests now:
+                # same count, other requests), whose ids the kernels read
+                rebuild = bool((need > counts).any()) or not np.array_equal(
+                    table.reshape(-1).take(where), listed)
         if rebuild:
-            if not (self.page_list_rebuild and self._rebuild_page_lists(
-                    decode, inputs, refresher, backend, n, need)):
+            if not (self.page_list_rebuild and self._page_lists_fit(decode, backend, need)):
                 return False
+            if kept is not None:
+                refresher.put_back(kept)
+            self._rebuild_page_lists(decode, inputs, refresher, backend, n)
             # What the device lists now, for the next advance: the device lengths lie in
             # [lower, upper], so every request lists at least the lower bound's pages, cut
             # from these rows (the host twin the device table copies; without a twin the

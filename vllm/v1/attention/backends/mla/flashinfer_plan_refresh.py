@@ -40,13 +40,15 @@ re-planning.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from vllm.triton_utils import HAS_TRITON
 from vllm.utils.cuda_streams import record_event
+from vllm.v1.attention.backends.mla.flashinfer_plan_cache import (CachedPlan, PlanCache,
+                                                                  capturing, plan_cache_enabled)
 from vllm.v1.attention.backends.mla.plan_lowering import (lower_plan_torch, lower_plan_triton,
                                                           rebuild_csr_torch, rebuild_csr_triton)
 
@@ -157,6 +159,12 @@ class PlanSkeleton:
     qo_dtype: np.dtype | None = None
     ends_are_lengths: bool = False  # every real work is its request's last (one chunk each)
     limit: int = 0                  # the plan's kv_len_limit (diagnostics and tests)
+    counts: tuple = ()              # the real requests' chunk counts (a plan cache's key)
+    num_clusters: int = 0           # the plan's clusters (its limit is a function of them)
+    info: tuple = ()                # the plan's plan_info (a kept plan must have the same)
+    # device tensors made from this skeleton once (lower_on_device's index, the page-list
+    # rebuild's work -> request map): a skeleton put back from a plan cache brings them along
+    device: dict = field(default_factory=dict)
 
     @classmethod
     def from_plan(cls, plan_info, pinned_ws: torch.Tensor, qo_indptr: np.ndarray,
@@ -269,7 +277,8 @@ class PlanSkeleton:
                    last_req=np.array(last_req, dtype=int64),
                    kv_end=np.array(kv_end_w, dtype=int64),
                    offsets={f: at[f] // 4 for f in ("kv_indptr", "kv_len", "kv_end")},
-                   num_works=num_works, limit=limit)
+                   num_works=num_works, limit=limit, counts=tuple(counts),
+                   num_clusters=num_clusters, info=tuple(info))
 
     def fits(self, qo_indptr: np.ndarray, kv_lens: np.ndarray) -> bool:
         """Whether (qo_indptr, kv_lens) keep this plan's rows and every chunk count, every last
@@ -333,12 +342,13 @@ class PlanRefresher:
         # no request changes its page count, the work kv_indptr is unchanged and not copied
         self._indptr_written: bytes | None = None
         self.refreshes = 0
-        # lower_on_device: the device index tensors of the held skeleton (made on first use)
-        self._device_index: tuple | None = None
+        # (lower_on_device's index and the page-list rebuild's work -> request map live in
+        # the held skeleton's `device`, made on first use)
         self.device_lowerings = 0
-        # rebuild_page_lists_on_device: the held skeleton's work -> request map on the device
-        self._device_work_req: torch.Tensor | None = None
         self.page_list_rebuilds = 0
+        # graph plans by chunk structure (flashinfer_plan_cache.py; None: switched off)
+        self.cache = PlanCache() if plan_cache_enabled() else None
+        self.cache_put_backs = 0
         # why a step was planned for real instead (benchmarks print these)
         self.misses = {"no skeleton": 0, "other rows or chunk counts": 0}
 
@@ -347,14 +357,43 @@ class PlanRefresher:
         if skeleton is not None and skeleton.num_works > self.max_works:
             skeleton = None
         self.skeleton = skeleton
-        self._device_index = None
-        self._device_work_req = None
         self._rows.clear()  # row views are cut to the skeleton's work count
         self._indptr_written = None  # the plan wrote the work kv_indptr itself
         if skeleton is not None:
             w, ws = skeleton.num_works, self.device_ws
             self._views = tuple(ws[skeleton.offsets[f]: skeleton.offsets[f] + w]
                                 for f in ("kv_indptr", "kv_len", "kv_end"))
+
+    def keep(self, pinned_ws: torch.Tensor) -> None:
+        """After a real plan whose skeleton was just adopted: keep the plan (read from the
+        page-locked scratch it was written to) by its chunk structure, for put_back."""
+        sk = self.skeleton
+        # (not while a CUDA graph is captured: the store's copies would be captured with it)
+        if (self.cache is not None and sk is not None
+                and not capturing()):
+            self.cache.store(sk, sk.info, pinned_ws, self.device_ws.device)
+
+    def find_kept(self, qo_bytes: bytes, lower: np.ndarray, upper: np.ndarray,
+                  draft: bool) -> CachedPlan | None:
+        """A kept plan for the query rows `qo_bytes` (the planned qo_indptr's bytes) valid for
+        every length of the real requests between `lower` and `upper` (PlanCache.find), with
+        the held plan's offsets; None without one. Changes nothing."""
+        sk = self.skeleton
+        if (self.cache is None or sk is None or not len(self.cache)
+                or capturing()):
+            return None
+        entry = self.cache.find(qo_bytes, lower, upper, sk.num_clusters, draft)
+        if entry is None or entry.info != sk.info or entry.skeleton is sk:
+            return None
+        return entry
+
+    def put_back(self, entry: CachedPlan) -> None:
+        """Write a kept plan (find_kept) into the int workspace and hold its skeleton; the
+        caller then writes its page lists and lengths (rebuild_page_lists_on_device and
+        lower_on_device, or a host refresh), as for any held plan."""
+        PlanCache.put_back(entry, self.device_ws)
+        self.adopt(entry.skeleton)
+        self.cache_put_backs += 1
 
     def _buffer(self, ring_index: int | None):
         """(host tensor, key of its row views) of the buffer this refresh writes."""
@@ -376,9 +415,9 @@ class PlanRefresher:
         positions (n), their requests (n), kv_end positions (m), their requests (m)] of its
         real works in the int32 workspace (plan_lowering.py), one non-blocking copy from
         pinned memory per skeleton: no host sync."""
-        index = self._device_index
+        sk = self.skeleton
+        index = sk.device.get("index")
         if index is None:
-            sk = self.skeleton
             real = np.nonzero(sk.work_req < sk.num_real)[0]
             if sk.ends_are_lengths:  # one chunk per request: every real work ends its KV
                 ends, end_req = real, sk.work_req[real]
@@ -390,7 +429,7 @@ class PlanRefresher:
             if self._pin:
                 staged = staged.pin_memory()
             flat = staged.to(self.device_ws.device, non_blocking=True)
-            index = self._device_index = (flat, len(real), len(ends))
+            index = sk.device["index"] = (flat, len(real), len(ends))
         return index
 
     def lower_on_device(self, new_lens: torch.Tensor, num_reqs: int | None = None,
@@ -428,13 +467,13 @@ class PlanRefresher:
         their pages fit the buffers."""
         if self.skeleton is None:
             raise RuntimeError("rebuild_page_lists_on_device needs a held plan skeleton")
-        work_req = self._device_work_req
+        work_req = self.skeleton.device.get("work_req")
         if work_req is None:
             staged = torch.from_numpy(self.skeleton.work_req.astype(np.int64))
             if self._pin:
                 staged = staged.pin_memory()
-            work_req = self._device_work_req = staged.to(self.device_ws.device,
-                                                         non_blocking=True)
+            work_req = self.skeleton.device["work_req"] = staged.to(self.device_ws.device,
+                                                                    non_blocking=True)
         ws = self.device_ws
         rebuild = (rebuild_csr_triton if ws.is_cuda and HAS_TRITON and table.is_cuda
                    else rebuild_csr_torch)
