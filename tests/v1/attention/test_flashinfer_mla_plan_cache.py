@@ -318,3 +318,22 @@ def test_a_lone_request_layout_plans_every_structure_once(monkeypatch, causal):
     assert 0 < refresher.cache_put_backs <= changes
     if causal:
         assert refresher.cache_put_backs == changes
+
+
+@pytest.mark.parametrize("dcp", [1, 2])
+def test_only_dcp1_graph_wrappers_keep_plans(monkeypatch, dcp):
+    """DCP > 1 keeps no plans (its put-backs have not run on two GPUs): its graph wrappers
+    re-plan at every new chunk structure, as before the cache."""
+    from types import SimpleNamespace
+
+    from tests.utils.fake_flashinfer import install_native_replan
+    from tests.utils.mla_dcp_helpers import mla_spec, parallel_config
+    from vllm.v1.attention.backends.mla import flashinfer_mla as fm
+    install_native_replan(monkeypatch, PlanModelWrapper)
+    config = SimpleNamespace(parallel_config=parallel_config(dcp).parallel_config,
+                             model_config=SimpleNamespace(max_model_len=512), max_num_seqs=4)
+    builder = fm.FlashInferMLAMetadataBuilder(mla_spec(16, True, torch.float32), ["layer.0"],
+                                              config, "cpu", dcp_rank=0, kernel_family="hopper")
+    slot = builder._get_graph_wrapper_slot(4)
+    assert slot.keeps_plans == (dcp == 1)
+    assert slot.max_kv_len == (512 if dcp == 1 else 0)

@@ -482,6 +482,9 @@ class _WrapperSlot:
     # Graph wrappers: the longest KV a request may have (the model's length; DCP 1), up to
     # which a one-request layout's chunk structures are planned ahead (_plan_lone_request)
     max_kv_len: int = 0
+    # Graph wrappers at DCP 1: keep real plans by chunk structure (flashinfer_plan_cache.py;
+    # DCP > 1 keeps none: its put-backs have not run on two GPUs)
+    keeps_plans: bool = False
 
     @property
     def refreshes(self) -> int:
@@ -719,7 +722,8 @@ def _adopt_plan(slot: _WrapperSlot, inputs: HopperPlanInputs, plan_args: dict) -
         return
     if slot.refresher is None or slot.refresher.device_ws.data_ptr() != device_ws.data_ptr():
         slot.refresher = PlanRefresher(device_ws,
-                                       max_works=2 * inputs.num_requests + 1024)
+                                       max_works=2 * inputs.num_requests + 1024,
+                                       keep_plans=slot.keeps_plans)
     slot.refresher.adopt(PlanSkeleton.from_plan(
         plan_info, pinned, inputs.qo_indptr.numpy(), inputs.kv_len_arr.numpy(),
         plan_args["num_heads"], inputs.causal, draft=slot.draft))
@@ -1019,7 +1023,8 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
                 wrapper, staging=PlanStaging(num_requests, max_pages, depth=2),
                 packed_device=packed, packed_layout=(num_requests, max_pages),
                 draft=kind == MLADecodeKind.NON_CAUSAL_BLOCK,
-                max_kv_len=self._max_kv_len() if self.dcp_world_size == 1 else 0)
+                max_kv_len=self._max_kv_len() if self.dcp_world_size == 1 else 0,
+                keeps_plans=self.dcp_world_size == 1)
         return slot
 
     def _max_kv_len(self) -> int:

@@ -323,7 +323,8 @@ class PlanRefresher:
     The buffers are small ([3, max_works] int32), so the own ring is deep enough for a wrapper
     planned several times in one step never to wait on the GPU."""
 
-    def __init__(self, int_workspace: torch.Tensor, max_works: int, depth: int = 8):
+    def __init__(self, int_workspace: torch.Tensor, max_works: int, depth: int = 8,
+                 keep_plans: bool = False):
         self.device_ws = int_workspace.view(torch.int32)
         self.max_works = max_works
         pin = self._cuda = torch.cuda.is_available() and int_workspace.is_cuda
@@ -346,8 +347,9 @@ class PlanRefresher:
         # the held skeleton's `device`, made on first use)
         self.device_lowerings = 0
         self.page_list_rebuilds = 0
-        # graph plans by chunk structure (flashinfer_plan_cache.py; None: switched off)
-        self.cache = PlanCache() if plan_cache_enabled() else None
+        # graph plans by chunk structure (flashinfer_plan_cache.py; None: not asked for by
+        # the wrapper, or switched off)
+        self.cache = PlanCache() if keep_plans and plan_cache_enabled() else None
         self.cache_put_backs = 0
         # why a step was planned for real instead (benchmarks print these)
         self.misses = {"no skeleton": 0, "other rows or chunk counts": 0}
