@@ -32,8 +32,7 @@ def flashinfer_plan_counts_by_group(runner) -> list[tuple[int, int, int]]:
     rewrites three work arrays."""
     counts = []
     for builder in runner.attn_metadata_builders:
-        slots = list(getattr(builder, "_slots", {}).values())
-        slots += list(getattr(builder, "_graph_slots", {}).values())
+        slots = _wrapper_slots(builder)
         counts.append((sum(getattr(s, "full_plans", 0) for s in slots),
                        sum(getattr(s, "native_replans", 0) for s in slots),
                        sum(getattr(s, "refreshes", 0) for s in slots)))
@@ -43,13 +42,14 @@ def flashinfer_plan_counts_by_group(runner) -> list[tuple[int, int, int]]:
 def plan_cache_put_backs(runner) -> list[int]:
     """Per KV cache group (the runner's builder order): kept plans put back so far by that
     builder's graph wrappers (flashinfer_plan_cache.py) in place of a re-plan."""
-    counts = []
-    for builder in runner.attn_metadata_builders:
-        slots = list(getattr(builder, "_slots", {}).values())
-        slots += list(getattr(builder, "_graph_slots", {}).values())
-        counts.append(sum(getattr(getattr(s, "refresher", None), "cache_put_backs", 0)
-                          for s in slots))
-    return counts
+    return [sum(getattr(getattr(s, "refresher", None), "cache_put_backs", 0)
+                for s in _wrapper_slots(builder)) for builder in runner.attn_metadata_builders]
+
+
+def _wrapper_slots(builder) -> list:
+    """A builder's FlashInfer wrapper slots, eager and graph (none for other backends)."""
+    return (list(getattr(builder, "_slots", {}).values())
+            + list(getattr(builder, "_graph_slots", {}).values()))
 
 
 def flashinfer_plan_counts(runner) -> tuple[int, int]:

@@ -1032,8 +1032,7 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
         return int(getattr(model_config, "max_model_len", 0) or 0)
 
     def _max_pages_per_request(self) -> int:
-        model_config = getattr(self.vllm_config, "model_config", None)
-        max_len = int(getattr(model_config, "max_model_len", 0) or 0) + 64
+        max_len = self._max_kv_len() + 64
         local = -(-max_len // self.dcp_world_size)
         return -(-local // self.page_size) + 1
 
@@ -1262,12 +1261,15 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
             kept = refresher.find_kept(skeleton.qo_bytes, lower, upper, slot.draft)
             if kept is None or not self.page_list_rebuild:
                 return False
-        page = self.page_size
-        need = (upper + (page - 1)) // page  # pages of the longest lengths possible
-        table = decode.block_table_cpu
-        if table is not None and (kept is not None or not same_step):
-            table = np.ascontiguousarray(table.numpy())
         rebuild = kept is not None  # a kept plan's works list another step's first pages
+        if same_step and not rebuild:  # this step's own pages, listed by its own build
+            need = table = None
+        else:
+            page = self.page_size
+            need = (upper + (page - 1)) // page  # pages of the longest lengths possible
+            table = decode.block_table_cpu
+            if table is not None:
+                table = np.ascontiguousarray(table.numpy())
         if not (same_step or rebuild):
             if table is None:
                 rebuild = True

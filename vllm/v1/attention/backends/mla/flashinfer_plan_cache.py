@@ -45,6 +45,9 @@ import numpy as np
 import torch
 
 from vllm.utils.env_flags import switch_flag
+# (a module reference, its names looked up at call time: flashinfer_plan_refresh refers to
+# this module the same way, so either may be imported first)
+from vllm.v1.attention.backends.mla import flashinfer_plan_refresh as _refresh
 
 PLAN_CACHE_FLAG = "VLLM_MLA_PLAN_CACHE"
 # Per wrapper: structures kept (least recently used dropped first). A lone request up to 128k
@@ -78,9 +81,8 @@ def plan_cache_enabled() -> bool:
 def structure_of(lengths: np.ndarray, num_clusters: int) -> tuple[int, tuple]:
     """(limit, chunk counts) MLAPlan gives single-tile requests of these KV lengths (the
     padding requests' zeros included or not: they add nothing)."""
-    from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import limit_of_total
     kv = np.asarray(lengths, dtype=np.int64)
-    limit = limit_of_total(int(kv.sum()), num_clusters)
+    limit = _refresh.limit_of_total(int(kv.sum()), num_clusters)
     counts = np.where(kv > limit, -(-kv // limit), 1)
     return limit, tuple(counts.tolist())
 
@@ -90,23 +92,20 @@ def single_request_lengths(max_len: int, num_clusters: int) -> list[int]:
     `max_len` tokens has, in order: the structure changes where the chunk count grows (past
     count * limit) or the limit does (past threshold * clusters: MLAPlan's limit is a step
     function of the average KV per cluster, with steps at 8, 16, 32, 64 and every 256)."""
-    from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import (chunk_count,
-                                                                        limit_of_total)
     lengths, length = [], 1
     while length <= max_len:
         lengths.append(length)
-        limit = limit_of_total(length, num_clusters)
+        limit = _refresh.limit_of_total(length, num_clusters)
         average = -(-length // num_clusters)
         step = next((t for t in (8, 16, 32, 64) if t >= average), -(-average // 256) * 256)
-        length = min(chunk_count(length, limit) * limit, step * num_clusters) + 1
+        length = min(_refresh.chunk_count(length, limit) * limit, step * num_clusters) + 1
     return lengths
 
 
 def plan_regions(info: list[int], num_works: int) -> np.ndarray:
     """int32 positions in the int workspace of what a plan's kernels read (see the module
     docstring), from its plan_info (MLAPlanInfo::ToVector order) and work count."""
-    from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import PLAN_INFO_FIELDS
-    at = dict(zip(PLAN_INFO_FIELDS, info))
+    at = dict(zip(_refresh.PLAN_INFO_FIELDS, info))
     # the merge arrays are num_SMs long each, allocated back to back (16-byte aligned)
     merge_len = (at["merge_packed_offset_end"] - at["merge_packed_offset_start"]) // 4
     spans = [(at[f] // 4, num_works) for f in _PER_WORK]

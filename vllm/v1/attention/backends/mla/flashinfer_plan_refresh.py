@@ -47,8 +47,9 @@ import torch
 
 from vllm.triton_utils import HAS_TRITON
 from vllm.utils.cuda_streams import record_event
-from vllm.v1.attention.backends.mla.flashinfer_plan_cache import (CachedPlan, PlanCache,
-                                                                  capturing, plan_cache_enabled)
+# (a module reference: flashinfer_plan_cache reads this module's planner arithmetic the same
+# way, so either may be imported first)
+from vllm.v1.attention.backends.mla import flashinfer_plan_cache as _cache
 from vllm.v1.attention.backends.mla.plan_lowering import (lower_plan_torch, lower_plan_triton,
                                                           rebuild_csr_torch, rebuild_csr_triton)
 
@@ -349,7 +350,7 @@ class PlanRefresher:
         self.page_list_rebuilds = 0
         # graph plans by chunk structure (flashinfer_plan_cache.py; None: not asked for by
         # the wrapper, or switched off)
-        self.cache = PlanCache() if keep_plans and plan_cache_enabled() else None
+        self.cache = _cache.PlanCache() if keep_plans and _cache.plan_cache_enabled() else None
         self.cache_put_backs = 0
         # why a step was planned for real instead (benchmarks print these)
         self.misses = {"no skeleton": 0, "other rows or chunk counts": 0}
@@ -372,28 +373,28 @@ class PlanRefresher:
         sk = self.skeleton
         # (not while a CUDA graph is captured: the store's copies would be captured with it)
         if (self.cache is not None and sk is not None
-                and not capturing()):
+                and not _cache.capturing()):
             self.cache.store(sk, sk.info, pinned_ws, self.device_ws.device)
 
     def find_kept(self, qo_bytes: bytes, lower: np.ndarray, upper: np.ndarray,
-                  draft: bool) -> CachedPlan | None:
+                  draft: bool) -> _cache.CachedPlan | None:
         """A kept plan for the query rows `qo_bytes` (the planned qo_indptr's bytes) valid for
         every length of the real requests between `lower` and `upper` (PlanCache.find), with
         the held plan's offsets; None without one. Changes nothing."""
         sk = self.skeleton
         if (self.cache is None or sk is None or not len(self.cache)
-                or capturing()):
+                or _cache.capturing()):
             return None
         entry = self.cache.find(qo_bytes, lower, upper, sk.num_clusters, draft)
         if entry is None or entry.info != sk.info or entry.skeleton is sk:
             return None
         return entry
 
-    def put_back(self, entry: CachedPlan) -> None:
+    def put_back(self, entry: _cache.CachedPlan) -> None:
         """Write a kept plan (find_kept) into the int workspace and hold its skeleton; the
         caller then writes its page lists and lengths (rebuild_page_lists_on_device and
         lower_on_device, or a host refresh), as for any held plan."""
-        PlanCache.put_back(entry, self.device_ws)
+        _cache.PlanCache.put_back(entry, self.device_ws)
         self.adopt(entry.skeleton)
         self.cache_put_backs += 1
 
