@@ -140,6 +140,14 @@ def _instrument(engine) -> None:
         from vllm.v1.worker.gpu.spec_decode import block_speculator as block_module
         _wrap(block_module, "lower_attn_metadata_on_device",
               "speculator early plan lowered on the device")
+        # Finer: the early path's parts (the inputs write is labelled above; the draft replay is
+        # under CudaGraphManager.replay), and the verified step's host counts after the wait.
+        _wrap(BlockSpeculator, "prepare_early",
+              "  speculator.prepare_early (write, plan advance, draft launch)")
+        _wrap(block_module, "advance_attn_metadata_on_device",
+              "    speculator early plans advanced on the device")
+        _wrap(runner_cls, "_early_block_terms", "  runner._early_block_terms")
+        _wrap(model_runner, "apply_verified_step", "  runner apply_verified_step (host counts)")
     try:
         from vllm.v1.attention.backends.mla.flashinfer_mla import FlashInferMLAMetadataBuilder
     except ImportError:
@@ -159,6 +167,11 @@ def _instrument(engine) -> None:
         _wrap(flashinfer_mla, "_adopt_plan", "    FI skeleton read-back after a plan")
         from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import PlanRefresher
         _wrap(PlanRefresher, "rebuild_page_lists_on_device", _REBUILD_LABEL)
+        # Every device advance / lowering of a held plan (target and draft groups): the host
+        # checks, then the one lowering launch.
+        _wrap(FlashInferMLAMetadataBuilder, "_lower_held_plan",
+              "    FI held plan lowered (checks + launch, all groups)")
+        _wrap(PlanRefresher, "lower_on_device", "      FI lower_on_device launch")
 
 
 def _kinds_table(results: list[dict]) -> str:

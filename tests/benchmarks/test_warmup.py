@@ -17,9 +17,10 @@ class FakeEngine:
     appears at the first step (the speculator makes it at its first draft step with graphs)."""
 
     def __init__(self, num_reqs: int, late_s: float, early_s: float, make_tuner: bool = True,
-                 remaining_steps: int = 10_000):
+                 remaining_steps: int = 10_000, tuner_kwargs: dict | None = None):
         self.num_reqs, self.late_s, self.early_s = num_reqs, late_s, early_s
         self.make_tuner, self.remaining = make_tuner, remaining_steps
+        self.tuner_kwargs = {"trial_steps": 5} if tuner_kwargs is None else tuner_kwargs
         self.speculator = SimpleNamespace(early_tuner=None)
         self.executor = SimpleNamespace(
             worker=SimpleNamespace(model_runner=SimpleNamespace(speculator=self.speculator)))
@@ -37,7 +38,7 @@ class FakeEngine:
         if self.speculator.early_tuner is None:
             if not self.make_tuner:
                 return
-            self.speculator.early_tuner = EarlyDraftTuner(trial_steps=5)
+            self.speculator.early_tuner = EarlyDraftTuner(**self.tuner_kwargs)
         tuner = self.speculator.early_tuner
         early = tuner.use_early(self.num_reqs)
         self.paths.append(early)
@@ -57,6 +58,16 @@ def test_warm_up_ends_exactly_when_the_tuner_decides(late_s, early_s, decision):
     assert engine.paths[-1] == (decision == "early")
     # settled: another warm-up takes no step
     assert settle_early_draft(engine, engine.step, max_steps=100) == (0, decision)
+
+
+def test_the_default_tuner_settles_a_clear_difference_within_a_benchmark_warm_up():
+    """The engine's own tuner (defaults) keeps a clearly faster path after its quick windows:
+    18 steps, inside benchmark_spec_policy's 32 warm-up steps, so none of its timed steps runs
+    the trial's slower path."""
+    engine = FakeEngine(num_reqs=1, late_s=1.08e-3, early_s=0.645e-3, tuner_kwargs={})
+    taken, got = settle_early_draft(engine, engine.step, max_steps=100)
+    assert (taken, got) == (18, "early") and taken < 32
+    assert engine.paths == [False] * 9 + [True] * 9
 
 
 def test_a_warm_up_cut_short_reports_the_trial():

@@ -217,7 +217,8 @@ def run_case(case: SpecPolicyCase, timed_region: Any = None) -> dict:
         tuner = early_draft_tuner(engine)
         return {"variant": case.variant, "batch": case.batch, "context": case.context,
                 # the early draft tuner's finished trials (bucket, late s, early s, early?);
-                # its trial windows (2 x 33 eligible steps) may fall in the timed steps
+                # its trial (2 x 9 eligible steps, up to 68 on a close call) may reach
+                # into the timed steps
                 "early_draft_trials": None if tuner is None else list(tuner.history),
                 "tok_s": tokens / seconds,
                 "timed_steps": timed_steps, "timed_tokens": tokens,

@@ -2,7 +2,8 @@
 
 Why: with `VLLM_EARLY_DRAFT_METADATA=auto` (the default) a block drafter's engine times its
 first eligible steps of each batch-size bucket twice, first with the early draft path off, then
-on, and only then keeps the faster (EarlyDraftTuner, 2 x 33 steps). A benchmark whose timed
+on, and only then keeps the faster (EarlyDraftTuner: 2 x 9 steps where the paths differ
+clearly, up to 68 where they do not). A benchmark whose timed
 steps fall inside that trial measures the trial, not the engine: the engine decode benchmark's
 5 warm-up + 40 timed steps were mostly the trial's late window (twenty-fourth session).
 """

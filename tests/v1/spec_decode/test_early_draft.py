@@ -7,6 +7,7 @@ plain greedy decoding; and, step by step, the host's exact new computed counts a
 device counts the runner derived before it had them."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -152,6 +153,78 @@ def test_the_tuner_judges_each_batch_bucket_alone_and_again_after_recheck_steps(
     assert fresh._trial(1).samples == {"late": [], "early": []}
     with pytest.raises(ValueError, match="trial_steps=1"):
         EarlyDraftTuner(trial_steps=1)
+
+
+def _medians_decision(late, early, min_gain):
+    """The decision from whole windows, computed here from the samples: early when its
+    median is at least min_gain below late's."""
+    late_m, early_m = float(np.median(late)), float(np.median(early))
+    return late_m, early_m, early_m <= late_m * (1.0 - min_gain)
+
+
+def test_a_clear_difference_is_decided_after_the_quick_windows():
+    """Default tuner: two 8-step windows (plus their switch steps) that do not overlap decide
+    at once, 18 steps instead of 66; the slower path's steps are what a trial costs."""
+    tuner = EarlyDraftTuner()
+    assert (tuner.steps_to_decide_clearly, tuner.steps_to_decide) == (18, 68)
+    rng = np.random.default_rng(0)
+    late = list(1.08e-3 + rng.uniform(0, 1e-4, 100))
+    early = list(0.645e-3 + rng.uniform(0, 1e-4, 100))
+    seen = {"late": [], "early": []}
+
+    def step(is_early):
+        return (early if is_early else late).pop()
+
+    paths = []
+    for _ in range(40):
+        e = tuner.use_early(1)
+        paths.append(e)
+        t = step(e)
+        seen["early" if e else "late"].append(t)
+        tuner.observe(1, e, t)
+    assert paths == [False] * 9 + [True] * 9 + [True] * 22
+    # the medians of the counted samples (each window's first step, the switch, left out)
+    want = _medians_decision(seen["late"][1:9], seen["early"][1:9], tuner.min_gain)
+    assert tuner.history == [(1, *want)] and want[2]
+    assert tuner.settled(1) and tuner.decision(1) == "early"
+
+
+@pytest.mark.parametrize("early_times", [
+    # medians 3 % apart: less than clear_gain
+    [0.97, 0.96, 0.98, 0.97],
+    # medians 15 % apart but the windows overlap (early's upper quartile above late's lower)
+    [0.5, 1.2, 0.5, 1.2],
+])
+def test_a_close_call_extends_both_windows_to_trial_steps(early_times):
+    """Where the quick windows do not differ clearly, the tuner times trial_steps of each path
+    (off again, then on, each with its switch step) and decides on the medians of all samples."""
+    tuner = EarlyDraftTuner(trial_steps=20, quick_steps=4, min_gain=0.01, clear_gain=0.10)
+    assert tuner.steps_to_decide == 2 * 5 + 2 * 17
+    counted = {False: [], True: []}
+    paths = []
+    for i in range(60):
+        e = tuner.use_early(2)
+        paths.append(e)
+        t = early_times[i % 4] if e else 1.0 + 0.001 * (i % 3)
+        tuner.observe(2, e, t)
+        counted[e].append(t)
+    assert paths[:44] == [False] * 5 + [True] * 5 + [False] * 17 + [True] * 17
+    # each window's first step is a switch: not counted
+    late = counted[False][1:5] + counted[False][6:22]
+    early = counted[True][1:5] + counted[True][6:22]
+    want = _medians_decision(late, early, 0.01)
+    assert tuner.history == [(2, *want)]
+    assert paths[44:] == [want[2]] * 16
+
+
+def test_the_tuner_refuses_bad_windows():
+    with pytest.raises(ValueError, match="quick_steps=1"):
+        EarlyDraftTuner(quick_steps=1)
+    with pytest.raises(ValueError, match="clear_gain=0.005"):
+        EarlyDraftTuner(min_gain=0.01, clear_gain=0.005)
+    # quick windows no longer than the trial's; None: one stage of trial_steps
+    assert EarlyDraftTuner(trial_steps=5).steps_to_decide == 12
+    assert EarlyDraftTuner(quick_steps=None).steps_to_decide == 66
 
 
 def test_the_runner_times_eligible_steps_for_the_tuner_and_follows_it(monkeypatch):

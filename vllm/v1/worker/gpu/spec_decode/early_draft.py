@@ -106,10 +106,21 @@ def _bucket(num_reqs: int) -> int:
 
 @dataclass
 class _Trial:
-    samples: dict           # "late" / "early" -> step seconds of the current window
+    samples: dict           # "late" / "early" -> counted step seconds of the trial so far
     phase: str = "late"     # the window being measured, or "decided"
     early: bool = False     # the decision (phase "decided")
     steps_decided: int = 0  # eligible steps since the decision
+    stage: int = 1          # 1: the short first windows; 2: their extension to trial_steps
+    switching: bool = True  # the window's next step is its first (the switch): not counted
+
+
+def _clearly_apart(late: list[float], early: list[float], gain: float) -> bool:
+    """Whether two windows of step times already say which path is faster: the faster
+    window's median is at least `gain` below the slower's, and its upper quartile below the
+    slower's lower quartile (the bulk of the two samples does not overlap)."""
+    fast, slow = (early, late) if np.median(early) <= np.median(late) else (late, early)
+    return bool(np.median(fast) <= np.median(slow) * (1.0 - gain)
+                and np.percentile(fast, 75) < np.percentile(slow, 25))
 
 
 class EarlyDraftTuner:
@@ -119,17 +130,30 @@ class EarlyDraftTuner:
     short to hide the draft's host work and the early path costs 2-6 % (thirteenth session);
     at DeepSeek-V3 per-rank dims it gains ~15 % (fourteenth session, docs/performance.md). So
     per batch-size bucket (powers of two) the runner's eligible steps are timed in two windows,
-    `trial_steps` with the path off, then `trial_steps` with it on (the first step of each
-    window, the switch, is not counted); the path stays on when the median early step is at
-    least `min_gain` faster, and the trial is run again after `recheck_steps` eligible steps
-    of that bucket. Greedy output does not depend on the choice (the early draft is exact)."""
+    first with the path off, then with it on (the first step of each window, the switch, is not
+    counted). The windows are `quick_steps` long first; where they already differ clearly
+    (medians `clear_gain` apart and their interquartile ranges disjoint) the faster path is
+    kept at once, else both windows are extended to `trial_steps` (off again, then on) and the
+    path stays on when the median early step of all its samples is at least `min_gain` faster.
+    The trial is run again after `recheck_steps` eligible steps of that bucket. Greedy output
+    does not depend on the choice (the early draft is exact).
 
-    def __init__(self, trial_steps: int = 32, recheck_steps: int = 4096, min_gain: float = 0.01):
-        if trial_steps < 2 or recheck_steps < 1 or not 0.0 <= min_gain < 1.0:
-            raise ValueError(f"trial_steps={trial_steps}, recheck_steps={recheck_steps}, "
-                             f"min_gain={min_gain}: need trial_steps >= 2, recheck_steps >= 1 "
-                             "and 0 <= min_gain < 1")
+    Why the quick stage: every trial step on the slower path costs its difference (on the tiny
+    model a late step took 1.08 ms against an early 0.645, twenty-seventh session), and a
+    clear difference shows in a few steps: two 8-step windows decide it in 18 steps instead of
+    66, before a benchmark's 32 warm-up steps end. A close call still gets 32 steps a window."""
+
+    def __init__(self, trial_steps: int = 32, recheck_steps: int = 4096, min_gain: float = 0.01,
+                 quick_steps: int | None = 8, clear_gain: float = 0.10):
+        quick = trial_steps if quick_steps is None else min(quick_steps, trial_steps)
+        if (trial_steps < 2 or quick < 2 or recheck_steps < 1 or not 0.0 <= min_gain < 1.0
+                or not min_gain <= clear_gain < 1.0):
+            raise ValueError(f"trial_steps={trial_steps}, quick_steps={quick_steps}, "
+                             f"recheck_steps={recheck_steps}, min_gain={min_gain}, clear_gain="
+                             f"{clear_gain}: need trial_steps >= 2, quick_steps >= 2 (or None), "
+                             "recheck_steps >= 1 and 0 <= min_gain <= clear_gain < 1")
         self.trial_steps, self.recheck_steps, self.min_gain = trial_steps, recheck_steps, min_gain
+        self.quick_steps, self.clear_gain = quick, clear_gain
         self._trials: dict[int, _Trial] = {}
         # (bucket, median late s, median early s, chose early) of every finished trial
         self.history: list[tuple[int, float, float, bool]] = []
@@ -143,9 +167,17 @@ class EarlyDraftTuner:
 
     @property
     def steps_to_decide(self) -> int:
-        """Eligible steps of one bucket from its first to its decision (two windows, each
-        with its uncounted switch step)."""
-        return 2 * (self.trial_steps + 1)
+        """Eligible steps of one bucket from its first to its decision, at most (the quick
+        windows, then their extension; each window with its uncounted switch step)."""
+        steps = 2 * (self.quick_steps + 1)
+        if self.trial_steps > self.quick_steps:
+            steps += 2 * (self.trial_steps - self.quick_steps + 1)
+        return steps
+
+    @property
+    def steps_to_decide_clearly(self) -> int:
+        """Eligible steps to a decision where the two paths differ clearly (the quick stage)."""
+        return 2 * (self.quick_steps + 1)
 
     def settled(self, num_reqs: int) -> bool:
         """Whether the trial of `num_reqs`'s bucket has decided (a benchmark that times the
@@ -170,20 +202,27 @@ class EarlyDraftTuner:
         if trial.phase == "decided":
             trial.steps_decided += 1
             if trial.steps_decided >= self.recheck_steps:
-                trial.phase, trial.steps_decided = "late", 0
-                trial.samples = {"late": [], "early": []}
+                self._trials[_bucket(num_reqs)] = _Trial({"late": [], "early": []})
             return
         if early != (trial.phase == "early"):
             return  # a step launched before the window switched
+        if trial.switching:
+            trial.switching = False
+            return
         window = trial.samples[trial.phase]
         window.append(seconds)
-        if len(window) < self.trial_steps + 1:
+        if len(window) < (self.quick_steps if trial.stage == 1 else self.trial_steps):
             return
+        trial.switching = True
         if trial.phase == "late":
             trial.phase = "early"
             return
-        late = float(np.median(trial.samples["late"][1:]))
-        early_s = float(np.median(trial.samples["early"][1:]))
-        trial.early = early_s <= late * (1.0 - self.min_gain)
+        late_s, early_s = trial.samples["late"], trial.samples["early"]
+        if (trial.stage == 1 and self.trial_steps > self.quick_steps
+                and not _clearly_apart(late_s, early_s, self.clear_gain)):
+            trial.stage, trial.phase = 2, "late"
+            return
+        late, early_m = float(np.median(late_s)), float(np.median(early_s))
+        trial.early = early_m <= late * (1.0 - self.min_gain)
         trial.phase = "decided"
-        self.history.append((_bucket(num_reqs), late, early_s, trial.early))
+        self.history.append((_bucket(num_reqs), late, early_m, trial.early))
