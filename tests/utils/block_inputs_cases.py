@@ -9,6 +9,7 @@ import random
 
 import torch
 
+from vllm.v1.attention.backends.mla.plan_lowering import PlanLowering
 from vllm.v1.worker.gpu.block_table import BlockTables
 from vllm.v1.worker.gpu.spec_decode.block_inputs import BlockInputBuffers
 
@@ -133,11 +134,12 @@ def expected_writes(case: dict) -> dict:
                 slots=slots)
 
 
-def run_write(case: dict, fn) -> None:
+def run_write(case: dict, fn, lowering: PlanLowering | None = None) -> None:
     """Call a write_block_inputs variant (kernel, twin or dispatcher) on `case`."""
+    kwargs = {} if lowering is None else {"lowering": lowering}
     fn(case["tables"], case["buffers"], case["num_reqs"], case["padded"], case["q"],
        case["accepted"], case["next_token_ids"], case["max_model_len"], case["start_offset"],
-       accepted_extra=case["accepted_extra"], next_token_rows=case["next_token_rows"])
+       accepted_extra=case["accepted_extra"], next_token_rows=case["next_token_rows"], **kwargs)
 
 
 def observed_writes(case: dict) -> dict:
@@ -160,3 +162,38 @@ def untouched_tails(case: dict) -> bool:
                 .all() and (buffers.seq_lens[padded:] == SENTINEL).all()
                 and (ids == SENTINEL).all()
                 and (case["tables"].slot_mappings[:, n:] == SENTINEL).all())
+
+
+def random_lowering(case: dict, seed: int) -> PlanLowering:
+    """A held plan's lowering for `case`'s rows (plan_lowering.PlanLowering): works of random
+    real requests (a plan's index lists no padding request), their kv_len and kv_end positions
+    distinct entries of a SENTINEL-filled int32 workspace, and a kv_len_arr."""
+    rng = random.Random(1000 + seed)
+    device = case["buffers"].seq_lens.device
+    num_reqs = case["num_reqs"]
+    num_len, num_end = (rng.randint(0, 70), rng.randint(0, 9)) if num_reqs else (0, 0)
+    positions = rng.sample(range(160), num_len + num_end)
+    reqs = [rng.randrange(num_reqs) for _ in range(num_len + num_end)]
+    index = (positions[:num_len] + reqs[:num_len] + positions[num_len:] + reqs[num_len:])
+    return PlanLowering(
+        ws=torch.full((160,), SENTINEL, dtype=torch.int32, device=device),
+        index=torch.tensor(index, dtype=torch.int64, device=device),
+        num_len=num_len, num_end=num_end,
+        kv_len_arr=torch.full((8,), SENTINEL, dtype=torch.int32, device=device),
+        num_reqs=case["num_reqs"])
+
+
+def expected_lowering(case: dict, lowering: PlanLowering) -> tuple[list[int], list[int]]:
+    """Brute force: (workspace, kv_len_arr) after the lowering, every listed position holding
+    its request's new seq_len (expected_writes'), the first num_reqs of kv_len_arr too."""
+    seq_lens = expected_writes(case)["seq_lens"]
+    ws = [SENTINEL] * lowering.ws.shape[0]
+    index = lowering.index.tolist()
+    n, m = lowering.num_len, lowering.num_end
+    for pos, req in zip(index[:n], index[n:2 * n]):
+        ws[pos] = seq_lens[req]
+    for pos, req in zip(index[2 * n:2 * n + m], index[2 * n + m:]):
+        ws[pos] = seq_lens[req]
+    arr = [SENTINEL] * lowering.kv_len_arr.shape[0]
+    arr[:lowering.num_reqs] = seq_lens[:lowering.num_reqs]
+    return ws, arr

@@ -48,6 +48,56 @@ def test_an_advance_writes_what_a_host_refresh_writes(held):
     assert md.decode.row_seq_lens_cpu is None  # the host rows of the earlier step are stale
 
 
+@pytest.mark.parametrize("written", [True, False])
+@pytest.mark.parametrize("why", ["lengths only", "a page the plan does not list"])
+def test_a_fused_advance_hands_its_device_work_to_the_lengths_write(held, why, written):
+    """advance_decode_plan_on_device with a FusedDraftLowering (a block drafter's early step
+    asks BEFORE its input write): the host checks pass as without it, but nothing that reads
+    this step's lengths runs yet; the lowering is handed over for the write to perform, a
+    page-list rebuild waits in `after`. Once the lengths are written (here by hand, as the
+    write's torch twin does) and the collector finished, the plan equals the immediate
+    advance's: the same lists and work arrays (a host refresh's), kv_len_arr at the lengths.
+    `written=False`: the write did not take the lowering (a later group refused), so finish
+    launches it itself, with the same result."""
+    from vllm.v1.attention.backends.mla.plan_lowering import FusedDraftLowering
+    builder, md, ws, _, _ = held
+    refresher = md.decode.backend_state.wrapper_slot.refresher
+    lengths = list(EXACT)
+    if why == "a page the plan does not list":
+        lengths[2] = 81  # 6 pages of 16: the plan lists 5 for request 2
+    bounds = (np.array(lengths, dtype=np.int64), np.array(lengths, dtype=np.int64))
+    seq_lens = md.decode.seq_lens
+    seq_lens[:4] = 0  # the write has not run yet: nothing may read these
+    before, rebuilds = ws.clone(), refresher.page_list_rebuilds
+    fuse = FusedDraftLowering(seq_lens, 4)
+    assert builder.advance_decode_plan_on_device(md, bounds, fuse=fuse)
+    assert torch.equal(ws, before) and refresher.page_list_rebuilds == rebuilds
+    lowering = fuse.lowering()
+    assert lowering is not None and lowering.num_reqs == 4
+    assert len(fuse.after) == (1 if why != "lengths only" else 0)
+    seq_lens[:4] = torch.tensor(lengths, dtype=seq_lens.dtype)  # the write
+    if written:
+        lowering.apply_torch(seq_lens)
+    fuse.finish(written=written)
+    assert refresher.page_list_rebuilds == rebuilds + (why != "lengths only")
+    _expect_lists_and_lengths(md, ws, refresher, lengths if why != "lengths only" else UPPER,
+                              lengths)
+    kv_len_arr = md.decode.backend_state.wrapper_slot.wrapper._planned_backend._kv_len_arr_buf
+    assert kv_len_arr[:4].tolist() == lengths
+
+
+def test_a_fused_advance_of_other_lengths_launches_its_own_lowering(held):
+    """A plan whose lengths are not the write's rows (another buffer) is not lowered by the
+    write: its lowering waits in `after`, reading its own lengths."""
+    from vllm.v1.attention.backends.mla.plan_lowering import FusedDraftLowering
+    builder, md, ws, host_refresh, _ = held
+    fuse = FusedDraftLowering(torch.zeros(8, dtype=torch.int32), 4)
+    assert builder.advance_decode_plan_on_device(md, _bounds(), fuse=fuse)
+    assert fuse.lowering() is None and len(fuse.after) == 1
+    fuse.finish(written=False)
+    assert torch.equal(ws, host_refresh(EXACT))
+
+
 @pytest.mark.parametrize("why", ["under a chunk edge", "a later build"])
 def test_a_refused_advance_changes_nothing(held, why):
     builder, md, ws, _, upper_cm = held

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.utils.block_inputs_cases import (expected_writes, observed_writes, random_case,
+from tests.utils.block_inputs_cases import (expected_lowering, expected_writes,
+                                            observed_writes, random_case, random_lowering,
                                             run_write, untouched_tails)
 from tests.utils.spec_fakes import FakeBlockModel, make_speculator
 from tests.utils.triton_interpreter import run_interpreter_driver
@@ -24,6 +25,22 @@ def test_torch_twin_equals_brute_force(seed):
     run_write(case, block_inputs.write_block_inputs_torch)
     assert observed_writes(case) == expected_writes(case)
     assert untouched_tails(case)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_fused_plan_lowering_writes_the_new_lengths_into_the_plan(seed):
+    """write_block_inputs with a held plan's lowering (plan_lowering.PlanLowering): the inputs
+    as without one, and every listed work position and the first num_reqs of kv_len_arr hold
+    their request's new seq_len (brute force), nothing else of the workspace is written."""
+    case = random_case(seed)
+    lowering = random_lowering(case, seed)
+    run_write(case, block_inputs.write_block_inputs, lowering)
+    assert observed_writes(case) == expected_writes(case)
+    assert (lowering.ws.tolist(), lowering.kv_len_arr.tolist()) == expected_lowering(case,
+                                                                                     lowering)
+    with pytest.raises(ValueError, match="plan lowering is for"):
+        lowering.num_reqs += 1
+        run_write(case, block_inputs.write_block_inputs, lowering)
 
 
 def test_cases_cover_the_geometries():
@@ -145,6 +162,13 @@ def test_triton_kernel_equals_brute_force_on_cuda():
         assert observed_writes(case) == expected_writes(case), seed
         assert observed_writes(case) == observed_writes(twin), seed
         assert untouched_tails(case), seed
+        case = random_case(seed, "cuda")
+        lowering = random_lowering(case, seed)
+        run_write(case, block_inputs.write_block_inputs_triton, lowering)
+        torch.cuda.synchronize()
+        assert observed_writes(case) == expected_writes(case), seed
+        assert (lowering.ws.tolist(), lowering.kv_len_arr.tolist()) == expected_lowering(
+            case, lowering), seed
 
 
 def test_the_kernel_launches_lean_by_default():

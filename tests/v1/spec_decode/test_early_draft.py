@@ -356,9 +356,12 @@ def test_a_lowered_early_step_advances_the_previous_plans_instead_of_building(
     def lower_on_device(self, metadata, lower_seq_lens_np):
         return True
 
-    def advance_on_device(self, metadata, bounds):
+    fused = []  # per advance: what it was handed to collect the lengths' device work in
+
+    def advance_on_device(self, metadata, bounds, fuse=None):
         lower, upper = bounds
         advanced.append((calls[0], list(lower), list(upper)))
+        fused.append(fuse)
         return True
 
     monkeypatch.setattr(TorchMLAMetadataBuilder, "lower_decode_seq_lens_on_device",
@@ -394,6 +397,10 @@ def test_a_lowered_early_step_advances_the_previous_plans_instead_of_building(
     assert tokens == plain
     steps = list(range(1, calls[0] + 1))
     advanced_steps = [s for s, _, _ in advanced]
+    # asked before the input write (VLLM_FUSED_DRAFT_PLAN_LOWERING, on by default), with a
+    # collector for the write's own rows (plan_lowering.FusedDraftLowering)
+    assert fused and all(f is not None and f.num_reqs == rows[s]
+                         for f, s in zip(fused, advanced_steps))
     # a step advances the previous step's plans where that step launched its draft step,
     # the batch kept its request count (a finished request changes the rows) and no draft
     # metadata was built elsewhere since (bumped, or the late path's in a step without an

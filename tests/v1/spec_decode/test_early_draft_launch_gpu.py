@@ -21,7 +21,8 @@ from tests.utils.runner_harness import Scenario, make_config, make_runner, run_s
 from tests.utils.sync_debug import (exempt_from_sync_debug, is_decode_only,
                                      run_under_sync_debug)
 from vllm.model_executor.models.tiny import write_tiny_models
-from vllm.v1.worker.gpu.spec_decode.early_draft import DEVICE_LOWERING_FLAG, ENV_FLAG
+from vllm.v1.worker.gpu.spec_decode.early_draft import (DEVICE_LOWERING_FLAG, ENV_FLAG,
+                                                        FUSED_LOWERING_FLAG)
 
 pytestmark = pytest.mark.gpu
 
@@ -66,6 +67,32 @@ def test_draft_step_launched_before_the_wait_keeps_greedy_tokens(paths, method, 
     without = run_scenario(late, scenario, record_draft_logits=False)
     assert late.speculator.early_launches == 0
     assert with_launch.outputs == without.outputs
+
+
+@pytest.mark.parametrize("method,k", METHODS)
+def test_the_input_write_that_lowers_the_plans_drafts_what_a_lowering_launch_drafts(
+        paths, method, k, monkeypatch):
+    """VLLM_FUSED_DRAFT_PLAN_LOWERING=1 (default): where an early step advances the previous
+    step's plans, the block input write lowers them (plan_lowering.FusedDraftLowering); =0:
+    the advance's own lowering launch after the write. Same plans, same lengths: every
+    proposal (the drafts themselves, not only the greedy tokens) and every accepted count
+    must be identical, and the fused write must have done the lowering in some steps."""
+    scenario = Scenario("fused", PROMPTS, max_new_tokens=40, arrival_step={"c": 2})
+    monkeypatch.setenv(ENV_FLAG, "1")
+    monkeypatch.setenv(DEVICE_LOWERING_FLAG, "1")
+    runs = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv(FUSED_LOWERING_FLAG, fused)
+        runner = _graph_runner(paths, method, k)
+        runs[fused] = (run_scenario(runner, scenario, record_draft_logits=False),
+                       runner.speculator)
+    (fused, spec), (own, spec_own) = runs["1"], runs["0"]
+    assert spec.fuses_plan_lowering() and not spec_own.fuses_plan_lowering()
+    assert spec.early_fused_lowerings >= 3, (spec.early_fused_lowerings, spec.early_reuses)
+    assert spec_own.early_fused_lowerings == 0
+    assert spec.early_reuses == spec_own.early_reuses
+    assert fused.proposals == own.proposals
+    assert fused.accepted == own.accepted and fused.outputs == own.outputs
 
 
 @pytest.mark.parametrize("method,k", METHODS)

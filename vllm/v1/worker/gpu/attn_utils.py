@@ -168,9 +168,10 @@ def refresh_attn_metadata_seq_lens(
 
 
 def _each_group_builder(builders, kv_cache_config, attn_metadata, method: str, lengths,
-                        group_ids) -> bool:
-    """builder.<method>(metadata, lengths) for every selected group with layers, in order;
-    False at the first builder without the method or refusing (the rest are not asked)."""
+                        group_ids, **kwargs) -> bool:
+    """builder.<method>(metadata, lengths, **kwargs) for every selected group with layers, in
+    order; False at the first builder without the method or refusing (the rest are not
+    asked)."""
     groups = kv_cache_config.kv_cache_groups
     selected = range(len(groups)) if group_ids is None else group_ids
     for group_id in selected:
@@ -179,7 +180,7 @@ def _each_group_builder(builders, kv_cache_config, attn_metadata, method: str, l
             continue
         metadata = attn_metadata.get(names[0])
         call = getattr(builders[group_id], method, None)
-        if metadata is None or call is None or not call(metadata, lengths):
+        if metadata is None or call is None or not call(metadata, lengths, **kwargs):
             return False
     return True
 
@@ -209,15 +210,20 @@ def advance_attn_metadata_on_device(
     lower_seq_lens_np: np.ndarray,
     upper_seq_lens_np: np.ndarray,
     group_ids: Sequence[int] | None = None,
+    fuse: Any = None,
 ) -> bool:
     """lower_attn_metadata_on_device on metadata built for an EARLIER step with the same rows
     (each builder's advance_decode_plan_on_device): this step's exact lengths are read on the
     device, and the host gives both bounds they lie in, which the held plans must fit. False
     as soon as a group's builder cannot: the caller then builds this step's metadata anew,
-    which rewrites what the groups advanced before the refusal."""
+    which rewrites what the groups advanced before the refusal. `fuse`
+    (plan_lowering.FusedDraftLowering): asked before the write of this step's lengths, the
+    builders hand it the device work that reads them (the caller performs it with or after
+    that write; after a refusal it drops it)."""
+    kwargs = {} if fuse is None else {"fuse": fuse}
     return _each_group_builder(attn_metadata_builders, kv_cache_config, attn_metadata,
                                "advance_decode_plan_on_device",
-                               (lower_seq_lens_np, upper_seq_lens_np), group_ids)
+                               (lower_seq_lens_np, upper_seq_lens_np), group_ids, **kwargs)
 
 
 def advance_graph_metadata(

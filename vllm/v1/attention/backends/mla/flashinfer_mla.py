@@ -21,6 +21,7 @@ machines without it; CPU tests replace that function with recording fakes.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from vllm.v1.attention.backends.mla.flashinfer_plan_cache import (capturing,
                                                                   single_request_lengths,
                                                                   structure_of)
 from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import PlanRefresher, PlanSkeleton
+from vllm.v1.attention.backends.mla.plan_lowering import FusedDraftLowering
 from vllm.v1.attention.ops.dcp_combine import LN2
 
 logger = logging.getLogger(__name__)
@@ -1163,7 +1165,8 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
                                      same_step=True)
 
     def advance_decode_plan_on_device(self, metadata: MLACommonMetadata,
-                                      bounds: tuple[np.ndarray, np.ndarray]) -> bool:
+                                      bounds: tuple[np.ndarray, np.ndarray],
+                                      fuse: FusedDraftLowering | None = None) -> bool:
         """lower_decode_seq_lens_on_device for a LATER step on a plan held from an earlier one,
         in place of a new build: `bounds` = (lower, upper), the host's bounds of this step's
         lengths (one per decode request; the device `seq_lens` hold the exact ones). What it is
@@ -1174,11 +1177,15 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
         the step skips the host build of its draft metadata. The CSR keeps the listed pages
         (the kernels stop at kv_len); the host's staged arrays keep the earlier lengths (they
         are read again only by a host refresh, which rewrites them first). Same scope as
-        lower_decode_seq_lens_on_device; anything else returns False and changes nothing."""
+        lower_decode_seq_lens_on_device; anything else returns False and changes nothing.
+        `fuse` (a block drafter's early step, called BEFORE its input write): the device work
+        that reads this step's lengths is handed to it (FusedDraftLowering) instead of being
+        launched here: the lowering goes into the input write that computes the lengths, and
+        a page-list rebuild runs after that write."""
         held = self._held_graph_plan(metadata)
         if held is None:
             return False
-        return self._lower_held_plan(held, bounds[0], bounds[1], same_step=False)
+        return self._lower_held_plan(held, bounds[0], bounds[1], same_step=False, fuse=fuse)
 
     def _advance_plan(self, metadata: MLACommonMetadata, seq_lens_np: np.ndarray) -> bool:
         """advance_graph_step's plan part (a target step's graph plan, held from the step
@@ -1204,17 +1211,22 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
                     or int(need.sum()) > backend._kv_indices_buf.shape[0])
 
     def _rebuild_page_lists(self, decode: MLACommonDecodeMetadata, inputs: HopperPlanInputs,
-                            refresher: PlanRefresher, backend: Any, n: int) -> None:
+                            refresher: PlanRefresher, backend: Any, n: int,
+                            fuse: FusedDraftLowering | None = None) -> None:
         """A held plan whose requests grew into pages it does not list (or whose rows hold
         other pages now, or a plan just put back from the plan cache, whose works' first
         pages are another step's) keeps its chunks: write its page lists from the device
         block table and the device lengths (plan_lowering.py, one launch on CUDA) into the
         buffers the kernels read, as a host plan would list them. The caller has checked
-        _page_lists_fit."""
-        refresher.rebuild_page_lists_on_device(
-            decode.block_table, decode.seq_lens, n, inputs.num_requests, backend._kv_indptr_buf,
-            backend._kv_indices_buf, self.page_size,
-            max_requests=max(self.max_plan_requests, inputs.num_requests))
+        _page_lists_fit. With `fuse` the launch waits for the lengths' write (fuse.after)."""
+        launch = functools.partial(
+            refresher.rebuild_page_lists_on_device, decode.block_table, decode.seq_lens, n,
+            inputs.num_requests, backend._kv_indptr_buf, backend._kv_indices_buf,
+            self.page_size, max_requests=max(self.max_plan_requests, inputs.num_requests))
+        if fuse is None:
+            launch()
+        else:
+            fuse.after.append(launch)
         inputs.host_csr_stale = True
         inputs.rebuilt_lists = None
 
@@ -1234,14 +1246,16 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
         read = _arange(width) < need[:, None]  # the pages the kernels may read
         return np.array_equal(table[:n, :width][read], rows[:, :width][read])
 
-    def _lower_held_plan(self, held: tuple, lower_np, upper_np, same_step: bool) -> bool:
+    def _lower_held_plan(self, held: tuple, lower_np, upper_np, same_step: bool,
+                         fuse: FusedDraftLowering | None = None) -> bool:
         """Write the device lengths into the held plan (`_held_graph_plan`) where every length
         in [lower, upper] (host bounds, one per decode request) keeps its rows, listed pages and
         chunk counts; False, changing nothing, otherwise. `same_step`: the plan was built for
         this step (upper = its planned lengths), so its pages are this step's rows' own.
         Lengths of another chunk structure take a plan kept for that structure
         (flashinfer_plan_cache.py), put back on the device with its page lists rebuilt there;
-        without one (or without the page-list rebuild) they are refused."""
+        without one (or without the page-list rebuild) they are refused. `fuse`: the lengths
+        are not on the device yet (advance_decode_plan_on_device says what happens instead)."""
         decode, inputs, slot, refresher, skeleton, backend = held
         rows = inputs.request_rows
         n = rows.shape[0]
@@ -1286,16 +1300,23 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
             if not (self.page_list_rebuild and self._page_lists_fit(decode, backend, need)):
                 return False
             if kept is not None:
-                refresher.put_back(kept)
-            self._rebuild_page_lists(decode, inputs, refresher, backend, n)
+                refresher.put_back(kept)  # stream-ordered before the lengths' write either way
+            self._rebuild_page_lists(decode, inputs, refresher, backend, n, fuse)
             # What the device lists now, for the next advance: the device lengths lie in
             # [lower, upper], so every request lists at least the lower bound's pages, cut
             # from these rows (the host twin the device table copies; without a twin the
             # next advance rebuilds again).
             inputs.rebuilt_lists = None if table is None else (
                 (lower + (page - 1)) // page, table[:n, :int(need.max())].copy())
-        # the work arrays and the wrapper's kv_len_arr, in one launch on CUDA
-        refresher.lower_on_device(decode.seq_lens, n, backend._kv_len_arr_buf)
+        # the work arrays and the wrapper's kv_len_arr, in one launch on CUDA (or in the
+        # launch that writes the lengths: fuse)
+        if fuse is not None and fuse.takes(decode.seq_lens, n):
+            fuse.lowerings.append(refresher.lowering(n, backend._kv_len_arr_buf))
+        elif fuse is not None:
+            fuse.after.append(functools.partial(refresher.lower_on_device, decode.seq_lens, n,
+                                                backend._kv_len_arr_buf))
+        else:
+            refresher.lower_on_device(decode.seq_lens, n, backend._kv_len_arr_buf)
         decode.row_seq_lens_cpu = None  # the planned host rows are stale now
         return True
 

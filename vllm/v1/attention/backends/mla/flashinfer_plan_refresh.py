@@ -50,8 +50,9 @@ from vllm.utils.cuda_streams import record_event
 # (a module reference: flashinfer_plan_cache reads this module's planner arithmetic the same
 # way, so either may be imported first)
 from vllm.v1.attention.backends.mla import flashinfer_plan_cache as _cache
-from vllm.v1.attention.backends.mla.plan_lowering import (lower_plan_torch, lower_plan_triton,
-                                                          rebuild_csr_torch, rebuild_csr_triton)
+from vllm.v1.attention.backends.mla.plan_lowering import (PlanLowering, lower_plan_torch,
+                                                          lower_plan_triton, rebuild_csr_torch,
+                                                          rebuild_csr_triton)
 
 # MLAPlanInfo::ToVector order (scheduler.cuh); byte offsets into the int workspace.
 PLAN_INFO_FIELDS = (
@@ -458,6 +459,15 @@ class PlanRefresher:
         else:
             lower_plan_torch(ws, index, new_lens, kv_len_arr, n, m, num_reqs)
         self.device_lowerings += 1
+
+    def lowering(self, num_reqs: int, kv_len_arr: torch.Tensor) -> PlanLowering:
+        """lower_on_device's writes, for the launch that writes the lengths to perform
+        (plan_lowering.PlanLowering; a block drafter's input write). Same preconditions."""
+        if self.skeleton is None:
+            raise RuntimeError("lowering needs a held plan skeleton")
+        index, n, m = self._index_on_device()
+        self.device_lowerings += 1
+        return PlanLowering(self.device_ws, index, n, m, kv_len_arr, int(num_reqs))
 
     def rebuild_page_lists_on_device(self, table: torch.Tensor, lens: torch.Tensor,
                                      num_reqs: int, num_planned: int, kv_indptr: torch.Tensor,

@@ -26,6 +26,9 @@ stays as the reference and the CPU path.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Callable
+
 import torch
 
 from vllm.triton_utils import HAS_TRITON, tl, triton
@@ -195,6 +198,74 @@ def _warm_launches(device) -> None:
     arr = torch.zeros(8, dtype=torch.int32, device=device)
     for offset in (0, 1):
         lower_plan_triton(ws, index, lens, arr[offset:offset + 2], 1, 1, 1)
+
+
+@dataclass
+class PlanLowering:
+    """A held plan's lowering (the writes of lower_plan_*) handed to the launch that writes the
+    lengths themselves, instead of a launch of its own: a block drafter's input write computes
+    each row's draft seq_len and can store it into the plan's work arrays in the same program
+    (block_inputs.py). Why: the early draft step's plan advance was one more Triton launch a
+    step, on the host, for a speculative engine only (twenty-eighth session). `lens` of the
+    module's writes are the lengths that launch writes, rows in order (the plan's requests are
+    its first `num_reqs` rows)."""
+
+    ws: torch.Tensor          # the plan's int32 workspace
+    index: torch.Tensor       # [2 * num_len + 2 * num_end] int64 (lower_plan_triton's)
+    num_len: int
+    num_end: int
+    kv_len_arr: torch.Tensor  # the wrapper's kv_len_arr (its first num_reqs get the lengths)
+    num_reqs: int
+
+    def apply_torch(self, lens: torch.Tensor) -> None:
+        """The same writes with torch ops from `lens` (the CPU path, and the reference)."""
+        lower_plan_torch(self.ws, self.index, lens, self.kv_len_arr, self.num_len,
+                         self.num_end, self.num_reqs)
+
+    def launch(self, lens: torch.Tensor) -> None:
+        """The writes as a launch of their own (PlanRefresher.lower_on_device's), from `lens`."""
+        if self.ws.is_cuda and HAS_TRITON and self.kv_len_arr.is_cuda:
+            lower_plan_triton(self.ws, self.index, lens, self.kv_len_arr, self.num_len,
+                              self.num_end, self.num_reqs)
+        else:
+            self.apply_torch(lens)
+
+
+@dataclass
+class FusedDraftLowering:
+    """What a block drafter's early draft step collects from its groups' plan advances, asked
+    BEFORE its input write (BlockSpeculator.prepare_early): at most one lowering that the write
+    performs (a plan whose lengths are the write's own rows: `takes`), and device work to
+    enqueue right after the write (page-list rebuilds, any other group's lowering), all of
+    which read the lengths the write stores. Host checks, put-backs of kept plans and host
+    bookkeeping happen at the advance itself, in stream order before the write."""
+
+    seq_lens: torch.Tensor   # the write's seq_lens buffer (rows in order)
+    num_reqs: int            # the write's real rows
+    lowerings: list[PlanLowering] = field(default_factory=list)
+    after: list[Callable[[], None]] = field(default_factory=list)
+
+    def takes(self, lens: torch.Tensor, num_reqs: int) -> bool:
+        """Whether a plan reading `lens` (its first num_reqs) can be lowered by the write:
+        the same rows of the same buffer, and no other plan lowered by it yet."""
+        return (not self.lowerings and num_reqs == self.num_reqs
+                and lens.dtype == self.seq_lens.dtype and lens.device == self.seq_lens.device
+                and lens.data_ptr() == self.seq_lens.data_ptr())
+
+    def lowering(self) -> PlanLowering | None:
+        return self.lowerings[0] if self.lowerings else None
+
+    def finish(self, written: bool) -> None:
+        """Enqueue the work that follows the write, in the order it was asked for; first, when
+        the write did not perform the lowering (`written` False: the caller passed none, e.g.
+        because a later group refused), that lowering as a launch of its own."""
+        if not written:
+            for lowering in self.lowerings:
+                lowering.launch(self.seq_lens)
+        self.lowerings.clear()
+        for launch in self.after:
+            launch()
+        self.after.clear()
 
 
 def lower_plan_torch(ws: torch.Tensor, index: torch.Tensor, lens: torch.Tensor,

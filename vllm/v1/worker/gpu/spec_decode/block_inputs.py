@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm.v1.attention.backends.mla.plan_lowering import PlanLowering
 from vllm.v1.worker.gpu.block_table import PAD_SLOT_ID, BlockTables
 from vllm.utils.triton_launch import LeanLaunch, base_and_offset
 from vllm.v1.worker.gpu.cp_utils import HAS_TRITON, _slot_geometry, tl, triton
@@ -56,7 +57,8 @@ if HAS_TRITON:
 
     # Per-step row counts are not specialised on (one compiled variant per Q, no JIT
     # mid-serving).
-    @triton.jit(do_not_specialize=["num_reqs", "start_offset", "next_offset", "extra_offset"])
+    @triton.jit(do_not_specialize=["num_reqs", "start_offset", "next_offset", "extra_offset",
+                                   "lower_num_len", "lower_num_end"])
     def _block_draft_inputs_kernel(
         input_ids_ptr,        # [max_num_tokens] int64
         positions_ptr,        # [max_num_tokens] int64
@@ -85,10 +87,17 @@ if HAS_TRITON:
         start_offset,         # the block starts at accepted + start_offset
         cp_rank,
         cp_interleave,
+        lower_ws_ptr,         # LOWER: a held draft plan's int32 workspace (plan_lowering.py)
+        lower_index_ptr,      # LOWER: [2 * num_len + 2 * num_end] int64 positions / requests
+        lower_kv_len_ptr,     # LOWER: the plan's kv_len_arr
+        lower_num_len,
+        lower_num_end,
         Q: tl.constexpr,
         BLOCK_Q: tl.constexpr,
         HAS_NEXT_ROWS: tl.constexpr,
         HAS_EXTRA: tl.constexpr,
+        LOWER: tl.constexpr,
+        LOWER_BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0)
         group_slot = tl.program_id(1)
@@ -113,6 +122,29 @@ if HAS_TRITON:
             tl.store(positions_ptr + token, pos, mask=in_block)
             seq_len = tl.where(real, tl.minimum(start + Q, max_model_len), 0)
             tl.store(seq_lens_ptr + row, seq_len.to(seq_lens_ptr.dtype.element_ty))
+            if LOWER:
+                # The plan lowering of this row's request (lower_plan_triton's writes, with
+                # the length just computed): the kv_len of its works, the kv_end of its last
+                # work, and its kv_len_arr entry (the index lists real requests only).
+                mine = tl.where(real, row.to(tl.int64), -1)
+                value = tl.full([LOWER_BLOCK], 0, tl.int32) + seq_len.to(tl.int32)
+                for i0 in range(0, lower_num_len, LOWER_BLOCK):
+                    li = i0 + tl.arange(0, LOWER_BLOCK)
+                    lon = li < lower_num_len
+                    lreq = tl.load(lower_index_ptr + lower_num_len + li, mask=lon, other=-1)
+                    lhit = lon & (lreq == mine)
+                    at = tl.load(lower_index_ptr + li, mask=lhit, other=0)
+                    tl.store(lower_ws_ptr + at, value, mask=lhit)
+                ends = lower_index_ptr + 2 * lower_num_len
+                for i0 in range(0, lower_num_end, LOWER_BLOCK):
+                    li = i0 + tl.arange(0, LOWER_BLOCK)
+                    lon = li < lower_num_end
+                    lreq = tl.load(ends + lower_num_end + li, mask=lon, other=-1)
+                    lhit = lon & (lreq == mine)
+                    at = tl.load(ends + li, mask=lhit, other=0)
+                    tl.store(lower_ws_ptr + at, value, mask=lhit)
+                tl.store(lower_kv_len_ptr + row,
+                         seq_len.to(lower_kv_len_ptr.dtype.element_ty), mask=real)
         group = tl.load(group_ids_ptr + group_slot).to(tl.int64)
         block_size = tl.load(block_sizes_ptr + group).to(tl.int64)
         # A replicated group is a one-rank group: it owns every token (rank 0 of 1).
@@ -158,7 +190,8 @@ def write_block_inputs_torch(tables: BlockTables, buffers: BlockInputBuffers, nu
                              padded: int, q: int, accepted: torch.Tensor,
                              next_token_ids: torch.Tensor, max_model_len: int,
                              start_offset: int = 0, accepted_extra: torch.Tensor | None = None,
-                             next_token_rows: torch.Tensor | None = None) -> None:
+                             next_token_rows: torch.Tensor | None = None,
+                             lowering: PlanLowering | None = None) -> None:
     """The torch twin of the fused kernel (CPU, or CUDA without Triton)."""
     num_tokens = padded * q
     anchors = buffers.anchors[:padded]
@@ -182,6 +215,8 @@ def write_block_inputs_torch(tables: BlockTables, buffers: BlockInputBuffers, nu
     seq_lens[:num_reqs].clamp_(max=max_model_len)
     _slots_torch(tables, buffers.group_ids_host, positions.reshape(-1), num_reqs * q, num_tokens,
                  q)
+    if lowering is not None:
+        lowering.apply_torch(buffers.seq_lens)
 
 
 def _slots_torch(tables: BlockTables, group_ids: tuple[int, ...], positions: torch.Tensor,
@@ -211,6 +246,7 @@ def _slots_torch(tables: BlockTables, group_ids: tuple[int, ...], positions: tor
 # profile, H100), only block drafters launch it, and the one unexplained loss with lean
 # launches was the no-drafts engine's (its step-preparation kernel) at B=8; DSpark engines with
 # every kernel lean matched or beat those without (runs HB, HG, JC, docs/performance.md).
+_LOWER_BLOCK = 64  # index entries a program scans at a time for its row's works
 _BLOCK_INPUTS_LAUNCH = (LeanLaunch(_block_draft_inputs_kernel, default=True) if HAS_TRITON
                         else None)
 
@@ -219,7 +255,8 @@ def write_block_inputs_triton(tables: BlockTables, buffers: BlockInputBuffers, n
                               padded: int, q: int, accepted: torch.Tensor,
                               next_token_ids: torch.Tensor, max_model_len: int,
                               start_offset: int = 0, accepted_extra: torch.Tensor | None = None,
-                              next_token_rows: torch.Tensor | None = None) -> None:
+                              next_token_rows: torch.Tensor | None = None,
+                              lowering: PlanLowering | None = None) -> None:
     geometry = tables.device_slot_geometry()
     base, next_offset = base_and_offset(next_token_ids)
     # Unused indirections get a valid pointer that the kernel never reads (constexpr off).
@@ -228,6 +265,13 @@ def write_block_inputs_triton(tables: BlockTables, buffers: BlockInputBuffers, n
         extra, extra_offset = base_and_offset(accepted_extra)
         extra_stride = accepted_extra.stride(0)
     rows = buffers.anchors if next_token_rows is None else next_token_rows
+    # Without a lowering its pointers are the row buffers' (never read: LOWER is off).
+    if lowering is None:
+        low_ws, low_index, low_arr, low_n, low_m = (buffers.seq_lens, buffers.anchors,
+                                                    buffers.seq_lens, 0, 0)
+    else:
+        low_ws, low_index, low_arr = lowering.ws, lowering.index, lowering.kv_len_arr
+        low_n, low_m = lowering.num_len, lowering.num_end
     grid = (padded, len(buffers.group_ids_host))
     _BLOCK_INPUTS_LAUNCH(
         grid, buffers.input_ids, buffers.positions, buffers.seq_lens, buffers.anchors, accepted,
@@ -236,23 +280,30 @@ def write_block_inputs_triton(tables: BlockTables, buffers: BlockInputBuffers, n
         geometry.slot_mappings.stride(0), geometry.input_block_tables,
         geometry.input_block_tables.stride(0), geometry.input_block_tables.stride(1),
         geometry.block_sizes, geometry.group_cp_sizes, geometry.group_max_blocks, num_reqs,
-        max_model_len, start_offset, geometry.cp_rank, geometry.cp_interleave, Q=q,
-        BLOCK_Q=triton.next_power_of_2(q), HAS_NEXT_ROWS=next_token_rows is not None,
-        HAS_EXTRA=accepted_extra is not None)
+        max_model_len, start_offset, geometry.cp_rank, geometry.cp_interleave, low_ws,
+        low_index, low_arr, low_n, low_m, Q=q, BLOCK_Q=triton.next_power_of_2(q),
+        HAS_NEXT_ROWS=next_token_rows is not None, HAS_EXTRA=accepted_extra is not None,
+        LOWER=lowering is not None, LOWER_BLOCK=_LOWER_BLOCK)
 
 
 def write_block_inputs(tables: BlockTables, buffers: BlockInputBuffers, num_reqs: int,
                        padded: int, q: int, accepted: torch.Tensor, next_token_ids: torch.Tensor,
                        max_model_len: int, start_offset: int = 0,
                        accepted_extra: torch.Tensor | None = None,
-                       next_token_rows: torch.Tensor | None = None) -> torch.Tensor:
+                       next_token_rows: torch.Tensor | None = None,
+                       lowering: PlanLowering | None = None) -> torch.Tensor:
     """Write the block inputs of `padded` rows (see the module docstring). Returns the
     [num_groups, padded * Q] view of the persistent slot mappings; only the drafter's groups'
-    rows were written (the draft forward reads no other group)."""
+    rows were written (the draft forward reads no other group). `lowering`: a held draft
+    plan whose lengths are these rows' new seq_lens (its requests are the first num_reqs
+    rows): its work arrays get them in the same launch (plan_lowering.PlanLowering)."""
     _check_args(tables, buffers, num_reqs, padded, q, accepted, next_token_ids, accepted_extra,
                 next_token_rows)
+    if lowering is not None and lowering.num_reqs != num_reqs:
+        raise ValueError(f"the plan lowering is for {lowering.num_reqs} requests; this write "
+                         f"has num_reqs={num_reqs}")
     write = (write_block_inputs_triton if buffers.positions.is_cuda and HAS_TRITON
              else write_block_inputs_torch)
     write(tables, buffers, num_reqs, padded, q, accepted, next_token_ids, max_model_len,
-          start_offset, accepted_extra, next_token_rows)
+          start_offset, accepted_extra, next_token_rows, lowering)
     return tables.slot_mapping_view(padded * q)

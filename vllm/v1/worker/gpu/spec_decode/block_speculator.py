@@ -14,12 +14,15 @@ import torch
 
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.attention.mla_attention import current_attn_metadata
+from vllm.utils.env_flags import switch_flag
+from vllm.v1.attention.backends.mla.plan_lowering import FusedDraftLowering, PlanLowering
 from vllm.v1.worker.gpu.attn_utils import (KVWriteOnlyMetadata, advance_attn_metadata_on_device,
                                            lower_attn_metadata_on_device,
                                            refresh_attn_metadata_seq_lens)
 from vllm.v1.worker.gpu.spec_decode.context_kv_ring import (DEFAULT_STEPS, DeferredContextKV,
                                                             deferral_enabled)
-from vllm.v1.worker.gpu.spec_decode.early_draft import (MODES, EarlyDraft, EarlyDraftTuner,
+from vllm.v1.worker.gpu.spec_decode.early_draft import (FUSED_LOWERING_FLAG, MODES, EarlyDraft,
+                                                        EarlyDraftTuner,
                                                         device_lowering_enabled,
                                                         early_draft_mode)
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftInputs, Speculator
@@ -174,6 +177,7 @@ class BlockSpeculator(Speculator):
     early_device_lowerings = 0  # early metadata lowered on the device before the wait
     early_launches = 0  # of those, draft steps launched before the wait (prepare_early)
     early_reuses = 0  # of those, on the previous step's plans advanced on the device
+    early_fused_lowerings = 0  # of those, lowered by the input write itself (FusedDraftLowering)
     # Lower early plans on the device (and launch the draft step before the wait): None reads
     # VLLM_EARLY_DRAFT_DEVICE_LOWERING; a bool decides for this speculator (an in-process A/B
     # of engines alive at once, scripts/probe_early_draft.py).
@@ -240,9 +244,6 @@ class BlockSpeculator(Speculator):
         q = self.query_len
         graph_size = self._graph_size(num_reqs)
         padded = graph_size or num_reqs
-        anchors, slot_mappings = self._write_block(num_reqs, padded, accepted, next_token_ids,
-                                                   accepted_offset, accepted_extra,
-                                                   next_token_rows)
         upper = np.minimum(np.asarray(upper_num_computed_new, dtype=np.int64)[:num_reqs] + q,
                            self.max_model_len)
         target = np.array(target_seq_lens[:num_reqs], dtype=np.int64)  # kept past this step
@@ -250,23 +251,33 @@ class BlockSpeculator(Speculator):
         if lowering is None:
             lowering = device_lowering_enabled()
         launchable = self.draft_sample_method == "greedy" and not self.defers_context
-        attn_metadata, lower, lowered = None, None, False
+        attn_metadata, lower, lowered, held = None, None, False, None
         if lower_num_computed_new is not None and lowering:
             lower = np.minimum(np.asarray(lower_num_computed_new, dtype=np.int64)[:num_reqs] + q,
                                self.max_model_len)
             held = self.__dict__.get("_held_lowered")
-            if (launchable and held is not None
-                    and held[0] == (num_reqs, padded, graph_size, self.draft_metadata_builds)
-                    and advance_attn_metadata_on_device(
-                        attn_metadata_builders=self.attn_metadata_builders,
-                        kv_cache_config=self.kv_cache_config, attn_metadata=held[1],
-                        lower_seq_lens_np=lower, upper_seq_lens_np=upper,
-                        group_ids=self.group_ids)):
-                # The previous lowered step's plans still hold this step's rows, pages and
-                # chunk counts: the lengths, written from the device, are the whole change,
-                # so the host build of the draft metadata is skipped.
-                attn_metadata, lowered = held[1], True
-                self.early_reuses += 1
+            if not (launchable and held is not None and held[0] == (
+                    num_reqs, padded, graph_size, self.draft_metadata_builds)):
+                held = None
+        # The previous lowered step's plans may still hold this step's rows, pages and chunk
+        # counts: then the lengths, written from the device, are the whole change and the host
+        # build of the draft metadata is skipped. Fused (default): the plans are asked before
+        # the input write, which then writes their lengths itself (one launch less a step).
+        fuse = None
+        if held is not None and self.fuses_plan_lowering():
+            fuse = FusedDraftLowering(self.input_buffers.seq_lens, num_reqs)
+            lowered = self._advance_held(held, lower, upper, fuse)
+        anchors, slot_mappings = self._write_block(
+            num_reqs, padded, accepted, next_token_ids, accepted_offset, accepted_extra,
+            next_token_rows, lowering=fuse.lowering() if lowered else None)
+        if fuse is not None:
+            self.early_fused_lowerings += bool(lowered and fuse.lowerings)
+            fuse.finish(written=lowered)
+        elif held is not None:
+            lowered = self._advance_held(held, lower, upper)
+        if lowered:
+            attn_metadata = held[1]
+            self.early_reuses += 1
         if attn_metadata is None:
             attn_metadata = self._block_attn_metadata(num_reqs, padded, graph_size, target,
                                                       upper, slot_mappings)
@@ -300,6 +311,31 @@ class BlockSpeculator(Speculator):
                                  lowered_on_device=lowered, drafts=drafts)
         return drafts
 
+    def _advance_held(self, held: tuple, lower: np.ndarray, upper: np.ndarray,
+                      fuse: FusedDraftLowering | None = None) -> bool:
+        """advance_attn_metadata_on_device of the held lowered plans (prepare_early)."""
+        return advance_attn_metadata_on_device(
+            attn_metadata_builders=self.attn_metadata_builders,
+            kv_cache_config=self.kv_cache_config, attn_metadata=held[1],
+            lower_seq_lens_np=lower, upper_seq_lens_np=upper, group_ids=self.group_ids,
+            fuse=fuse)
+
+    # Whether prepare_early's plan advance is fused into the input write (None: read
+    # VLLM_FUSED_DRAFT_PLAN_LOWERING once, at the first early step).
+    fused_plan_lowering: bool | None = None
+
+    def fuses_plan_lowering(self) -> bool:
+        """VLLM_FUSED_DRAFT_PLAN_LOWERING (default 1): the early draft step asks its held
+        plans to advance before its input write, which writes their lengths into the plan in
+        the same launch (plan_lowering.FusedDraftLowering); 0: the write, then the advance's
+        own lowering launch (twenty-seventh session's order)."""
+        fused = self.fused_plan_lowering
+        if fused is None:
+            fused = self.fused_plan_lowering = switch_flag(
+                FUSED_LOWERING_FLAG, True, "the input write lowers the held draft plans",
+                "a lowering launch of its own after the write")
+        return fused
+
     def consume_early_launch(self) -> torch.Tensor | None:
         early = self.__dict__.get("_early")
         if early is None or early.drafts is None:
@@ -312,7 +348,8 @@ class BlockSpeculator(Speculator):
     def _write_block(self, num_reqs: int, padded: int, accepted: torch.Tensor,
                      next_token_ids: torch.Tensor, accepted_offset: int = 0,
                      accepted_extra: torch.Tensor | None = None,
-                     next_token_rows: torch.Tensor | None = None
+                     next_token_rows: torch.Tensor | None = None,
+                     lowering: PlanLowering | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """Block inputs for `padded` rows (rows past num_reqs are CUDA-graph padding: position
         0, no KV, length 0): ids = anchor + masks at positions accepted + arange(Q), the draft
@@ -328,7 +365,7 @@ class BlockSpeculator(Speculator):
             self._masks_written = padded
         slot_mappings = self._write_uniform_rows(num_reqs, padded, q, accepted, next_token_ids,
                                                  accepted_offset, accepted_extra,
-                                                 next_token_rows)
+                                                 next_token_rows, lowering)
         return self._anchor_views(padded), slot_mappings
 
     def _anchor_views(self, padded: int) -> torch.Tensor:

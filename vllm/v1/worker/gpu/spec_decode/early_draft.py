@@ -48,6 +48,9 @@ MODES = ("auto", "1", "0")
 # after it, and advance the previous step's plans there. On: with the advance it makes the B=1
 # tiny DSpark step 1.9x cheaper on the host (twenty-fourth session, runs KA-KE, one H100).
 DEVICE_LOWERING_FLAG = "VLLM_EARLY_DRAFT_DEVICE_LOWERING"
+# Fold the held draft plans' lowering into the early step's input write (one launch less a
+# step; BlockSpeculator.fuses_plan_lowering, plan_lowering.FusedDraftLowering). On by default.
+FUSED_LOWERING_FLAG = "VLLM_FUSED_DRAFT_PLAN_LOWERING"
 
 
 def device_lowering_enabled() -> bool:

@@ -237,14 +237,17 @@ class Speculator:
     def _write_uniform_rows(self, num_reqs: int, padded: int, q: int, accepted: torch.Tensor,
                             first_ids: torch.Tensor, start_offset: int = 0,
                             accepted_extra: torch.Tensor | None = None,
-                            first_id_rows: torch.Tensor | None = None) -> torch.Tensor:
+                            first_id_rows: torch.Tensor | None = None,
+                            lowering: Any = None) -> torch.Tensor:
         """ids[row * q] = first_ids (or first_ids[first_id_rows]), positions, draft seq_lens and
         the drafter groups' slots of `padded` uniform rows of q tokens starting at accepted
         (+ accepted_extra) + start_offset, in one fused write (block_inputs.py); returns the
-        slot mappings view for `_build_draft_attn_metadata`."""
+        slot mappings view for `_build_draft_attn_metadata`. `lowering`: a held draft plan
+        whose lengths these rows' seq_lens are, lowered in the same write
+        (plan_lowering.PlanLowering)."""
         return write_block_inputs(self.block_tables, self._uniform_buffers(q), num_reqs, padded,
                                   q, accepted, first_ids, self.max_model_len, start_offset,
-                                  accepted_extra, first_id_rows)
+                                  accepted_extra, first_id_rows, lowering)
 
     # ------------------------------------------------------- shared metadata
     draft_metadata_builds = 0  # _build_draft_attn_metadata calls so far
