@@ -22,6 +22,7 @@ import torch
 
 from vllm.forward_context import set_forward_context
 from vllm.utils.cuda_streams import record_event
+from vllm.v1.attention.backends.mla.plan_lowering import PlanLowering
 from vllm.v1.core.kv_cache_utils import num_virtual_blocks
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.sample.metadata import RequestGenerators, SamplingMetadata, is_greedy
@@ -619,6 +620,16 @@ class GPUModelRunner:
         batch = self._dummy_graph_batch(size, q)
         accepted, next_tokens, terms = self._early_block_terms(batch, q)
         spec._write_block(size, size, accepted, next_tokens, **terms)
+        if spec.fuses_plan_lowering():
+            # ... and its variant that also lowers a held draft plan (prepare_early's fused
+            # lowering), for both alignments of a wrapper's kv_len_arr (Triton specialises on
+            # it; plan_lowering.warm_plan_lowering says why both occur). Scratch plan arrays.
+            ws = torch.zeros(16, dtype=torch.int32, device=self.device)
+            index = torch.zeros(4, dtype=torch.int64, device=self.device)
+            arr = torch.zeros(size + 2, dtype=torch.int32, device=self.device)
+            for offset in (0, 1):
+                lowering = PlanLowering(ws, index, 1, 1, arr[offset:offset + size], size)
+                spec._write_block(size, size, accepted, next_tokens, lowering=lowering, **terms)
 
     def _copy_step_output(self, sampled: torch.Tensor, num_sampled: torch.Tensor, rows: int,
                           wait: bool = True):
