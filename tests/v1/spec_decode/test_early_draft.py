@@ -333,9 +333,10 @@ def test_device_lowering_is_asked_with_the_all_rejected_bound_and_replaces_the_h
         assert all(lo == u - 4 <= e for lo, u, e in zip(lower, upper, device))
 
 
+@pytest.mark.parametrize("fused", ["0", "1"])
 @pytest.mark.parametrize("method", ["dspark", "dflash"])
 def test_a_lowered_early_step_advances_the_previous_plans_instead_of_building(
-        plain, method, monkeypatch):
+        plain, method, fused, monkeypatch):
     """With the device lowering on, an early draft step whose batch has the previous lowered
     step's rows hands that step's metadata to the builders' advance_decode_plan_on_device
     with both bounds of its lengths (every draft rejected / accepted, + the block) and, where
@@ -347,7 +348,8 @@ def test_a_lowered_early_step_advances_the_previous_plans_instead_of_building(
     while the greedy tokens must equal plain decoding's whatever was drafted."""
     from vllm.v1.attention.backends.mla.torch_mla import TorchMLAMetadataBuilder
     from vllm.v1.worker.gpu.spec_decode.block_speculator import BlockSpeculator
-    from vllm.v1.worker.gpu.spec_decode.early_draft import DEVICE_LOWERING_FLAG
+    from vllm.v1.worker.gpu.spec_decode.early_draft import (DEVICE_LOWERING_FLAG,
+                                                            FUSED_LOWERING_FLAG)
     advanced, built, bumped, calls, inside = [], [], [], [0], [False]
     late = []  # draft metadata built outside prepare_early: after which early step
     launched = []  # early steps that launched their draft step (their plans may carry on)
@@ -356,12 +358,12 @@ def test_a_lowered_early_step_advances_the_previous_plans_instead_of_building(
     def lower_on_device(self, metadata, lower_seq_lens_np):
         return True
 
-    fused = []  # per advance: what it was handed to collect the lengths' device work in
+    handed = []  # per advance: what it was handed to collect the lengths' device work in
 
     def advance_on_device(self, metadata, bounds, fuse=None):
         lower, upper = bounds
         advanced.append((calls[0], list(lower), list(upper)))
-        fused.append(fuse)
+        handed.append(fuse)
         return True
 
     monkeypatch.setattr(TorchMLAMetadataBuilder, "lower_decode_seq_lens_on_device",
@@ -369,6 +371,7 @@ def test_a_lowered_early_step_advances_the_previous_plans_instead_of_building(
     monkeypatch.setattr(TorchMLAMetadataBuilder, "advance_decode_plan_on_device",
                         advance_on_device, raising=False)
     monkeypatch.setenv(DEVICE_LOWERING_FLAG, "1")
+    monkeypatch.setenv(FUSED_LOWERING_FLAG, fused)
     inner_build, inner_prepare = BlockSpeculator._block_attn_metadata, BlockSpeculator.prepare_early
 
     def block_attn_metadata(self, *args, **kwargs):
@@ -397,10 +400,14 @@ def test_a_lowered_early_step_advances_the_previous_plans_instead_of_building(
     assert tokens == plain
     steps = list(range(1, calls[0] + 1))
     advanced_steps = [s for s, _, _ in advanced]
-    # asked before the input write (VLLM_FUSED_DRAFT_PLAN_LOWERING, on by default), with a
-    # collector for the write's own rows (plan_lowering.FusedDraftLowering)
-    assert fused and all(f is not None and f.num_reqs == rows[s]
-                         for f, s in zip(fused, advanced_steps))
+    # =1: asked before the input write (VLLM_FUSED_DRAFT_PLAN_LOWERING), with a collector
+    # for the write's own rows (plan_lowering.FusedDraftLowering); =0: after it, without one
+    assert handed
+    if fused == "1":
+        assert all(f is not None and f.num_reqs == rows[s]
+                   for f, s in zip(handed, advanced_steps))
+    else:
+        assert all(f is None for f in handed)
     # a step advances the previous step's plans where that step launched its draft step,
     # the batch kept its request count (a finished request changes the rows) and no draft
     # metadata was built elsewhere since (bumped, or the late path's in a step without an

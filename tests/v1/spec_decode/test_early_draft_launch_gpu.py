@@ -72,7 +72,7 @@ def test_draft_step_launched_before_the_wait_keeps_greedy_tokens(paths, method, 
 @pytest.mark.parametrize("method,k", METHODS)
 def test_the_input_write_that_lowers_the_plans_drafts_what_a_lowering_launch_drafts(
         paths, method, k, monkeypatch):
-    """VLLM_FUSED_DRAFT_PLAN_LOWERING=1 (default): where an early step advances the previous
+    """VLLM_FUSED_DRAFT_PLAN_LOWERING=1: where an early step advances the previous
     step's plans, the block input write lowers them (plan_lowering.FusedDraftLowering); =0:
     the advance's own lowering launch after the write. Same plans, same lengths: every
     proposal (the drafts themselves, not only the greedy tokens) and every accepted count
@@ -131,6 +131,7 @@ def test_the_early_block_write_is_compiled_with_the_graphs(paths, method, k, mon
     knobs = pytest.importorskip("triton").knobs
     monkeypatch.setenv(ENV_FLAG, "1")
     monkeypatch.setenv(DEVICE_LOWERING_FLAG, "1")
+    monkeypatch.setenv(FUSED_LOWERING_FLAG, "1")
     runner = _graph_runner(paths, method, k)
     misses = []
 

@@ -261,8 +261,9 @@ class BlockSpeculator(Speculator):
                 held = None
         # The previous lowered step's plans may still hold this step's rows, pages and chunk
         # counts: then the lengths, written from the device, are the whole change and the host
-        # build of the draft metadata is skipped. Fused (default): the plans are asked before
-        # the input write, which then writes their lengths itself (one launch less a step).
+        # build of the draft metadata is skipped. Fused (fuses_plan_lowering): the plans are
+        # asked before the input write, which then writes their lengths itself (one launch
+        # less a step).
         fuse = None
         if held is not None and self.fuses_plan_lowering():
             fuse = FusedDraftLowering(self.input_buffers.seq_lens, num_reqs)
@@ -325,14 +326,15 @@ class BlockSpeculator(Speculator):
     fused_plan_lowering: bool | None = None
 
     def fuses_plan_lowering(self) -> bool:
-        """VLLM_FUSED_DRAFT_PLAN_LOWERING (default 1): the early draft step asks its held
-        plans to advance before its input write, which writes their lengths into the plan in
-        the same launch (plan_lowering.FusedDraftLowering); 0: the write, then the advance's
-        own lowering launch (twenty-seventh session's order)."""
+        """VLLM_FUSED_DRAFT_PLAN_LOWERING=1: the early draft step asks its held plans to
+        advance before its input write, which writes their lengths into the plan in the same
+        launch (plan_lowering.FusedDraftLowering); 0 (default until its GPU tests have run:
+        built in the twenty-eighth session, when no GPU could be started): the write, then the
+        advance's own lowering launch."""
         fused = self.fused_plan_lowering
         if fused is None:
             fused = self.fused_plan_lowering = switch_flag(
-                FUSED_LOWERING_FLAG, True, "the input write lowers the held draft plans",
+                FUSED_LOWERING_FLAG, False, "the input write lowers the held draft plans",
                 "a lowering launch of its own after the write")
         return fused
 

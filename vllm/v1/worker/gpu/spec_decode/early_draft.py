@@ -49,7 +49,8 @@ MODES = ("auto", "1", "0")
 # tiny DSpark step 1.9x cheaper on the host (twenty-fourth session, runs KA-KE, one H100).
 DEVICE_LOWERING_FLAG = "VLLM_EARLY_DRAFT_DEVICE_LOWERING"
 # Fold the held draft plans' lowering into the early step's input write (one launch less a
-# step; BlockSpeculator.fuses_plan_lowering, plan_lowering.FusedDraftLowering). On by default.
+# step; BlockSpeculator.fuses_plan_lowering, plan_lowering.FusedDraftLowering). Off by default
+# until its GPU tests have run (twenty-eighth session: built and CPU-tested, no GPU started).
 FUSED_LOWERING_FLAG = "VLLM_FUSED_DRAFT_PLAN_LOWERING"
 
 
