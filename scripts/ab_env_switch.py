@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 
+from vllm.benchmarks.rounds import setting_rows, setting_table
 from vllm.benchmarks.spec_policy import (VARIANTS, SpecPolicyCase, add_engine_args,
                                          engine_kwargs, run_case)
 
@@ -41,17 +41,7 @@ def run(args) -> dict:
             os.environ.pop(args.switch, None)
         else:
             os.environ[args.switch] = saved
-    rows, base = [], args.variants[0]
-    for batch in args.batch_sizes:
-        for setting in ("0", "1"):
-            row = {"batch": batch, "setting": setting}
-            for variant in args.variants:
-                runs = tok_s[(setting, batch, variant)]
-                row[variant] = statistics.median(runs)
-                if variant != base:
-                    row[f"{variant}/{base}"] = statistics.median(
-                        a / b for a, b in zip(runs, tok_s[(setting, batch, base)]))
-            rows.append(row)
+    rows = setting_rows(tok_s, ["0", "1"], args.batch_sizes, args.variants)
     return {"switch": args.switch, "rows": rows,
             "tok_s": {f"{k[0]}:{k[1]}:{k[2]}": v for k, v in tok_s.items()}}
 
@@ -75,14 +65,7 @@ def main() -> None:
     if len(args.variants) < 2:
         parser.error("--variants needs a baseline and at least one more variant")
     result = run(args)
-    base, others = args.variants[0], args.variants[1:]
-    print(f"| B | {args.switch} | " + " | ".join(f"{v} tok/s" for v in args.variants) + " | "
-          + " | ".join(f"{v} / {base}" for v in others) + " |")
-    print("|---" * (2 + len(args.variants) + len(others)) + "|")
-    for row in result["rows"]:
-        print(f"| {row['batch']} | {row['setting']} | "
-              + " | ".join(f"{row[v]:.0f}" for v in args.variants) + " | "
-              + " | ".join(f"{row[f'{v}/{base}']:.3f}" for v in others) + " |")
+    print(setting_table(result["rows"], args.switch, args.variants))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

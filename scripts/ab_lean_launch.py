@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
+from vllm.benchmarks.rounds import setting_rows, setting_table
 from vllm.benchmarks.spec_policy import (
     VARIANTS,
     SpecPolicyCase,
@@ -74,18 +74,9 @@ def run(args) -> dict:
                                 total[0] += counts[0]
                                 total[1] += counts[1]
     set_lean_launches(False, args.kernels)
-    rows = []
-    base = args.variants[0]
-    for batch in args.batch_sizes:
-        for lean in (False, True):
-            row = {"batch": batch, "lean": lean}
-            for variant in args.variants:
-                runs = tok_s[(lean, batch, variant)]
-                row[variant] = statistics.median(runs)
-                if variant != base:
-                    row[f"{variant}/{base}"] = statistics.median(
-                        a / b for a, b in zip(runs, tok_s[(lean, batch, base)]))
-            rows.append(row)
+    rows = setting_rows(tok_s, [False, True], args.batch_sizes, args.variants)
+    for row in rows:  # the JSON's key for the setting
+        row["lean"] = row.pop("setting")
     return {"rows": rows, "tok_s": {f"{k[0]}:{k[1]}:{k[2]}": v for k, v in tok_s.items()},
             "launches": launch_counts(),
             "host_waits": {f"{'on' if k[0] else 'off'}:{k[1]}:{k[2]}": {
@@ -117,15 +108,8 @@ def main() -> None:
     if len(args.variants) < 2:
         parser.error("--variants needs a baseline and at least one more variant")
     result = run(args)
-    base = args.variants[0]
-    others = args.variants[1:]
-    print("| B | lean | " + " | ".join(f"{v} tok/s" for v in args.variants) + " | "
-          + " | ".join(f"{v} / {base}" for v in others) + " |")
-    print("|---" * (2 + len(args.variants) + len(others)) + "|")
-    for row in result["rows"]:
-        print(f"| {row['batch']} | {'on' if row['lean'] else 'off'} | "
-              + " | ".join(f"{row[v]:.0f}" for v in args.variants) + " | "
-              + " | ".join(f"{row[f'{v}/{base}']:.3f}" for v in others) + " |")
+    print(setting_table([dict(r, setting=r["lean"]) for r in result["rows"]], "lean",
+                        args.variants, label=lambda lean: "on" if lean else "off"))
     print("launches (lean, through Triton):", result["launches"])
     for case, counts in result["case_launches"].items():
         print(f"lean on, B:variant {case}: (lean, through Triton) per kernel {counts}")

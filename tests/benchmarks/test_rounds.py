@@ -32,3 +32,19 @@ def test_warmup_rounds_are_dropped_and_bad_counts_refused():
         alternating_rounds({"a": 1}, 1, lambda c: c, warmup_rounds=-1)
     with pytest.raises(ValueError, match="as many runs as base runs"):
         paired_ratio([1.0], [1.0, 2.0])
+
+
+def test_setting_rows_take_medians_and_median_ratios_per_batch_and_setting():
+    """rounds.setting_rows (the scripts' A/B tables): per (batch, setting) the median tok/s
+    of each variant and the median of the per-round ratios to the first variant."""
+    from vllm.benchmarks.rounds import setting_rows, setting_table
+    tok_s = {("0", 1, "none"): [100.0, 300.0, 200.0], ("0", 1, "always"): [150.0, 300.0, 500.0],
+             ("1", 1, "none"): [100.0, 100.0, 100.0], ("1", 1, "always"): [90.0, 110.0, 130.0]}
+    rows = setting_rows(tok_s, ["0", "1"], [1], ["none", "always"])
+    # round ratios 1.5, 1.0, 2.5 -> median 1.5 (not the ratio of the medians, 300 / 200)
+    assert rows == [{"batch": 1, "setting": "0", "none": 200.0, "always": 300.0,
+                     "always/none": 1.5},
+                    {"batch": 1, "setting": "1", "none": 100.0, "always": 110.0,
+                     "always/none": 1.1}]
+    table = setting_table(rows, "S", ["none", "always"], label=lambda s: f"<{s}>")
+    assert table.splitlines()[2] == "| 1 | <0> | 200 | 300 | 1.500 |"

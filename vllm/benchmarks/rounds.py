@@ -9,6 +9,7 @@ mean of the per-round ratios: over an even number of rounds a steady drift cance
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -37,3 +38,37 @@ def paired_ratio(values: list[float], base: list[float]) -> tuple[float, list[fl
                          f"{len(base)}); run both in the same rounds")
     ratios = [v / b for v, b in zip(values, base)]
     return math.exp(sum(math.log(x) for x in ratios) / len(ratios)), ratios
+
+
+def setting_rows(tok_s: dict[tuple, list[float]], settings: list, batch_sizes: list[int],
+                 variants: list[str]) -> list[dict]:
+    """An in-process A/B of engine settings (scripts/ab_*.py): `tok_s[(setting, batch,
+    variant)]` lists every kept round's tok/s in round order. Per batch size and setting a
+    row {"batch", "setting", <variant>: median tok/s, "<variant>/<first>": the median of the
+    per-round ratios to the first variant (the baseline)}."""
+    rows, base = [], variants[0]
+    for batch in batch_sizes:
+        for setting in settings:
+            row = {"batch": batch, "setting": setting}
+            for variant in variants:
+                runs = tok_s[(setting, batch, variant)]
+                row[variant] = statistics.median(runs)
+                if variant != base:
+                    row[f"{variant}/{base}"] = statistics.median(
+                        a / b for a, b in zip(runs, tok_s[(setting, batch, base)]))
+            rows.append(row)
+    return rows
+
+
+def setting_table(rows: list[dict], setting_name: str, variants: list[str],
+                  label: Callable[[Any], str] = str) -> str:
+    """setting_rows as a markdown table (tok/s, then each variant's ratio to the first)."""
+    base, others = variants[0], variants[1:]
+    lines = [f"| B | {setting_name} | " + " | ".join(f"{v} tok/s" for v in variants) + " | "
+             + " | ".join(f"{v} / {base}" for v in others) + " |",
+             "|---" * (2 + len(variants) + len(others)) + "|"]
+    for row in rows:
+        lines.append(f"| {row['batch']} | {label(row['setting'])} | "
+                     + " | ".join(f"{row[v]:.0f}" for v in variants) + " | "
+                     + " | ".join(f"{row[f'{v}/{base}']:.3f}" for v in others) + " |")
+    return "\n".join(lines)

@@ -55,6 +55,18 @@ class BlockInputBuffers:
 
 if HAS_TRITON:
 
+    @triton.jit
+    def _store_request_length(ws_ptr, index_ptr, count, mine, value, BLOCK: tl.constexpr):
+        """ws[index[i]] = value for the entries i < count whose request index[count + i] is
+        `mine` (plan_lowering.py's index layout: `count` positions, then their requests)."""
+        for i0 in range(0, count, BLOCK):
+            i = i0 + tl.arange(0, BLOCK)
+            on = i < count
+            req = tl.load(index_ptr + count + i, mask=on, other=-1)
+            hit = on & (req == mine)
+            at = tl.load(index_ptr + i, mask=hit, other=0)
+            tl.store(ws_ptr + at, value, mask=hit)
+
     # Per-step row counts are not specialised on (one compiled variant per Q, no JIT
     # mid-serving).
     @triton.jit(do_not_specialize=["num_reqs", "start_offset", "next_offset", "extra_offset",
@@ -128,21 +140,11 @@ if HAS_TRITON:
                 # work, and its kv_len_arr entry (the index lists real requests only).
                 mine = tl.where(real, row.to(tl.int64), -1)
                 value = tl.full([LOWER_BLOCK], 0, tl.int32) + seq_len.to(tl.int32)
-                for i0 in range(0, lower_num_len, LOWER_BLOCK):
-                    li = i0 + tl.arange(0, LOWER_BLOCK)
-                    lon = li < lower_num_len
-                    lreq = tl.load(lower_index_ptr + lower_num_len + li, mask=lon, other=-1)
-                    lhit = lon & (lreq == mine)
-                    at = tl.load(lower_index_ptr + li, mask=lhit, other=0)
-                    tl.store(lower_ws_ptr + at, value, mask=lhit)
-                ends = lower_index_ptr + 2 * lower_num_len
-                for i0 in range(0, lower_num_end, LOWER_BLOCK):
-                    li = i0 + tl.arange(0, LOWER_BLOCK)
-                    lon = li < lower_num_end
-                    lreq = tl.load(ends + lower_num_end + li, mask=lon, other=-1)
-                    lhit = lon & (lreq == mine)
-                    at = tl.load(ends + li, mask=lhit, other=0)
-                    tl.store(lower_ws_ptr + at, value, mask=lhit)
+                # the kv_len of every work (index entries 0 .. 2n), then every kv_end (2n ..)
+                _store_request_length(lower_ws_ptr, lower_index_ptr, lower_num_len, mine, value,
+                                      LOWER_BLOCK)
+                _store_request_length(lower_ws_ptr, lower_index_ptr + 2 * lower_num_len,
+                                      lower_num_end, mine, value, LOWER_BLOCK)
                 tl.store(lower_kv_len_ptr + row,
                          seq_len.to(lower_kv_len_ptr.dtype.element_ty), mask=real)
         group = tl.load(group_ids_ptr + group_slot).to(tl.int64)
