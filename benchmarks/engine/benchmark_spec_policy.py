@@ -91,6 +91,9 @@ def main() -> None:
             row["x_none"], row["x_none_rounds"] = paired_ratio(variant_runs, runs["none"])
             row["all_runs_tokens_equal"] = all(r["tokens"] == runs["none"][0]["tokens"]
                                                for r in variant_runs)
+            # runs whose timed steps began inside the early draft tuner's trial
+            row["runs_timed_in_tuner_trial"] = sum(
+                r.get("early_draft_at_timing") == "trial" for r in variant_runs)
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "tokens"}), flush=True)
     base = {r["batch"]: r for r in rows if r["variant"] == "none"}
@@ -119,6 +122,11 @@ def main() -> None:
               f"{json.dumps(policy.get('num_skipped', {})):>24} "
               f"{'ok' if r['greedy_equal'] else 'DIFF':>7} "
               f"{r.get('gc_ms_per_step', float('nan')):10.3f}")
+    for r in rows:
+        if r["runs_timed_in_tuner_trial"]:
+            print(f"note: {r['variant']} B={r['batch']}: {r['runs_timed_in_tuner_trial']} of "
+                  f"{len(r['tok_s_runs'])} runs began timing inside the early draft tuner's "
+                  "trial (raise --warmup-steps to time the decided path only)")
     never = {r["batch"]: r for r in rows if r["variant"] == "never"}
     for r in rows:
         if r["variant"] == "auto-nopay":

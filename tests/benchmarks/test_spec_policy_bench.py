@@ -98,3 +98,20 @@ def test_flag_cases_reach_the_drafter_and_leave_the_environment_as_it_was(monkey
         assert os.environ[FUSED] == "1"  # restored
     finally:
         engine.shutdown()
+
+
+def test_a_row_says_whether_the_early_draft_tuner_had_decided_when_timing_began(monkeypatch):
+    """`early_draft_at_timing`: the tuner's decision for the batch when the timed steps begin
+    ("trial" means some timed steps ran its trial), "-" without a tuner (the CPU engine)."""
+    from types import SimpleNamespace
+
+    from vllm.benchmarks import spec_policy
+    case = SpecPolicyCase("always", 1, context=16, output_len=12, warmup_steps=4,
+                          num_spec_tokens=3, device="cpu", dtype="float32",
+                          attention_backend="TORCH_MLA", enforce_eager=True)
+    assert run_case(case)["early_draft_at_timing"] == "-"
+    asked = []
+    stub = SimpleNamespace(history=[], decision=lambda n: asked.append(n) or "trial")
+    monkeypatch.setattr(spec_policy, "early_draft_tuner", lambda engine: stub)
+    row = run_case(case)
+    assert row["early_draft_at_timing"] == "trial" and asked == [1]

@@ -198,6 +198,10 @@ def run_case(case: SpecPolicyCase, timed_region: Any = None) -> dict:
             if engine.has_unfinished_requests():
                 step()
         tokens_before = engine._num_generation_tokens
+        # whether the early draft tuner had decided when the timed steps began ("trial": some
+        # timed steps ran its trial; "-": no tuner)
+        tuner = early_draft_tuner(engine)
+        tuner_at_timing = "-" if tuner is None else tuner.decision(case.batch)
         _sync(case.device)
         pauses = GcPauses()
         with pauses, (timed_region if timed_region is not None else contextlib.nullcontext()):
@@ -220,6 +224,7 @@ def run_case(case: SpecPolicyCase, timed_region: Any = None) -> dict:
                 # its trial (2 x 9 eligible steps, up to 68 on a close call) may reach
                 # into the timed steps
                 "early_draft_trials": None if tuner is None else list(tuner.history),
+                "early_draft_at_timing": tuner_at_timing,
                 "tok_s": tokens / seconds,
                 "timed_steps": timed_steps, "timed_tokens": tokens,
                 # the collector's work inside the timed steps (gc_pauses.py says why)
