@@ -50,8 +50,7 @@ from vllm.utils.cuda_streams import record_event
 # (a module reference: flashinfer_plan_cache reads this module's planner arithmetic the same
 # way, so either may be imported first)
 from vllm.v1.attention.backends.mla import flashinfer_plan_cache as _cache
-from vllm.v1.attention.backends.mla.plan_lowering import (PlanLowering, lower_plan_torch,
-                                                          lower_plan_triton, rebuild_csr_torch,
+from vllm.v1.attention.backends.mla.plan_lowering import (PlanLowering, rebuild_csr_torch,
                                                           rebuild_csr_triton)
 
 # MLAPlanInfo::ToVector order (scheduler.cuh); byte offsets into the int workspace.
@@ -447,24 +446,15 @@ class PlanRefresher:
         caller has checked on the host that the skeleton fits every length the device may
         hold (`fits` of the lowest and of the planned ones). On CUDA one Triton launch
         (plan_lowering.py), else torch ops."""
-        if self.skeleton is None:
-            raise RuntimeError("lower_on_device needs a held plan skeleton")
-        index, n, m = self._index_on_device()
         num_reqs = new_lens.shape[0] if num_reqs is None else int(num_reqs)
-        ws = self.device_ws
-        if ws.is_cuda and HAS_TRITON and (kv_len_arr is None or kv_len_arr.is_cuda):
-            # (without kv_len_arr the kernel's third write is off: 0 rows, any pointer)
-            lower_plan_triton(ws, index, new_lens, ws if kv_len_arr is None else kv_len_arr,
-                              n, m, num_reqs if kv_len_arr is not None else 0)
-        else:
-            lower_plan_torch(ws, index, new_lens, kv_len_arr, n, m, num_reqs)
-        self.device_lowerings += 1
+        self.lowering(num_reqs, kv_len_arr).launch(new_lens)
 
-    def lowering(self, num_reqs: int, kv_len_arr: torch.Tensor) -> PlanLowering:
-        """lower_on_device's writes, for the launch that writes the lengths to perform
-        (plan_lowering.PlanLowering; a block drafter's input write). Same preconditions."""
+    def lowering(self, num_reqs: int, kv_len_arr: torch.Tensor | None) -> PlanLowering:
+        """lower_on_device's writes (plan_lowering.PlanLowering), counted as one lowering:
+        launched on their own, or performed by the launch that writes the lengths (a block
+        drafter's input write). Same preconditions."""
         if self.skeleton is None:
-            raise RuntimeError("lowering needs a held plan skeleton")
+            raise RuntimeError("lowering a plan needs a held plan skeleton")
         index, n, m = self._index_on_device()
         self.device_lowerings += 1
         return PlanLowering(self.device_ws, index, n, m, kv_len_arr, int(num_reqs))

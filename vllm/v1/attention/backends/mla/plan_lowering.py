@@ -214,7 +214,9 @@ class PlanLowering:
     index: torch.Tensor       # [2 * num_len + 2 * num_end] int64 (lower_plan_triton's)
     num_len: int
     num_end: int
-    kv_len_arr: torch.Tensor  # the wrapper's kv_len_arr (its first num_reqs get the lengths)
+    # the wrapper's kv_len_arr (its first num_reqs get the lengths); None: not written (only
+    # a launch of its own, `launch`, takes None; the block input write needs one)
+    kv_len_arr: torch.Tensor | None
     num_reqs: int
 
     def apply_torch(self, lens: torch.Tensor) -> None:
@@ -223,10 +225,13 @@ class PlanLowering:
                          self.num_end, self.num_reqs)
 
     def launch(self, lens: torch.Tensor) -> None:
-        """The writes as a launch of their own (PlanRefresher.lower_on_device's), from `lens`."""
-        if self.ws.is_cuda and HAS_TRITON and self.kv_len_arr.is_cuda:
-            lower_plan_triton(self.ws, self.index, lens, self.kv_len_arr, self.num_len,
-                              self.num_end, self.num_reqs)
+        """The writes as a launch of their own (PlanRefresher.lower_on_device's), from `lens`:
+        on CUDA one Triton launch, else torch ops."""
+        arr = self.kv_len_arr
+        if self.ws.is_cuda and HAS_TRITON and (arr is None or arr.is_cuda):
+            # (without kv_len_arr the kernel's third write is off: 0 rows, any pointer)
+            lower_plan_triton(self.ws, self.index, lens, self.ws if arr is None else arr,
+                              self.num_len, self.num_end, 0 if arr is None else self.num_reqs)
         else:
             self.apply_torch(lens)
 
