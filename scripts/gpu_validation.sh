@@ -326,8 +326,10 @@ for what in "${groups[@]}"; do
         tests/v1/e2e/test_plan_cache_gpu.py tests/v1/attention/test_flashinfer_mla_gpu.py \
         tests/v1/e2e/test_gpu_exactness.py \
         -k "cuda or lean or kept or advanced or lowered or dcp1 or launch or lowers or compiled"
+      [ -n "${FUSED_TESTS_ONLY:-}" ] && continue  # the tests alone (a short call)
       timeout 200 python3 scripts/ab_env_switch.py --switch VLLM_FUSED_DRAFT_PLAN_LOWERING \
-        --batch-sizes 1 --rounds 4 --json "$out/ab_fused.json" >"$out/ab_fused.log" 2>&1
+        --batch-sizes 1 --rounds "${FUSED_AB_ROUNDS:-4}" --json "$out/ab_fused.json" \
+        >"$out/ab_fused.log" 2>&1
       summary+=("fused lowering A/B rc=$?"); grep "^|" "$out/ab_fused.log"
       timeout 150 python3 benchmarks/engine/benchmark_spec_policy.py --batch-sizes 1 \
         --variants none always --repeats 5 --out "$out/tiny_b1" >"$out/tiny_b1.log" 2>&1

@@ -116,7 +116,7 @@ def train_target(args, cfg) -> tuple[dict, dict]:
 
 
 def distil(args, configs, target_p) -> tuple[dict, dict]:
-    from vllm.model_executor.models import tiny_distill, tiny_train as tt
+    from vllm.model_executor.models import tiny, tiny_distill, tiny_train as tt
 
     english, code = load_corpus()
     gen = torch.Generator().manual_seed(args.seed + 7)
@@ -128,13 +128,21 @@ def distil(args, configs, target_p) -> tuple[dict, dict]:
         cfg, shapes = configs[name]
         # every drafter's init is drawn (a subset run then starts where the full run starts)
         weights[name] = tt.init_std_weights(shapes(cfg), args.seed + 1 + k)
+        if args.resume and name in args.drafters:  # continued: from the drafter in --out
+            from safetensors.torch import load_file
+
+            path = os.path.join(args.out or tiny.shipped_weights_dir(), f"{name}.safetensors")
+            if not os.path.isfile(path):
+                raise SystemExit(f"--resume: no {path} to continue from; drop --resume")
+            weights[name] = {k: v.float() for k, v in load_file(path).items()}
     report: dict = {}
     start = time.time()
     steps = {"eagle": args.distill_steps, "mtp": args.distill_steps, "dflash": args.distill_steps,
              "dspark": args.dspark_steps}
     out = tiny_distill.distill_drafters(configs, weights, train_steps=steps, seed=args.seed,
                                         report=report, prompts=prompts, num_new=args.gen_len, progress=True,
-                                        methods=tuple(args.drafters), batch=args.distill_batch)
+                                        methods=tuple(args.drafters), batch=args.distill_batch,
+                                        row_decay=args.row_decay)
     report["distill_wall_s"] = round(time.time() - start, 1)
     return out, report
 
@@ -159,7 +167,15 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-target", action="store_true",
                         help="reuse target.safetensors from --out and only distil the drafters")
     parser.add_argument("--out", default=None, help="output dir (default: the package's tiny_weights/)")
+    parser.add_argument("--resume", action="store_true",
+                        help="start the distilled drafters from their weights in --out, not from a "
+                             "random init (a worse result keeps them: distill_drafters' check)")
+    parser.add_argument("--row-decay", type=float, default=None, metavar="GAMMA",
+                        help="DFlash/DSpark loss: block row j weighs exp(-j / GAMMA) (default: "
+                             "every row the same)")
     args = parser.parse_args(argv)
+    if args.row_decay is not None and args.row_decay <= 0:
+        raise SystemExit(f"--row-decay must be > 0, got {args.row_decay}")
     for field in ("steps", "batch", "seq_len", "distill_steps", "dspark_steps", "distill_seqs", "distill_batch",
                   "prompt_len", "gen_len", "threads"):
         if getattr(args, field) < 1:

@@ -116,3 +116,56 @@ def test_distilling_a_subset_leaves_the_other_drafters_alone(tmp_path):
         assert out[name] is weights[name]
     with pytest.raises(ValueError, match=r"methods=\('medusa',\).*choose one or more of"):
         tiny_distill.distill_drafters(configs, weights, train_steps=1, seed=0, methods=("medusa",))
+
+
+def test_row_decay_weighs_each_block_row_by_its_gamma(tmp_path):
+    """block_loss(row_decay=gamma) is the mean over blocks of sum_j exp(-j/gamma) CE_j / sum_j
+    exp(-j/gamma), CE_j computed here row by row in float64 from the same logits; a huge gamma
+    is the unweighted loss; EAGLE / MTP and gamma <= 0 are refused."""
+    import math
+
+    from vllm.model_executor.models import tiny_distill, tiny_train as tt
+
+    _, configs, weights, prompts = _untrained_family(tmp_path)
+    target_p = {k: v.float() for k, v in weights["target"].items()}
+    gen = torch.Generator().manual_seed(0)
+    seqs = tiny_distill.generate_corpus(target_p, configs["target"][0], prompts, 24, gen)
+    cfg = configs["dspark"][0]
+    data = tiny_distill.target_features(target_p, configs["target"][0], seqs,
+                                        cfg["target_layer_ids"])
+    tables = tt.rope_tables(cfg, seqs.shape[1] + 16)
+    p = {k: v.float() for k, v in weights["dspark"].items()}
+    rows = torch.arange(seqs.shape[0])
+    q = int(cfg["block_size"])
+    anchors = torch.arange(1, seqs.shape[1] - q, q)[None, :].expand(len(rows), -1)  # fixed grid
+    block = torch.full((len(rows), anchors.shape[1], q), int(cfg["mask_token_id"]))
+    block[:, :, 0] = data["ids"].gather(1, anchors)
+    with torch.no_grad():
+        hidden = tt.block_drafter_forward(p, cfg, target_p, data["aux"], anchors, block, tables)
+        logits = tt.lm_logits(target_p, hidden).double()
+        pos = anchors[:, :, None] + torch.arange(q)
+        gold = data["argmax"].gather(1, pos.flatten(1)).view_as(pos)
+        prev = torch.cat([block[:, :, :1], gold[:, :, :-1]], dim=2)
+        logits = logits + tt.markov_bias(p, prev).double()
+        per_block = []
+        for b in range(gold.shape[0]):
+            for a in range(gold.shape[1]):
+                ce = [float(torch.logsumexp(logits[b, a, j], 0) - logits[b, a, j, gold[b, a, j]])
+                      for j in range(q)]
+                per_block.append(ce)
+    for gamma in (0.5, 2.0):
+        w = [math.exp(-j / gamma) for j in range(q)]
+        expected = sum(sum(wj * c for wj, c in zip(w, ce)) / sum(w)
+                       for ce in per_block) / len(per_block)
+        got, _, count = tiny_distill.block_loss("dspark", p, cfg, target_p, data, rows, tables,
+                                                   gen, fixed=True, row_decay=gamma)
+        assert float(got) == pytest.approx(expected, rel=1e-5)
+        assert count == len(per_block) * q  # hits count every row alike
+    flat = sum(sum(ce) for ce in per_block) / (len(per_block) * q)
+    got, _, _ = tiny_distill.block_loss("dspark", p, cfg, target_p, data, rows, tables, gen,
+                                        fixed=True, row_decay=1e12)
+    assert float(got) == pytest.approx(flat, rel=1e-5)
+    for method, gamma in (("eagle", 2.0), ("dspark", 0.0)):
+        with pytest.raises(ValueError, match=rf"row_decay={gamma!r} for {method}"):
+            tiny_distill.train_drafter(method, weights[method], configs[method][0], target_p, data,
+                                       steps=1, gen=gen, row_decay=gamma)

@@ -74,7 +74,11 @@ def block_query_len(method: str, cfg: dict) -> int:
     return int(cfg["block_size"])
 
 
-def block_loss(method, p, cfg, target_p, data, rows, tables, gen, anchors_per_seq=8, fixed=False):
+def block_loss(method, p, cfg, target_p, data, rows, tables, gen, anchors_per_seq=8, fixed=False,
+               row_decay: float | None = None):
+    """Cross entropy of every block row against the target's argmax. row_decay (gamma): row j
+    of a block weighs exp(-j / gamma) in the loss (hits still count every row the same), since a
+    row only counts in a verify step where every row before it was accepted."""
     ids, aux, labels = data["ids"][rows], data["aux"][rows], data["argmax"][rows]
     b, t = ids.shape
     q = block_query_len(method, cfg)
@@ -94,14 +98,20 @@ def block_loss(method, p, cfg, target_p, data, rows, tables, gen, anchors_per_se
         logits = logits + tt.markov_bias(p, prev)
     else:
         logits, gold = logits[:, :, 1:], labels.gather(1, (pos[:, :, 1:] - 1).flatten(1)).view(b, -1, q - 1)
-    loss = F.cross_entropy(logits.flatten(0, 2), gold.flatten())
+    if row_decay is None:
+        loss = F.cross_entropy(logits.flatten(0, 2), gold.flatten())
+    else:
+        per = F.cross_entropy(logits.flatten(0, 2), gold.flatten(), reduction="none").view_as(gold)
+        w = torch.exp(-torch.arange(gold.shape[-1], dtype=per.dtype) / row_decay)
+        loss = (per * w).sum() / (w.sum() * per[..., 0].numel())
     return loss, int((logits.argmax(-1) == gold).sum()), gold.numel()
 
 
-def _loss(method, p, cfg, target_p, data, rows, tables, gen, fixed=False):
+def _loss(method, p, cfg, target_p, data, rows, tables, gen, fixed=False, row_decay=None):
     if method in ("eagle", "mtp"):
         return ar_loss(method, p, cfg, target_p, data, rows, tables)
-    return block_loss(method, p, cfg, target_p, data, rows, tables, gen, fixed=fixed)
+    return block_loss(method, p, cfg, target_p, data, rows, tables, gen, fixed=fixed,
+                      row_decay=row_decay)
 
 
 @torch.no_grad()
@@ -117,8 +127,13 @@ def draft_accuracy(method, p, cfg, target_p, data, tables, gen) -> float:
 
 
 def train_drafter(method, weights, cfg, target_p, data, *, steps: int, gen, batch: int = 16,
-                  lr: float = 2e-3, progress: bool = False, log: list | None = None):
-    """AdamW with warm-up and cosine decay on every tensor of the drafter; returns new tensors."""
+                  lr: float = 2e-3, progress: bool = False, log: list | None = None,
+                  row_decay: float | None = None):
+    """AdamW with warm-up and cosine decay on every tensor of the drafter; returns new tensors.
+    row_decay: block drafters' row weighting (block_loss); refused for EAGLE / MTP."""
+    if row_decay is not None and (method in ("eagle", "mtp") or row_decay <= 0):
+        raise ValueError(f"row_decay={row_decay!r} for {method}: a positive gamma, for the block "
+                         "drafters (dflash, dspark) only")
     from tqdm import tqdm
 
     tables = tt.rope_tables(cfg, data["ids"].shape[1] + 16)
@@ -130,7 +145,8 @@ def train_drafter(method, weights, cfg, target_p, data, *, steps: int, gen, batc
     bar = tqdm(range(steps), desc=f"distilling {method}", unit="step", disable=not progress)
     for i in bar:
         rows = torch.randint(0, data["ids"].shape[0], (batch,), generator=gen)
-        loss, hits, count = _loss(method, p, cfg, target_p, data, rows, tables, gen)
+        loss, hits, count = _loss(method, p, cfg, target_p, data, rows, tables, gen,
+                                  row_decay=row_decay)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(p.values(), 1.0)
@@ -148,7 +164,8 @@ DRAFTERS = ("eagle", "mtp", "dflash", "dspark")
 
 def distill_drafters(configs: dict, weights: dict, *, train_steps: int | dict, seed: int, report: dict | None = None,
                      prompts: torch.Tensor | None = None, num_new: int = 96, progress: bool = False,
-                     methods: tuple[str, ...] = DRAFTERS, batch: int = 16) -> dict:
+                     methods: tuple[str, ...] = DRAFTERS, batch: int = 16,
+                     row_decay: float | None = None) -> dict:
     """Return `weights` with the drafters' tensors (those named in `methods`; the others are
     returned as given) replaced by ones distilled from the target.
 
@@ -157,7 +174,8 @@ def distill_drafters(configs: dict, weights: dict, *, train_steps: int | dict, s
     prompts [N, P] byte ids (default: 64 random-byte prompts of 16).
     A quarter of the sequences is held out to measure top-1 agreement before/after; a drafter
     that got worse keeps its input weights (report[name]["kept"] says which happened).
-    batch: sequences per optimiser step."""
+    batch: sequences per optimiser step. row_decay: the block drafters' row weighting
+    (block_loss; EAGLE / MTP train unweighted)."""
     unknown = [m for m in methods if m not in DRAFTERS]
     if unknown or not methods:
         raise ValueError(f"methods={methods!r}: choose one or more of {DRAFTERS}")
@@ -186,7 +204,8 @@ def distill_drafters(configs: dict, weights: dict, *, train_steps: int | dict, s
             log: list[float] = []
             steps = train_steps[method] if isinstance(train_steps, dict) else train_steps
             new = train_drafter(method, weights[method], cfg, target_p, train, steps=steps, gen=gen,
-                                progress=progress, log=log, batch=batch)
+                                progress=progress, log=log, batch=batch,
+                                row_decay=row_decay if method in ("dflash", "dspark") else None)
             after = draft_accuracy(method, new, cfg, target_p, held, tables, gen)
             kept = after >= before
             if report is not None:
