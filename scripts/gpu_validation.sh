@@ -34,6 +34,7 @@
 #   bash scripts/gpu_validation.sh leanblock # advances after a page-list rebuild, the lean block-input write: tests, probe, A/B (~6 min)
 #   bash scripts/gpu_validation.sh leanblocktests # ... its GPU tests only (~2 min)
 #   bash scripts/gpu_validation.sh plancache # kept plans by chunk structure: GPU tests, probe, B=1 headline cache on / off (~8 min)
+#   bash scripts/gpu_validation.sh fusedcore # the fused lowering's own GPU tests only (~3 min)
 #   bash scripts/gpu_validation.sh fusedlowering # the early step's plan lowering fused into the block write: GPU tests, its A/B, the B=1 headline (~6 min)
 #   bash scripts/gpu_validation.sh headline  # tiny DSpark vs none (always, 3 repeats) and the V3-rank DSpark overhead (~5 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
@@ -318,15 +319,20 @@ for what in "${groups[@]}"; do
           >"$out/tiny_cache$cache.log" 2>&1
         summary+=("tiny B=1 cache=$cache rc=$?"); grep -v "^{" "$out/tiny_cache$cache.log" | tail -n 6
       done ;;
+    fusedcore)  # the fused lowering's own GPU tests and the early-launch tests beside them
+      # (kernel on CUDA, fused drafts == the lowering launch's, one transfer, warm-up; ~3 min)
+      PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-240}" run_pytest fusedcore \
+        tests/v1/spec_decode/test_block_inputs.py tests/v1/spec_decode/test_early_draft_launch_gpu.py ;;
     fusedlowering)  # twenty-eighth session: VLLM_FUSED_DRAFT_PLAN_LOWERING's GPU tests (the kernel
       # with a lowering on CUDA, fused drafts == the lowering launch's, warm-up), the held-plan
       # and launch tests around it, then its in-process A/B and the B=1 headline (~6 min)
-      PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-240}" run_pytest fusedlowering \
+      # FUSED_TESTS_ONLY=1: the tests alone; FUSED_SKIP_TESTS=1: the A/B and headline alone
+      [ -z "${FUSED_SKIP_TESTS:-}" ] && PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-240}" run_pytest fusedlowering \
         tests/v1/spec_decode/test_block_inputs.py tests/v1/spec_decode/test_early_draft_launch_gpu.py \
         tests/v1/e2e/test_plan_cache_gpu.py tests/v1/attention/test_flashinfer_mla_gpu.py \
         tests/v1/e2e/test_gpu_exactness.py \
         -k "cuda or lean or kept or advanced or lowered or dcp1 or launch or lowers or compiled"
-      [ -n "${FUSED_TESTS_ONLY:-}" ] && continue  # the tests alone (a short call)
+      [ -n "${FUSED_TESTS_ONLY:-}" ] && continue
       timeout 200 python3 scripts/ab_env_switch.py --switch VLLM_FUSED_DRAFT_PLAN_LOWERING \
         --batch-sizes 1 --rounds "${FUSED_AB_ROUNDS:-4}" --json "$out/ab_fused.json" \
         >"$out/ab_fused.log" 2>&1
