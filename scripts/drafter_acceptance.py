@@ -35,6 +35,9 @@ def main(argv=None) -> int:
     parser.add_argument("--drafters", nargs="+", default=[tiny.shipped_weights_dir()])
     parser.add_argument("--block-size", type=int, default=None,
                         help="the drafter's block (default: the shipped config's)")
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="the drafter's layers (default: the shipped config's; "
+                             "train_tiny.py --dspark-layers)")
     parser.add_argument("--prompt-sets", nargs="+", default=["bench", "textwrap"],
                         choices=["bench", "textwrap"])
     parser.add_argument("--batch", type=int, default=8)
@@ -47,6 +50,10 @@ def main(argv=None) -> int:
     target_cfg, draft_cfg = configs["target"][0], dict(configs["dspark"][0])
     if args.block_size is not None:
         draft_cfg["block_size"] = args.block_size
+    if args.num_layers is not None:
+        if args.num_layers < 1:
+            raise SystemExit(f"--num-layers must be >= 1, got {args.num_layers}")
+        draft_cfg["num_hidden_layers"] = args.num_layers
     if args.output_len <= draft_cfg["block_size"] + 1:
         raise SystemExit(f"--output-len {args.output_len} must exceed block size + 1")
     target_p = tiny.load_shipped_weights(configs)["target"]
@@ -55,8 +62,16 @@ def main(argv=None) -> int:
     print("| drafter | prompts | every anchor | engine walk: tok/step (min..max) | "
           "ceiling B=1 | ceiling B=%d |" % args.batch)
     print("|---|---|---|---|---|---|")
+    want = tiny.dspark_tensor_shapes(draft_cfg)
     for path in args.drafters:
         draft_p = _load_drafter(path)
+        bad = sorted(set(want) ^ set(draft_p)) + [
+            k for k in want if k in draft_p and tuple(draft_p[k].shape) != want[k]]
+        if bad:  # another layer count (or config) than the one asked for: no silent subset
+            raise SystemExit(
+                f"--drafters {path}: its tensors do not fit a DSpark of "
+                f"{draft_cfg['num_hidden_layers']} layers (first mismatches: {bad[:3]}); "
+                "pass the --num-layers it was distilled with (train_tiny.py --dspark-layers)")
         for name in args.prompt_sets:
             s = da.dspark_acceptance(target_p, target_cfg, draft_p, draft_cfg,
                                      prompts[name](args.batch, args.context), args.output_len)

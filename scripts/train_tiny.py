@@ -132,8 +132,6 @@ def distil(args, configs, target_p) -> tuple[dict, dict]:
             from safetensors.torch import load_file
 
             path = os.path.join(args.out or tiny.shipped_weights_dir(), f"{name}.safetensors")
-            if not os.path.isfile(path):
-                raise SystemExit(f"--resume: no {path} to continue from; drop --resume")
             weights[name] = {k: v.float() for k, v in load_file(path).items()}
     report: dict = {}
     start = time.time()
@@ -170,10 +168,15 @@ def main(argv=None) -> int:
     parser.add_argument("--resume", action="store_true",
                         help="start the distilled drafters from their weights in --out, not from a "
                              "random init (a worse result keeps them: distill_drafters' check)")
+    parser.add_argument("--dspark-layers", type=int, default=None, metavar="N",
+                        help="an experiment: DSpark with N layers (default: the shipped config's); "
+                             "read it back with drafter_acceptance.py --num-layers N")
     parser.add_argument("--row-decay", type=float, default=None, metavar="GAMMA",
                         help="DFlash/DSpark loss: block row j weighs exp(-j / GAMMA) (default: "
                              "every row the same)")
     args = parser.parse_args(argv)
+    if args.dspark_layers is not None and args.dspark_layers < 1:
+        raise SystemExit(f"--dspark-layers must be >= 1, got {args.dspark_layers}")
     if args.row_decay is not None and args.row_decay <= 0:
         raise SystemExit(f"--row-decay must be > 0, got {args.row_decay}")
     for field in ("steps", "batch", "seq_len", "distill_steps", "dspark_steps", "distill_seqs", "distill_batch",
@@ -187,8 +190,20 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     out_dir = args.out or tiny.shipped_weights_dir()
+    if args.resume:
+        missing = [os.path.join(out_dir, f"{n}.safetensors") for n in args.drafters
+                   if not os.path.isfile(os.path.join(out_dir, f"{n}.safetensors"))]
+        if missing:
+            raise SystemExit(f"--resume continues from {', '.join(missing)}, which do not exist: "
+                             "drop --resume or point --out at a copy of tiny_weights/")
     os.makedirs(out_dir, exist_ok=True)
     configs = tiny.tiny_family_configs()
+    if args.dspark_layers is not None:  # an experiment: the package's config stays as it is
+        if args.out is None or args.drafters != ["dspark"]:
+            raise SystemExit("--dspark-layers changes the DSpark config: distil it alone "
+                             "(--drafters dspark) into an --out copy, not the package")
+        cfg, shapes = configs["dspark"]
+        configs["dspark"] = ({**cfg, "num_hidden_layers": args.dspark_layers}, shapes)
     target_cfg = configs["target"][0]
     log_path = os.path.join(out_dir, "train_log.json")
     log = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "seed": args.seed,

@@ -21,3 +21,25 @@ def test_rows_and_json_for_the_shipped_drafter(tmp_path):
 def test_a_directory_without_weights_is_named(tmp_path):
     done = run_script("drafter_acceptance.py", "--drafters", tmp_path, check=False)
     assert done.returncode != 0 and str(tmp_path) in done.stderr
+
+
+def test_a_drafter_of_another_layer_count_is_refused_not_cut(tmp_path):
+    """A 2-layer drafter read as 3 layers (and a 3-layer one as the shipped 2) must stop with
+    the fix named, not crash on a missing key or silently run a subset of its layers."""
+    from safetensors.torch import load_file, save_file
+
+    from vllm.model_executor.models import tiny
+
+    shipped = load_file(f"{tiny.shipped_weights_dir()}/dspark.safetensors")
+    small = ("--prompt-sets", "bench", "--batch", "2", "--context", "16", "--output-len", "24")
+    done = run_script("drafter_acceptance.py", "--num-layers", "3", *small, check=False)
+    assert done.returncode != 0 and "do not fit a DSpark of 3 layers" in done.stderr
+    assert "--num-layers" in done.stderr
+    extra = dict(shipped)  # a third layer: layer 1's tensors under layer 2's names
+    extra.update({k.replace("layers.1.", "layers.2."): v.clone() for k, v in shipped.items()
+                  if "layers.1." in k})
+    save_file(extra, str(tmp_path / "dspark.safetensors"))
+    done = run_script("drafter_acceptance.py", "--drafters", tmp_path, *small, check=False)
+    assert done.returncode != 0 and "do not fit a DSpark of 2 layers" in done.stderr
+    done = run_script("drafter_acceptance.py", "--drafters", tmp_path, "--num-layers", "3", *small)
+    assert f"| {tmp_path} | bench |" in done.stdout
