@@ -219,7 +219,8 @@ def advance_attn_metadata_on_device(
     which rewrites what the groups advanced before the refusal. `fuse`
     (plan_lowering.FusedDraftLowering): asked before the write of this step's lengths, the
     builders hand it the device work that reads them (the caller performs it with or after
-    that write; after a refusal it drops it)."""
+    that write; after a refusal too, as the groups before it would have launched it, and the
+    new build then rewrites it)."""
     kwargs = {} if fuse is None else {"fuse": fuse}
     return _each_group_builder(attn_metadata_builders, kv_cache_config, attn_metadata,
                                "advance_decode_plan_on_device",

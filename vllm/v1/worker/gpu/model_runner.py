@@ -589,9 +589,8 @@ class GPUModelRunner:
         if drafts is not None:
             # The draft step was launched already (its plans lowered on the device): its drafts
             # go to their slots now too, in stream order, so that after the wait the proposal
-            # is bookkeeping only (_propose). index_copy_, not index_put_: one kernel either
-            # way, but advanced indexing's host path costs a few microseconds more.
-            self.requests.draft_tokens.index_copy_(0, batch.idx_mapping[:n], drafts)
+            # is bookkeeping only (_propose).
+            self.requests.draft_tokens[batch.idx_mapping[:n]] = drafts
 
     def _early_block_terms(self, batch: InputBatch, q: int) -> tuple:
         """What prepare_early gets for the draft block's anchors: the new computed count of row
