@@ -7,6 +7,9 @@ Starting Python + torch + triton costs about 3 s on the 2-core CI box, as much a
 checks themselves; the drivers only read their arguments and the kernels they import.
 
     python -m tests.utils.triton_interpret_batch DRIVER_PATH[::ARG,ARG...] ...
+
+Every interpreter run of the suite goes through here (one driver alone too), so that the
+corrections of triton_interpreter_fixes.py apply to all of them.
 """
 from __future__ import annotations
 
@@ -40,6 +43,9 @@ def run_one(driver: str, args: list[str]) -> tuple[int, str, str]:
 
 
 def main(specs: list[str]) -> None:
+    # Triton releases whose interpreter needs a correction get it before any driver runs.
+    from tests.utils import triton_interpreter_fixes
+    triton_interpreter_fixes.apply()
     results = []
     for spec in specs:
         driver, _, joined = spec.partition("::")

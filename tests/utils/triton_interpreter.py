@@ -6,7 +6,8 @@ covered by the `gpu` tests.
 
 The drivers listed in BATCHED run together in one subprocess (tests/utils/triton_interpret_batch.py),
 started by the first test that asks for any of them; every test still checks its own driver's exit
-status and output. Others (e.g. the FP8 driver) get a subprocess each."""
+status and output. Others (e.g. the FP8 driver) get a subprocess each, through the same runner
+(so the interpreter corrections of triton_interpreter_fixes.py apply to every driver)."""
 import json
 import os
 import subprocess
@@ -40,17 +41,23 @@ def _env() -> dict:
     return env
 
 
-def _run_batch() -> dict:
-    specs = [str(UTILS / name) + ("::" + ",".join(args) if args else "") for name, args in BATCHED]
+def _run_drivers(drivers: list[tuple[Path, tuple[str, ...]]]) -> dict:
+    """Run `drivers` in one interpreter process (triton_interpret_batch.py, which also applies
+    triton_interpreter_fixes.py); {(file name, args): (exit status, stdout, stderr)}."""
+    specs = [str(path) + ("::" + ",".join(args) if args else "") for path, args in drivers]
     proc = subprocess.run([sys.executable, "-m", "tests.utils.triton_interpret_batch", *specs],
                           cwd=str(ROOT), env=_env(), capture_output=True, text=True,
-                          timeout=240 * len(BATCHED))
+                          timeout=240 * len(drivers))
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 0 and lines, (
-        f"the batched interpreter drivers crashed (exit {proc.returncode}):\n"
+        f"the interpreter drivers crashed (exit {proc.returncode}):\n"
         f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
     return {(Path(driver).name, tuple(args)): (code, out, err)
             for driver, args, code, out, err in json.loads(lines[-1])}
+
+
+def _run_batch() -> dict:
+    return _run_drivers([(UTILS / name, args) for name, args in BATCHED])
 
 
 def run_interpreter_driver(driver: Path, args: tuple[str, ...] = ()) -> None:
@@ -62,9 +69,7 @@ def run_interpreter_driver(driver: Path, args: tuple[str, ...] = ()) -> None:
             _batch_results = _run_batch()
         returncode, stdout, stderr = _batch_results[key]
     else:
-        proc = subprocess.run([sys.executable, str(driver), *args], env=_env(), capture_output=True,
-                              text=True, timeout=240)
-        returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+        returncode, stdout, stderr = _run_drivers([(Path(driver), tuple(args))])[key]
     assert returncode == 0, stdout + stderr
     if "NO_TRITON" in stdout:
         pytest.skip("triton is not importable here")
