@@ -328,9 +328,11 @@ class BlockSpeculator(Speculator):
     def fuses_plan_lowering(self) -> bool:
         """VLLM_FUSED_DRAFT_PLAN_LOWERING=1: the early draft step asks its held plans to
         advance before its input write, which writes their lengths into the plan in the same
-        launch (plan_lowering.FusedDraftLowering); 0 (default until its GPU tests have run:
-        built in the twenty-eighth session, when no GPU could be started): the write, then the
-        advance's own lowering launch."""
+        launch (plan_lowering.FusedDraftLowering); 0 (default): the write, then the advance's
+        own lowering launch. Off because it does not pay (thirtieth session, one H100, GPU tests
+        passed): it takes ~0.04 ms of host work out of the early step, but that work runs
+        before the runner waits for the verify step, while the GPU is still busy with it, so
+        the B=1 DSpark step is no shorter (tok/s over no drafts 1.485 on, 1.492 off)."""
         fused = self.fused_plan_lowering
         if fused is None:
             fused = self.fused_plan_lowering = switch_flag(
