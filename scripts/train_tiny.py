@@ -191,8 +191,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     out_dir = args.out or tiny.shipped_weights_dir()
     if args.resume:
-        missing = [os.path.join(out_dir, f"{n}.safetensors") for n in args.drafters
-                   if not os.path.isfile(os.path.join(out_dir, f"{n}.safetensors"))]
+        paths = [os.path.join(out_dir, f"{n}.safetensors") for n in args.drafters]
+        missing = [path for path in paths if not os.path.isfile(path)]
         if missing:
             raise SystemExit(f"--resume continues from {', '.join(missing)}, which do not exist: "
                              "drop --resume or point --out at a copy of tiny_weights/")
