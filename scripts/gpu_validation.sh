@@ -36,6 +36,9 @@
 #   bash scripts/gpu_validation.sh plancache # kept plans by chunk structure: GPU tests, probe, B=1 headline cache on / off (~8 min)
 #   bash scripts/gpu_validation.sh fusedcore # the fused lowering's own GPU tests only (~3 min)
 #   bash scripts/gpu_validation.sh fusedlowering # the early step's plan lowering fused into the block write: GPU tests, its A/B, the B=1 headline (~6 min)
+#   bash scripts/gpu_validation.sh lookahead # page lists rebuilt with a lookahead: GPU tests, probe on/off (~4 min)
+#   bash scripts/gpu_validation.sh lookaheadab # ... its in-process A/B at B=1 (~5 min)
+#   bash scripts/gpu_validation.sh b8profile # why the drafter's presence costs at B=8: probe and profile diff, none vs never (~4 min)
 #   bash scripts/gpu_validation.sh headline  # tiny DSpark vs none (always, 3 repeats) and the V3-rank DSpark overhead (~5 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
 set -uo pipefail
@@ -319,6 +322,31 @@ for what in "${groups[@]}"; do
           >"$out/tiny_cache$cache.log" 2>&1
         summary+=("tiny B=1 cache=$cache rc=$?"); grep -v "^{" "$out/tiny_cache$cache.log" | tail -n 6
       done ;;
+    lookahead)  # thirty-first session: rebuilt page lists list the pages rows hold ahead
+      PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-240}" run_pytest lookahead tests/v1/e2e/test_plan_cache_gpu.py \
+        tests/v1/spec_decode/test_block_inputs.py tests/v1/attention/test_flashinfer_mla_gpu.py \
+        tests/v1/e2e/test_gpu_exactness.py tests/v1/worker/test_cudagraph_runner_gpu.py \
+        tests/v1/spec_decode/test_early_draft_launch_gpu.py \
+        -k "lookahead or kept or cuda or carried or advanced or lowered or dcp1 or (graphs_equal and FLASHINFER) or device_to_host or launch"
+      for ahead in 1 0; do
+        VLLM_PLAN_PAGE_LIST_LOOKAHEAD=$ahead timeout 100 python3 scripts/probe_spec_step.py \
+          --device cuda --dtype bfloat16 --attention-backend FLASHINFER_MLA --batch 1 8 \
+          --modes plain draft --steps 150 >"$out/probe_ahead$ahead.log" 2>&1
+        summary+=("probe lookahead=$ahead rc=$?")
+        grep -E "step .* ms, graph|^\| (draft|plain) B|rebuilds" "$out/probe_ahead$ahead.log" | tail -n 12
+      done ;;
+    lookaheadab)
+      timeout 400 python3 scripts/ab_env_switch.py --switch VLLM_PLAN_PAGE_LIST_LOOKAHEAD \
+        --batch-sizes 1 --rounds "${AB_ROUNDS:-4}" >"$out/ab_lookahead.log" 2>&1
+      summary+=("ab lookahead rc=$?"); grep -v "^{" "$out/ab_lookahead.log" | tail -n 10 ;;
+    b8profile)  # #15's cannot-pay at B=8: what the drafter's presence adds to a step
+      timeout 100 python3 scripts/probe_spec_step.py --device cuda --dtype bfloat16 \
+        --attention-backend FLASHINFER_MLA --batch 8 --modes plain nodraft nopay --steps 150 \
+        >"$out/b8_phases.log" 2>&1
+      summary+=("b8 phases rc=$?"); grep -E "^\|" "$out/b8_phases.log" | tail -n 30
+      timeout 200 python3 scripts/diff_step_profiles.py --variants none never auto-nopay \
+        --batch 8 --steps 300 --top 30 >"$out/b8_diff.log" 2>&1
+      summary+=("b8 diff rc=$?"); grep -E "^(####|\| [+-])" "$out/b8_diff.log" | head -n 45 ;;
     fusedcore)  # the fused lowering's own GPU tests and the early-launch tests beside them
       # (kernel on CUDA, fused drafts == the lowering launch's, one transfer, warm-up; ~3 min)
       PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-240}" run_pytest fusedcore \

@@ -74,8 +74,9 @@ def _check_csr_rebuild() -> int:
     plan held from an earlier step whose requests grew into pages it does not list (and whose
     rows' page ids changed), the work arrays equal a host refresh for the new lengths and page
     lists, and the CSR equals what a host plan lists (cumulative page counts; each request's
-    first pages of its block-table row)."""
-    page, checked = 16, 0
+    first pages of its block-table row). With a lookahead (every other plan) each request lists
+    the pages of its length plus the lookahead, and the padding requests still list none."""
+    page, checked, ahead_checked = 16, 0, 0
     for seed in range(100, 160):
         rng = random.Random(seed)
         k = rng.choice([0, 1, 4, 7])  # 0: plain Q=1 rows
@@ -93,10 +94,13 @@ def _check_csr_rebuild() -> int:
                                      dtype=np.int32)
         if not skeleton.fits(qo, exact):
             continue
-        width = int(-(-exact.max() // page)) + rng.randint(0, 3)
+        lookahead = rng.choice([0, rng.randint(1, 3 * page)])
+        width = int(-(-(exact.max() + lookahead) // page)) + rng.randint(0, 3)
         table = torch.from_numpy(np.array(rng.sample(range(1, 100000), (num_real + 2) * width),
                                           dtype=np.int32).reshape(num_real + 2, width))
-        new_indptr = _pages(exact)
+        listed = exact.copy()
+        listed[:num_real] += lookahead  # the lengths whose pages are listed
+        new_indptr = _pages(listed)
         expected_indices = np.concatenate([table[r, :new_indptr[r + 1] - new_indptr[r]].numpy()
                                            for r in range(num_real)])
         host_ws = scratch.clone()
@@ -114,7 +118,7 @@ def _check_csr_rebuild() -> int:
             kv_indptr = torch.full((planned_reqs + 1,), -5, dtype=torch.int32)
             kv_indices = torch.full((int(new_indptr[-1]) + 7,), -5, dtype=torch.int32)
             rebuild(table, lens, num_real, planned_reqs, kv_indptr, kv_indices,
-                    refresher.device_ws, pos, work_req, page)
+                    refresher.device_ws, pos, work_req, page, lookahead=lookahead)
             refresher.lower_on_device(lens, num_real, None)
             assert torch.equal(refresher.device_ws, on_host.device_ws), (seed, rebuild.__name__)
             assert kv_indptr.tolist() == new_indptr.tolist(), (seed, rebuild.__name__)
@@ -122,7 +126,8 @@ def _check_csr_rebuild() -> int:
             assert kv_indices[:total].tolist() == expected_indices.tolist(), seed
             assert (kv_indices[total:] == -5).all(), seed
         checked += 1
-    assert checked >= 20, checked
+        ahead_checked += lookahead > 0
+    assert checked >= 20 and ahead_checked >= 5, (checked, ahead_checked)
     return checked
 
 

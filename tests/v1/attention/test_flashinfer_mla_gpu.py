@@ -429,6 +429,60 @@ def test_a_graph_step_carried_to_the_next_step_matches_torch_mla(non_causal, cro
     assert_states_close(run(TorchMLAImpl, md.decode), ref)
 
 
+@pytest.mark.parametrize("lookahead", [True, False], ids=["lookahead", "own-pages"])
+def test_page_lists_rebuilt_with_a_lookahead_carry_later_steps_and_match_torch_mla(
+        lookahead, monkeypatch):
+    """VLLM_PLAN_PAGE_LIST_LOOKAHEAD on the GPU: a graph step carried from lengths
+    [636, 2040, 62, 9] to [639, 2044, 66, 13] (request 2 into a second page of 64: rebuilt)
+    lists, with the lookahead, 4 tokens' pages more (row 1 holds 32 pages, 2048 tokens, the
+    fewest ahead), so the next carry to [643, 2046, 69, 14] (request 0 into an 11th page)
+    needs no rebuild; without it that carry rebuilds. FlashInfer on the carried metadata, whose
+    lists then hold pages past the lengths, equals TORCH_MLA on it at both steps, and at the
+    last step TORCH_MLA on metadata built afresh (the pages past each length hold KV of 4.0,
+    so a read of them would show)."""
+    import numpy as np
+    from dataclasses import replace
+    from vllm.v1.attention.backends.mla.flashinfer_mla import (PAGE_LIST_LOOKAHEAD_FLAG,
+                                                               PAGE_LIST_REBUILD_FLAG)
+    monkeypatch.setenv(PAGE_LIST_REBUILD_FLAG, "1")
+    monkeypatch.setenv(PAGE_LIST_LOOKAHEAD_FLAG, "1" if lookahead else "0")
+    q_len, previous, nxt, last = 5, [636, 2040, 62, 9], [639, 2044, 66, 13], [643, 2046, 69, 14]
+    builder = _graph_builder(q_len, non_causal=False, max_model_len=8192)
+    _graph_step(builder, [630, 2030, 50, 5], [q_len] * 4, True, 91)  # plan_args
+    case = make_case(last, [q_len] * 4, num_heads=HEADS, causal=True, seed=92,
+                     dtype=torch.bfloat16)
+    _, cache, cm, _ = build_rank(case, FlashInferMLAMetadataBuilder, 1, 0, 1, BLOCK, fill=4.0,
+                                 device=DEVICE, builder_kwargs=dict(kernel_family="hopper"))
+    held = np.array([-(-g // BLOCK) for g in last], dtype=np.int32)  # [11, 32, 2, 1]
+    graph_cm = replace(cm, cudagraph=True, num_blocks_cpu=held)
+    q = torch.zeros(4 * q_len, HEADS, case.q.shape[-1], dtype=case.q.dtype, device=DEVICE)
+    q[: case.q.shape[0]] = case.q.to(DEVICE)
+    rows = case.q.shape[0]
+
+    def run(impl, decode):
+        return impl(num_heads=HEADS, scale=case.scale).forward_decode(q, cache, decode)
+
+    ref = run(TorchMLAImpl, _graph_builder(q_len, non_causal=False,
+                                           max_model_len=8192).build(0, graph_cm).decode)
+    cm.seq_lens.copy_(torch.tensor(previous, dtype=cm.seq_lens.dtype))
+    md = builder.build(0, replace(graph_cm,
+                                  seq_lens_cpu=torch.tensor(previous, dtype=torch.int32)))
+    refresher = md.decode.backend_state.wrapper_slot.refresher
+    rebuilds = refresher.page_list_rebuilds
+    for step, (lengths, rebuilt) in enumerate(((nxt, 1), (last, 1 if lookahead else 2))):
+        cm.seq_lens.copy_(torch.tensor(lengths, dtype=cm.seq_lens.dtype))
+        assert builder.advance_graph_step(md, np.array(lengths, dtype=np.int32)), step
+        assert refresher.page_list_rebuilds == rebuilds + rebuilt, step
+        fi = run(FlashInferMLAImpl, md.decode)
+        assert_states_close((fi[0][:rows], fi[1][:rows]),
+                            tuple(t[:rows] for t in run(TorchMLAImpl, md.decode)))
+    backend = md.decode.backend_state.wrapper_slot.wrapper._planned_backend
+    listed = backend._kv_indptr_buf[:5].diff().tolist()
+    assert listed == ([-(-(g + 4) // BLOCK) for g in nxt] if lookahead
+                      else [-(-g // BLOCK) for g in last])
+    assert_states_close(run(FlashInferMLAImpl, md.decode), ref)
+
+
 def test_a_graph_plan_for_upper_bound_lengths_lowered_in_place_matches_torch_mla():
     """A block drafter's metadata built while the verify step runs (early_draft.py): the host
     plans for upper-bound lengths (every draft accepted) while the device already holds the

@@ -224,6 +224,47 @@ def test_the_advance_after_a_rebuild_checks_against_the_rebuilt_lists(held, case
     _expect_lists_and_lengths(md, ws, refresher, listed, second)
 
 
+@pytest.mark.parametrize("case", ["rows hold pages ahead", "the switch off",
+                                  "a row holds none ahead"])
+def test_a_rebuild_lists_the_pages_the_rows_hold_ahead(monkeypatch, case):
+    """VLLM_PLAN_PAGE_LIST_LOOKAHEAD: a device rebuild lists, past every length, the pages
+    of as many tokens as the row holding the fewest pages ahead of its upper bound holds
+    (here 8: request 1 holds 129 pages, 2064 tokens, at 2056), so a next advance that grew
+    into them (request 3 from 14 to 17 tokens: a second page) writes only the lengths. With
+    the switch off, or a row that holds no page ahead (nothing may be listed past its own,
+    whose ids are stale), each length lists its own pages and that advance rebuilds again.
+    Either way the lists and work arrays are a host plan's and refresh's for the listed
+    lengths."""
+    from vllm.v1.attention.backends.mla.flashinfer_mla import PAGE_LIST_LOOKAHEAD_FLAG
+    monkeypatch.setenv(PAGE_LIST_LOOKAHEAD_FLAG, "0" if case == "the switch off" else "1")
+    builder, md, ws, _, _ = held_plan(monkeypatch, causal=False)
+    refresher = md.decode.backend_state.wrapper_slot.refresher
+    held = np.array([47, 129, 7, 3 if case != "a row holds none ahead" else 1], np.int32)
+    for r, count in enumerate(held):  # the rows' allocated pages past their lengths' own
+        for p in range(-(-EXACT[r] // 16), int(count)):
+            md.decode.block_table[r, p] = md.decode.block_table_cpu[r, p] = 300 + 8 * r + p
+    md.decode.num_blocks_cpu = held
+    ahead = 0 if case != "rows hold pages ahead" else 8
+    first = [712, 2056, 81, 14]  # request 2 past the 5 pages the plan lists: a rebuild
+    md.decode.seq_lens[:4] = torch.tensor(first)
+    assert builder.advance_decode_plan_on_device(md, _bounds(first, first))
+    assert refresher.page_list_rebuilds == 1
+    _expect_lists_and_lengths(md, ws, refresher, [g + ahead for g in first], first)
+    second = [714, 2058, 85, 17]
+    md.decode.seq_lens[:4] = torch.tensor(second)
+    assert builder.advance_decode_plan_on_device(md, _bounds(second, second))
+    assert refresher.page_list_rebuilds == (1 if ahead else 2)
+    _expect_lists_and_lengths(md, ws, refresher,
+                              [g + ahead for g in first] if ahead else second, second)
+
+
+def test_the_lookahead_switch(monkeypatch):
+    from vllm.v1.attention.backends.mla.flashinfer_mla import (PAGE_LIST_LOOKAHEAD_FLAG,
+                                                               page_list_lookahead_enabled)
+    check_switch(monkeypatch, PAGE_LIST_LOOKAHEAD_FLAG, page_list_lookahead_enabled,
+                 default=True)
+
+
 def test_without_a_host_table_twin_every_advance_past_the_lists_rebuilds(held):
     """Metadata without the host block table (no twin to compare pages against) still
     advances by rebuilding the lists on the device, and keeps no record of them: the next

@@ -2,7 +2,8 @@
 same rows, no block change). Every change that must invalidate it -- a new block appended, a slot
 replaced, rows reordered, a different batch size, a request removed and re-admitted, a gather
 without host slots -- is checked against a fresh BlockTables that replays the same history and
-gathers once (brute force), on the host twin and the device rows, whole rows compared."""
+gathers once (brute force), on the host twin and the device rows, whole rows compared, and the
+pages each gathered row holds (input_num_blocks_cpu) against a count of the history."""
 from __future__ import annotations
 
 import numpy as np
@@ -51,6 +52,16 @@ class _Twin:
             if with_np:
                 assert torch.equal(self.tables.input_block_tables_cpu[g][:n],
                                    fresh.input_block_tables_cpu[g][:n]), (g, slots)
+                # the pages each gathered row holds, counted from the history itself
+                assert self.tables.input_num_blocks_cpu[g][:n].tolist() == [
+                    self._held_pages(slot) for slot in slots], (g, slots)
+
+    def _held_pages(self, slot) -> int:
+        count = 0
+        for op in self.history:
+            if op[1] == slot:
+                count = 0 if op[0] == "remove" else (0 if op[3] else count) + len(op[2])
+        return count
 
 
 @pytest.fixture(params=["whole", "rows"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -33,6 +34,9 @@ class CommonAttentionMetadata:
     num_computed_tokens_cpu: torch.Tensor | None = None   # [num_reqs] int32 context (seq - query)
     dcp_local_seq_lens_cpu: torch.Tensor | None = None    # [num_reqs] int32 rank-local, exact
     block_table_cpu: torch.Tensor | None = None           # host twin of block_table_tensor
+    # [num_reqs] int32 numpy: the pages each row of the block table holds (allocated; entries
+    # past them are stale ids). A planner may list pages up to these ahead of the lengths.
+    num_blocks_cpu: np.ndarray | None = None
     # True when this batch replays (or is being captured into) a CUDA graph: every shape and
     # buffer address must then be the capture's (padded rows/tokens, fixed bounds).
     cudagraph: bool = False

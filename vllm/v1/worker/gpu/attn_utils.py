@@ -82,6 +82,7 @@ def build_attn_metadata(
     seq_lens_cpu: torch.Tensor | None = None,
     dcp_local_seq_lens_cpu: torch.Tensor | None = None,
     block_tables_cpu: Sequence[torch.Tensor] | None = None,
+    num_blocks_cpu: Sequence[np.ndarray] | None = None,
     cudagraph: bool = False,
     num_computed_tokens_cpu: torch.Tensor | None = None,
 ) -> dict[str, Any]:
@@ -91,7 +92,9 @@ def build_attn_metadata(
     `block_tables[g]` / `slot_mappings[g]` belong to KV cache group g. `group_ids` restricts the
     build to the groups a model actually has layers in (a drafter's forward needs only its own).
     `seq_lens_cpu` / `num_computed_tokens_cpu` are the exact host twins (prefill metadata is
-    planned from them). Returns {layer_name: metadata} for every layer of the built groups.
+    planned from them); `block_tables_cpu[g]` / `num_blocks_cpu[g]` the host twin of group g's
+    rows and the pages each row holds (host planners). Returns {layer_name: metadata} for every
+    layer of the built groups.
     """
     groups = kv_cache_config.kv_cache_groups
     if len(attn_metadata_builders) != len(groups):
@@ -141,6 +144,8 @@ def build_attn_metadata(
             dcp_local_seq_lens_cpu=dcp_local_cpu,
             block_table_cpu=(None if block_tables_cpu is None
                              else _rows(block_tables_cpu[group_id], num_reqs)),
+            num_blocks_cpu=(None if num_blocks_cpu is None
+                            else num_blocks_cpu[group_id][:num_reqs]),
             cudagraph=cudagraph,
         )
         metadata = attn_metadata_builders[group_id].build(common_prefix_len=0,

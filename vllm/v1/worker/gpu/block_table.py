@@ -166,6 +166,11 @@ class BlockTables:
         self._input_host = torch.zeros(table_shape, dtype=torch.int32)
         self.input_block_tables_cpu = tuple(self._input_host[g] for g in range(num_groups))
         self._input_host_np = self._input_host.numpy()
+        # The pages each gathered row holds (num_blocks of its slot), gathered with the host
+        # twin: a planner may list pages past a request's length up to these (the FlashInfer
+        # page-list lookahead), never past them.
+        self._input_num_blocks = np.zeros((num_groups, max_num_reqs), dtype=np.int32)
+        self.input_num_blocks_cpu = tuple(self._input_num_blocks[g] for g in range(num_groups))
         self._input_block_tables = torch.zeros(table_shape, dtype=torch.int32, device=self.device)
         self.block_tables = tuple(self._block_tables[g] for g in range(num_groups))
         self.input_block_tables = tuple(self._input_block_tables[g] for g in range(num_groups))
@@ -358,12 +363,16 @@ class BlockTables:
                         # a request or two crossed into a new block: basic-slice copies of
                         # their rows (~0.4 us each on the CPU, no fancy-index temporary)
                         tables = self.host_block_tables
+                        counts, held = self._input_num_blocks, self.num_blocks
                         for row in rows:
                             host[:, row] = tables[:, slots[row]]
+                            counts[:, row] = held[:, slots[row]]
                     elif num_reqs * host.shape[2] <= _FULL_REGATHER_ENTRIES:
                         host[:, :num_reqs] = self.host_block_tables[:, slots]  # small: one op
+                        self._input_num_blocks[:, :num_reqs] = self.num_blocks[:, slots]
                     else:
                         host[:, rows] = self.host_block_tables[:, slots[rows]]
+                        self._input_num_blocks[:, rows] = self.num_blocks[:, slots[rows]]
                     dirty_flags = self._slot_dirty
                     for slot in changed:
                         if slot in rows_of:
@@ -371,6 +380,7 @@ class BlockTables:
                     refresh = rows
         else:
             host[:, :num_reqs] = self.host_block_tables[:, slots]
+            self._input_num_blocks[:, :num_reqs] = self.num_blocks[:, slots]
             self._held_slots = key
             rows_of: dict[int, list[int]] = {}
             for row, slot in enumerate(slots.tolist()):

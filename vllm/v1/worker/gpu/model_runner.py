@@ -1148,6 +1148,7 @@ class GPUModelRunner:
             dcp_local_seq_lens_cpu=(None if batch.dcp_local_seq_lens_np is None
                                     else torch.from_numpy(batch.dcp_local_seq_lens_np.copy())),
             block_tables_cpu=self.block_tables.input_block_tables_cpu,
+            num_blocks_cpu=self.block_tables.input_num_blocks_cpu,
             cudagraph=cudagraph,
             group_ids=self._target_group_ids,
         )

@@ -84,6 +84,7 @@ class MLACommonDecodeMetadata:
     row_req: torch.Tensor | None = None  # [num_decode_tokens] int64 decode row of every token
     row_pos: torch.Tensor | None = None  # [num_decode_tokens] int64 index inside its row
     block_table_cpu: torch.Tensor | None = None  # host twin of block_table (for planners)
+    num_blocks_cpu: np.ndarray | None = None  # [num_decodes] pages each table row holds
     cudagraph: bool = False  # built for a CUDA-graph capture/replay (fixed shapes)
 
     @property
@@ -414,6 +415,8 @@ class MLACommonMetadataBuilder:
             row_seq_lens_cpu=row_host, row_req=row_req, row_pos=row_pos,
             block_table_cpu=(None if cm.block_table_cpu is None
                              else cm.block_table_cpu[:num_decodes]),
+            num_blocks_cpu=(None if cm.num_blocks_cpu is None
+                            else cm.num_blocks_cpu[:num_decodes]),
             cudagraph=bool(cm.cudagraph))
 
     @staticmethod

@@ -462,12 +462,14 @@ class PlanRefresher:
     def rebuild_page_lists_on_device(self, table: torch.Tensor, lens: torch.Tensor,
                                      num_reqs: int, num_planned: int, kv_indptr: torch.Tensor,
                                      kv_indices: torch.Tensor, page_size: int,
-                                     max_requests: int | None = None) -> None:
+                                     max_requests: int | None = None,
+                                     lookahead: int = 0) -> None:
         """Write the held plan's page lists for the device lengths `lens` (its first num_reqs
         requests, rows of `table`): the CSR kv_indptr / kv_indices and every work's kv_indptr
         in the int workspace (plan_lowering.py). The chunks stay; `lower_on_device` then writes
         the lengths. The caller has checked that the skeleton fits those lengths and that
-        their pages fit the buffers."""
+        their pages fit the buffers. `lookahead` tokens: each request lists the pages of its
+        length plus that many (pages its row holds; plan_lowering.py)."""
         if self.skeleton is None:
             raise RuntimeError("rebuild_page_lists_on_device needs a held plan skeleton")
         work_req = self.skeleton.device.get("work_req")
@@ -482,7 +484,7 @@ class PlanRefresher:
                    else rebuild_csr_torch)
         rebuild(table, lens, num_reqs, num_planned, kv_indptr, kv_indices, ws,
                 self.skeleton.offsets["kv_indptr"], work_req, page_size,
-                max_requests=max_requests)
+                max_requests=max_requests, lookahead=lookahead)
         self._indptr_written = None  # the work kv_indptr is the device's now
         self.page_list_rebuilds += 1
 

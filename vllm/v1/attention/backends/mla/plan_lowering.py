@@ -11,11 +11,17 @@ where `index` is the flat int64 [len_pos, len_req, end_pos, end_req] of the held
 With the page lists too (`rebuild_csr_*`, a second launch): when a request's length crossed
 into a page the held plan does not list, or a row holds other pages now, the CSR is written
 from the device block table and lengths, as a host plan would list it:
-  kv_indptr[i + 1] = sum of pages[<= i]   pages[r] = ceil(lens[r] / page_size), padding 0,
+  kv_indptr[i + 1] = sum of pages[<= i]   pages[r] = ceil((lens[r] + lookahead) / page_size),
+                                          padding requests 0,
   kv_indices[kv_indptr[r] + p] = table[r, p]   for p < pages[r],
   ws[indptr_pos + w] = kv_indptr[work_req[w]]  every work's first page (padding works: the
                                               padding request's, i.e. the total),
 so the plan's chunks (token ranges) carry over unchanged and only where they read changes.
+`lookahead` (tokens, default 0: what a host plan lists) lists pages past each length too,
+pages the rows already hold (the caller bounds it by them): the kernels read a request's pages
+only up to its kv_len, so extra trailing pages change no output, and the next advances whose
+lengths grew into them find them listed and need no rebuild (flashinfer_mla's
+PAGE_LIST_LOOKAHEAD_FLAG says what that saves).
 
 Why one kernel: the torch form is five launches (two index_select, two index_copy_, a copy),
 each ~10-15 us of host time on the H100 node. Measured there (twenty-third session, runs on
@@ -62,17 +68,19 @@ if HAS_TRITON:
     # One compiled variant per block table / lengths dtype: the CSR arrays come as their base
     # buffer plus element offsets and BLOCK_R is the builder's bound, not the plan's size.
     @triton.jit(do_not_specialize=["table_stride", "num_reqs", "num_planned", "indptr_off",
-                                   "indices_off", "indptr_pos", "num_works", "page_size"])
+                                   "indices_off", "indptr_pos", "num_works", "page_size",
+                                   "lookahead"])
     def _rebuild_csr_kernel(table_ptr, table_stride, lens_ptr, num_reqs, num_planned,
                             indptr_base_ptr, indptr_off, indices_base_ptr, indices_off, ws_ptr,
-                            indptr_pos, work_req_ptr, num_works, page_size,
+                            indptr_pos, work_req_ptr, num_works, page_size, lookahead,
                             BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr):
         kv_indptr_ptr = indptr_base_ptr + indptr_off
         kv_indices_ptr = indices_base_ptr + indices_off
         pid = tl.program_id(0)
         r = tl.arange(0, BLOCK_R)
-        lens = tl.load(lens_ptr + r, mask=r < num_reqs, other=0).to(tl.int32)
-        pages = (lens + page_size - 1) // page_size  # 0 for the padding requests
+        real = r < num_reqs
+        lens = tl.load(lens_ptr + r, mask=real, other=0).to(tl.int32)
+        pages = tl.where(real, (lens + lookahead + page_size - 1) // page_size, 0)
         if pid < num_reqs:  # one program per request: its page ids
             start = tl.sum(tl.where(r < pid, pages, 0), axis=0)
             count = tl.sum(tl.where(r == pid, pages, 0), axis=0)
@@ -107,7 +115,8 @@ def csr_block(max_requests: int) -> int:
 def rebuild_csr_triton(table: torch.Tensor, lens: torch.Tensor, num_reqs: int,
                        num_planned: int, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                        ws: torch.Tensor, indptr_pos: int, work_req: torch.Tensor,
-                       page_size: int, max_requests: int | None = None) -> None:
+                       page_size: int, max_requests: int | None = None,
+                       lookahead: int = 0) -> None:
     """The page lists of the module docstring in one launch: `table` [>= num_reqs, W] int32
     (row r = request r), `lens` the requests' lengths (first num_reqs), `kv_indptr`
     [num_planned + 1] and `kv_indices` int32, `ws` the int32 workspace whose work kv_indptr
@@ -126,17 +135,18 @@ def rebuild_csr_triton(table: torch.Tensor, lens: torch.Tensor, num_reqs: int,
     indices_base, indices_off = base_and_offset(kv_indices)
     _REBUILD_CSR_LAUNCH((num_reqs + 1,), table, table.stride(0), lens, num_reqs, num_planned,
                         indptr_base, indptr_off, indices_base, indices_off, ws, indptr_pos,
-                        work_req, work_req.shape[0], page_size, BLOCK_R=block_r,
+                        work_req, work_req.shape[0], page_size, int(lookahead), BLOCK_R=block_r,
                         BLOCK_P=_BLOCK_P, BLOCK_W=_BLOCK_W)
 
 
 def rebuild_csr_torch(table: torch.Tensor, lens: torch.Tensor, num_reqs: int,
                       num_planned: int, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                       ws: torch.Tensor, indptr_pos: int, work_req: torch.Tensor,
-                      page_size: int, max_requests: int | None = None) -> None:
+                      page_size: int, max_requests: int | None = None,
+                      lookahead: int = 0) -> None:
     """The same writes with torch ops (the reference, and the path off CUDA: its boolean
     selection reads the page counts on the host)."""
-    pages = (lens[:num_reqs].to(torch.int64) + (page_size - 1)) // page_size
+    pages = (lens[:num_reqs].to(torch.int64) + (int(lookahead) + page_size - 1)) // page_size
     indptr = torch.zeros(num_planned + 1, dtype=torch.int64, device=lens.device)
     indptr[1:num_reqs + 1] = torch.cumsum(pages, 0)
     indptr[num_reqs + 1:] = indptr[num_reqs]

@@ -383,6 +383,7 @@ class Speculator:
             seq_lens_cpu=seq_lens_cpu,
             dcp_local_seq_lens_cpu=dcp_local_cpu,
             block_tables_cpu=getattr(self.block_tables, "input_block_tables_cpu", None),
+            num_blocks_cpu=getattr(self.block_tables, "input_num_blocks_cpu", None),
             cudagraph=cudagraph,
         )
 
