@@ -75,20 +75,22 @@ def _wrap(owner, name: str, label: str) -> None:
         return
     if isinstance(original, staticmethod):
         return
+    # a classmethod (PlanSkeleton.from_plan) is timed around its function and stays one
+    bound = original.__func__ if isinstance(original, classmethod) else original
 
-    @functools.wraps(original)
+    @functools.wraps(bound)
     def timed(*args, **kwargs):
         _STACK.append(label)
         _CALLS[label] += 1
         start = time.perf_counter()
         try:
-            return original(*args, **kwargs)
+            return bound(*args, **kwargs)
         finally:
             _CURRENT[label] += time.perf_counter() - start
             _STACK.pop()
 
     _WRAPPED.append((owner, name, original))
-    setattr(owner, name, timed)
+    setattr(owner, name, classmethod(timed) if isinstance(original, classmethod) else timed)
 
 
 def _unwrap() -> None:
@@ -165,7 +167,12 @@ def _instrument(engine) -> None:
         _wrap(flashinfer_mla, "_refresh", "    FI refresh try (incl. CSR upload)")
         _wrap(flashinfer_mla, "_native_replan", "    FI native re-plan (incl. CSR upload)")
         _wrap(flashinfer_mla, "_adopt_plan", "    FI skeleton read-back after a plan")
-        from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import PlanRefresher
+        from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import (PlanRefresher,
+                                                                            PlanSkeleton)
+        # The read-back's parts: the skeleton itself, and keeping the plan by its chunk
+        # structure (the plan cache's store: a gather, a pinned copy, an upload)
+        _wrap(PlanSkeleton, "from_plan", "      FI PlanSkeleton.from_plan")
+        _wrap(PlanRefresher, "keep", "      FI plan kept by its structure (PlanRefresher.keep)")
         _wrap(PlanRefresher, "rebuild_page_lists_on_device", _REBUILD_LABEL)
         # Every device advance / lowering of a held plan (target and draft groups): the host
         # checks, then the one lowering launch.
