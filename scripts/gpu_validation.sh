@@ -38,6 +38,7 @@
 #   bash scripts/gpu_validation.sh fusedlowering # the early step's plan lowering fused into the block write: GPU tests, its A/B, the B=1 headline (~6 min)
 #   bash scripts/gpu_validation.sh lookahead # page lists rebuilt with a lookahead: GPU tests, probe on/off (~4 min)
 #   bash scripts/gpu_validation.sh lookaheadab # ... its in-process A/B at B=1 (~5 min)
+#   bash scripts/gpu_validation.sh clusters  # does the cluster a chunk lands on change an output bit? (~1 min)
 #   bash scripts/gpu_validation.sh b8profile # why the drafter's presence costs at B=8: probe and profile diff, none vs never (~4 min)
 #   bash scripts/gpu_validation.sh headline  # tiny DSpark vs none (always, 3 repeats) and the V3-rank DSpark overhead (~5 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
@@ -339,6 +340,9 @@ for what in "${groups[@]}"; do
       timeout 400 python3 scripts/ab_env_switch.py --switch VLLM_PLAN_PAGE_LIST_LOOKAHEAD \
         --batch-sizes 1 --rounds "${AB_ROUNDS:-4}" >"$out/ab_lookahead.log" 2>&1
       summary+=("ab lookahead rc=$?"); grep -v "^{" "$out/ab_lookahead.log" | tail -n 10 ;;
+    clusters)  # FlashInfer's plan with its works dealt to other clusters, bit for bit (a host-written plan's premise)
+      PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-150}" run_pytest clusters \
+        tests/v1/attention/test_flashinfer_mla_gpu.py -k "which_cluster" ;;
     b8profile)  # #15's cannot-pay at B=8: what the drafter's presence adds to a step
       timeout 100 python3 scripts/probe_spec_step.py --device cuda --dtype bfloat16 \
         --attention-backend FLASHINFER_MLA --batch 8 --modes plain nodraft nopay --steps 150 \

@@ -149,3 +149,33 @@ def assert_valid_plan(works, qo, kv, kv_indptr, chunk_limit: int, chunk_counts=N
         assert pos == int(kv[i]), (i, pos, int(kv[i]))
         if chunk_counts is not None:
             assert len(mine) == chunk_counts[i], (i, len(mine), chunk_counts[i])
+
+
+# The per-work arrays of a plan (everything the kernels read per work item).
+WORK_FIELDS = ("q_indptr", "kv_indptr", "partial_indptr", "q_len", "kv_len", "q_start",
+               "kv_start", "kv_end")
+
+
+def permute_clusters(ws_i32: torch.Tensor, info, order) -> None:
+    """Deal a plan's work items to other clusters, in place (any device): cluster c gets the
+    works cluster order[c] had, in their order. Every work keeps all its fields (its chunk,
+    its partial slot), so the plan covers the same chunks and merges the same partials in the
+    same order; only which cluster computes a chunk changes (the question a host-written plan
+    raises: does that change any output bit?)."""
+    info = [int(v) for v in info]
+    offsets = dict(zip(FIELDS, info[2:16]))
+    clusters = info[1]
+    if sorted(order) != list(range(clusters)):
+        raise ValueError(f"order must be a permutation of the {clusters} clusters")
+    host = ws_i32.cpu().clone()
+    start = offsets["work_indptr"] // 4
+    indptr = host[start:start + clusters + 1].tolist()
+    num_works = indptr[-1]
+    positions = torch.tensor([w for c in order for w in range(indptr[c], indptr[c + 1])],
+                             dtype=torch.int64)
+    for field in WORK_FIELDS:
+        base = offsets[field] // 4
+        host[base:base + num_works] = host[base:base + num_works][positions]
+    sizes = [indptr[c + 1] - indptr[c] for c in order]
+    host[start:start + clusters + 1] = torch.tensor(np.cumsum([0] + sizes), dtype=torch.int32)
+    ws_i32.copy_(host)

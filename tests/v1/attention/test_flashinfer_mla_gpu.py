@@ -512,3 +512,60 @@ def test_a_graph_plan_for_upper_bound_lengths_lowered_in_place_matches_torch_mla
     too_short[multi[0]] = int(skeleton.lo[multi[0]])
     assert not builder.refresh_decode_seq_lens(md, np.array(too_short))
     assert np.array_equal(state.hopper_inputs.arrays[2], kv_len_before)
+
+
+@pytest.mark.parametrize("qlen,causal", [(1, True), (5, True), (5, False)])
+def test_which_cluster_computes_a_chunk_changes_no_output_bit(qlen, causal):
+    """Whether a plan written on the host could stand in for FlashInfer's planner when a
+    request's chunk count changes (docs/performance.md, thirty-first session: natively
+    re-planned steps are two thirds of what a drifted B=8 batch loses where drafting cannot
+    pay). Such a plan would cut the same chunks and lay out the same partials, but deal them
+    to clusters its own way. So: FlashInfer's own plan (request 1 of 2049 tokens split into
+    chunks merged from partials), its work items dealt to the clusters in reverse order
+    (tests/utils/flashinfer_mla_plan_model.permute_clusters), must give the same output and
+    LSE bit for bit. The kernels do read the permuted arrays: a chunk cut short by 16 tokens
+    changes the output."""
+    from dataclasses import replace
+
+    from tests.utils.flashinfer_mla_plan_model import FIELDS, permute_clusters, plan_works
+    builder = _graph_builder(qlen, non_causal=not causal, max_model_len=8192)
+    _graph_step(builder, [690, 2030, 50, 5], [qlen] * 4, causal, 93)  # plan_args
+    case = make_case([700, 2049, 64, 9], [qlen] * 4, num_heads=HEADS, causal=causal, seed=94,
+                     dtype=torch.bfloat16)
+    _, cache, cm, _ = build_rank(case, FlashInferMLAMetadataBuilder, 1, 0, 1, BLOCK, fill=0.0,
+                                 device=DEVICE, builder_kwargs=dict(kernel_family="hopper"))
+    md = builder.build(0, replace(cm, cudagraph=True))
+    q = torch.zeros(md.decode.num_decode_tokens, HEADS, case.q.shape[-1], dtype=case.q.dtype,
+                    device=DEVICE)
+    q[: case.q.shape[0]] = case.q.to(DEVICE)
+    impl = FlashInferMLAImpl(num_heads=HEADS, scale=case.scale)
+
+    def run():
+        out, lse = impl.forward_decode(q, cache, md.decode)
+        torch.cuda.synchronize()
+        return out.clone(), lse.clone()
+
+    def same(a, b):
+        return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+    base = run()
+    backend = md.decode.backend_state.wrapper_slot.wrapper._planned_backend
+    ws = backend._int_workspace_buffer.view(torch.int32)
+    info = [int(v) for v in backend._plan_info]
+    planned = ws.clone()
+    assert same(run(), base) and torch.equal(ws, planned)  # deterministic; no re-plan
+    works = plan_works(planned.cpu().numpy(), info)
+    assert any(w["partial_indptr"] >= 0 for w in works), "no request was split"
+    start = info[2 + FIELDS.index("work_indptr")] // 4
+    indptr = planned[start:start + info[1] + 1].tolist()
+    assert sum(1 for c in range(info[1]) if indptr[c + 1] > indptr[c]) > 1
+    permute_clusters(ws, info, list(reversed(range(info[1]))))
+    assert not torch.equal(ws, planned)
+    assert same(run(), base), "the output depends on which cluster computes a chunk"
+    # the kernels read these arrays: cut a split request's first chunk short
+    ws.copy_(planned)
+    end = info[2 + FIELDS.index("kv_end")] // 4
+    first = next(j for j, w in enumerate(works)
+                 if w["partial_indptr"] >= 0 and w["kv_start"] == 0)
+    ws[end + first] -= 16
+    assert not same(run(), base)
