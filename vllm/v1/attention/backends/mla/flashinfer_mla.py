@@ -1329,7 +1329,7 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
                 rebuild = bool((need > counts).any()) or not np.array_equal(
                     table.reshape(-1).take(where), listed)
         if rebuild:
-            if not (self.page_list_rebuild and self._page_lists_fit(decode, backend, need)):
+            if not self.page_list_rebuild:
                 return False
             ahead = self._page_lookahead(decode, upper, n) if table is not None else 0
             listed_need = need
@@ -1337,6 +1337,9 @@ class FlashInferMLAMetadataBuilder(MLACommonMetadataBuilder):
                 listed_need = (upper + (ahead + page - 1)) // page
                 if not self._page_lists_fit(decode, backend, listed_need):
                     ahead, listed_need = 0, need
+            # (lists that fit with the lookahead fit without it: checked once either way)
+            if not ahead and not self._page_lists_fit(decode, backend, need):
+                return False
             if kept is not None:
                 refresher.put_back(kept)  # stream-ordered before the lengths' write either way
             self._rebuild_page_lists(decode, inputs, refresher, backend, n, fuse, ahead)
