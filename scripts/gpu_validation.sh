@@ -39,6 +39,7 @@
 #   bash scripts/gpu_validation.sh lookahead # page lists rebuilt with a lookahead: GPU tests, probe on/off (~4 min)
 #   bash scripts/gpu_validation.sh lookaheadab # ... its in-process A/B at B=1 (~5 min)
 #   bash scripts/gpu_validation.sh clusters  # does the cluster a chunk lands on change an output bit? (~1 min)
+#   bash scripts/gpu_validation.sh hostplan  # host-written plans == FlashInfer's, byte for byte; vs TORCH_MLA (~2 min)
 #   bash scripts/gpu_validation.sh b8profile # why the drafter's presence costs at B=8: probe and profile diff, none vs never (~4 min)
 #   bash scripts/gpu_validation.sh headline  # tiny DSpark vs none (always, 3 repeats) and the V3-rank DSpark overhead (~5 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
@@ -343,6 +344,10 @@ for what in "${groups[@]}"; do
     clusters)  # FlashInfer's plan with its works dealt to other clusters, bit for bit (a host-written plan's premise)
       PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-150}" run_pytest clusters \
         tests/v1/attention/test_flashinfer_mla_gpu.py -k "which_cluster" ;;
+    hostplan)  # thirty-second session: plans written on the host (flashinfer_host_plan.py)
+      PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-300}" run_pytest hostplan \
+        tests/v1/attention/test_flashinfer_mla_gpu.py -k \
+        "host_written or never_planned or which_cluster or plan_refreshes or past_the_chunk" ;;
     b8profile)  # #15's cannot-pay at B=8: what the drafter's presence adds to a step
       timeout 100 python3 scripts/probe_spec_step.py --device cuda --dtype bfloat16 \
         --attention-backend FLASHINFER_MLA --batch 8 --modes plain nodraft nopay --steps 150 \

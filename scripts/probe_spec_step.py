@@ -35,7 +35,8 @@ import time
 from collections import defaultdict
 
 from vllm.benchmarks.datasets import spec_bench_prompt
-from vllm.benchmarks.spec_step_kinds import StepKinds, plan_cache_put_backs, set_probe_interval
+from vllm.benchmarks.spec_step_kinds import (StepKinds, host_written_plans, plan_cache_put_backs,
+                                             set_probe_interval)
 
 MODES = {"plain": None, "nodraft": 1, "draft": "always", "nopay": "auto"}
 
@@ -266,6 +267,7 @@ def probe(mode: str, batch: int, args) -> dict:
         advances_before = getattr(model_runner, "graph_step_advances", 0)
         rebuilds_before = _CALLS[_REBUILD_LABEL]
         put_backs_before = sum(plan_cache_put_backs(model_runner))
+        host_plans_before = sum(host_written_plans(model_runner))
         for _ in range(args.steps):
             kinds.before()
             t0 = time.perf_counter()
@@ -280,6 +282,7 @@ def probe(mode: str, batch: int, args) -> dict:
         advanced = getattr(model_runner, "graph_step_advances", 0) - advances_before
         rebuilt = _CALLS[_REBUILD_LABEL] - rebuilds_before
         put_back = sum(plan_cache_put_backs(model_runner)) - put_backs_before
+        host_written = sum(host_written_plans(model_runner)) - host_plans_before
         ops = {}
         if args.count_ops:
             _OPS.clear()
@@ -317,6 +320,7 @@ def probe(mode: str, batch: int, args) -> dict:
                 "graph_step_advances_per_step": advanced / len(step_ms),
                 "page_list_rebuilds_per_step": rebuilt / len(step_ms),
                 "plan_put_backs_per_step": put_back / len(step_ms),
+                "host_plans_per_step": host_written / len(step_ms),
                 "step_mean_ms": statistics.fmean(step_ms)}
     finally:
         _unwrap()
@@ -417,7 +421,8 @@ def main() -> None:
             print(f"{mode:8s} B={batch:<3d} step {r['step_ms']:.3f} ms, graph steps advanced "
                   f"{r['graph_step_advances_per_step']:.2f} / step, page lists rebuilt "
                   f"{r['page_list_rebuilds_per_step']:.2f} / step, kept plans put back "
-                  f"{r['plan_put_backs_per_step']:.2f} / step, mean step "
+                  f"{r['plan_put_backs_per_step']:.2f} / step (host-written "
+                  f"{r['host_plans_per_step']:.2f}), mean step "
                   f"{r['step_mean_ms']:.3f} ms", flush=True)
     print(_table(results))
     print()

@@ -61,3 +61,22 @@ def test_plan_counts_are_split_by_kv_cache_group():
         {"full": 0.0, "native": 0.0, "refresh": 0.5}, {"full": 0.0, "native": 0.5, "refresh": 0.0},
         {"full": 0.0, "native": 0.0, "refresh": 0.0}]
     assert flashinfer_plan_counts(runner) == (0, 1)
+
+
+def test_host_written_plans_and_put_backs_are_counted_per_group():
+    """The probe's plan counters read each builder's graph and eager slots' refreshers (a slot
+    without one counts nothing)."""
+    from types import SimpleNamespace
+
+    from vllm.benchmarks.spec_step_kinds import host_written_plans, plan_cache_put_backs
+
+    def slot(host, put_backs):
+        return SimpleNamespace(refresher=SimpleNamespace(host_plans=host,
+                                                         cache_put_backs=put_backs))
+
+    builders = [SimpleNamespace(_slots={"a": slot(1, 2)}, _graph_slots={(1, "q"): slot(3, 5)}),
+                SimpleNamespace(_slots={"b": SimpleNamespace(refresher=None)}),
+                SimpleNamespace()]
+    runner = SimpleNamespace(attn_metadata_builders=builders)
+    assert host_written_plans(runner) == [4, 0, 0]
+    assert plan_cache_put_backs(runner) == [7, 0, 0]

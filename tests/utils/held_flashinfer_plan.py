@@ -10,9 +10,14 @@ import numpy as np
 import torch
 
 from tests.utils.fake_flashinfer import PlanModelWrapper, install_native_replan
+from tests.utils.flashinfer_mla_plan_model import (assert_valid_plan, limit_of, model_plan,
+                                                   plan_works)
 from tests.utils.mla_dcp_helpers import build_rank, make_case, mla_spec, parallel_config
 from vllm.v1.attention.backends.mla.flashinfer_mla import PAGE_LIST_REBUILD_FLAG
+from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import refresh_slack
 
+HEADS = 16
+NUM_SM = 132  # the plan model's (fake_flashinfer.plan_model_native)
 Q = 5  # a DSpark block of k = 4 drafts and its anchor (non-causal), or a verify block
 PAGE = 16
 # The plan is made for UPPER (a step's upper bound); the device lengths are EXACT (past UPPER
@@ -42,7 +47,7 @@ def held_plan(monkeypatch, causal: bool, rebuild: bool = True,
                                               kernel_family="hopper")
     builder.reorder_batch_threshold = Q
     n = len(exact)
-    case = make_case(exact, [Q] * n, num_heads=16, causal=causal, seed=3, dtype=torch.float32)
+    case = make_case(exact, [Q] * n, num_heads=HEADS, causal=causal, seed=3, dtype=torch.float32)
     _, _, cm, _ = build_rank(case, fm.FlashInferMLAMetadataBuilder, 1, 0, 1, PAGE, fill=0.0,
                              builder_kwargs=dict(kernel_family="hopper"))
     upper_cm = replace(cm, cudagraph=True, seq_lens_cpu=torch.tensor(upper, dtype=torch.int32),
@@ -51,7 +56,7 @@ def held_plan(monkeypatch, causal: bool, rebuild: bool = True,
     slot = md.decode.backend_state.wrapper_slot
     # the first plan of a graph wrapper is made by the first layer's forward (what records the
     # layer arguments); later builds plan at build time, natively, and keep a skeleton
-    fm._plan(slot, md.decode.backend_state.hopper_inputs, ("first",), num_heads=16,
+    fm._plan(slot, md.decode.backend_state.hopper_inputs, ("first",), num_heads=HEADS,
              head_dim_ckv=512, head_dim_kpe=64, page_size=PAGE, sm_scale=0.1,
              q_data_type=torch.float32, kv_data_type=torch.float32, lse_mode="basee")
     md = builder.build(0, upper_cm)
@@ -76,3 +81,35 @@ def page_lists(table: torch.Tensor, lengths) -> tuple[list[int], list[int]]:
     pages = [-(-g // PAGE) for g in lengths]
     indptr = np.concatenate([[0], np.cumsum(pages)]).tolist()
     return indptr, [int(v) for r, p in enumerate(pages) for v in table[r, :p]]
+
+
+def expect_plan_for(md, ws, slot, lengths, causal: bool, csr_indptr,
+                    exact_cut: bool = True) -> None:
+    """The int workspace `ws` holds a plan for `lengths` that a fresh plan would cut the same
+    way, with the works' first pages from `csr_indptr` (the CSR the kernels read). Not
+    `exact_cut`: a draft plan, whose last chunk may have grown by the draft slack
+    (refresh_slack) since it was made; it must still cover every request exactly."""
+    inputs = md.decode.backend_state.hopper_inputs
+    qo = inputs.arrays[0]
+    kv = np.zeros(qo.shape[0] - 1, dtype=np.int64)
+    kv[:len(lengths)] = lengths
+    indptr = np.full(qo.shape[0], csr_indptr[-1], dtype=np.int64)
+    indptr[:len(csr_indptr)] = csr_indptr
+    info = list(slot.refresher.skeleton.info)
+    works = plan_works(ws.numpy(), info)
+    clusters = info[1]
+    limit = limit_of(int(kv.sum()), clusters)
+    counts = [-(-int(g) // limit) if g > limit else 1 for g in kv]
+    if not exact_cut:
+        assert_valid_plan(works, qo, kv, indptr, chunk_limit=limit,
+                          last_chunk_limit=limit + refresh_slack(limit, draft=True))
+        return
+    assert_valid_plan(works, qo, kv, indptr, chunk_limit=limit, chunk_counts=counts)
+    fresh_info, scratch, fresh_limit = model_plan(qo, kv, indptr, HEADS, num_sm=NUM_SM,
+                                                  causal=causal)
+    assert fresh_limit == limit
+    cut = {(w["q_indptr"], w["kv_start"], w["kv_end"], w["kv_len"], w["kv_indptr"])
+           for w in works}
+    fresh = {(w["q_indptr"], w["kv_start"], w["kv_end"], w["kv_len"], w["kv_indptr"])
+             for w in plan_works(scratch.view(torch.int32).numpy(), fresh_info)}
+    assert cut == fresh

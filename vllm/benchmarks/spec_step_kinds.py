@@ -46,6 +46,13 @@ def plan_cache_put_backs(runner) -> list[int]:
                 for s in _wrapper_slots(builder)) for builder in runner.attn_metadata_builders]
 
 
+def host_written_plans(runner) -> list[int]:
+    """Per KV cache group: plans written on the host so far for chunk structures the plan
+    cache lacked (flashinfer_host_plan.py), each in place of a native re-plan."""
+    return [sum(getattr(getattr(s, "refresher", None), "host_plans", 0)
+                for s in _wrapper_slots(builder)) for builder in runner.attn_metadata_builders]
+
+
 def _wrapper_slots(builder) -> list:
     """A builder's FlashInfer wrapper slots, eager and graph (none for other backends)."""
     return (list(getattr(builder, "_slots", {}).values())

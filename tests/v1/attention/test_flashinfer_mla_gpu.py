@@ -215,7 +215,9 @@ def test_graph_wrapper_plan_refreshes_match_torch_mla(qlen, causal):
     """Steady decode on one graph wrapper: lengths grow by one per step, so after the first plan
     the builder refreshes the plan's length-dependent work arrays instead of re-planning
     (flashinfer_plan_refresh.py). Every step must equal TORCH_MLA; a jump that changes a
-    request's chunk count, and a step with other rows, must be planned for real."""
+    request's chunk count, and a step with other rows, must be planned anew (by FlashInfer, on
+    the host: flashinfer_host_plan.py, or, back in rows and a structure planned before, put
+    back from the plan cache: flashinfer_plan_cache.py)."""
     builder = _graph_builder(qlen, non_causal=not causal, max_model_len=8192)
     seq = [700, 2049, 64, 9]
     planned_before = 0
@@ -229,7 +231,8 @@ def test_graph_wrapper_plan_refreshes_match_torch_mla(qlen, causal):
         md, fi, ref = _graph_step(builder, live, qlens, causal, 40 + step)
         assert_states_close(fi, ref)
         slot = md.decode.backend_state.wrapper_slot
-        planned = slot.native_replans + slot.full_plans
+        planned = (slot.native_replans + slot.full_plans + slot.host_plans
+                   + slot.refresher.cache_put_backs)
         if step in (12, 18, 19):
             assert planned > planned_before, f"step {step} must be planned for real"
         planned_before = planned
@@ -243,7 +246,7 @@ def test_refreshed_last_chunks_past_the_chunk_limit_match_torch_mla(qlen, causal
     refresh slack (flashinfer_plan_refresh.py, VLLM_MLA_REFRESH_SLACK_TOKENS=128 here: drifted
     batches would otherwise re-plan once per request per chunk edge). The kernels loop over each
     work's own KV range, so such a plan must still equal TORCH_MLA; one token more than the
-    slack allows is planned for real."""
+    slack allows is planned for real (natively or on the host)."""
     from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import (REFRESH_SLACK_TOKENS,
                                                                          SLACK_FLAG)
     monkeypatch.setenv(SLACK_FLAG, str(REFRESH_SLACK_TOKENS))
@@ -254,18 +257,21 @@ def test_refreshed_last_chunks_past_the_chunk_limit_match_torch_mla(qlen, causal
     slot = md.decode.backend_state.wrapper_slot
     skeleton = slot.refresher.skeleton
     assert skeleton is not None and skeleton.limit > 0
-    planned = slot.native_replans + slot.full_plans
+    def plans():
+        return slot.native_replans + slot.full_plans + slot.host_plans
+
+    planned = plans()
     # every request at the longest length its held plan allows
     grown = [int(h) for h in skeleton.hi[: skeleton.num_real]]
     past = [g - max(int(lo), 0) for g, lo in zip(grown, skeleton.lo)]  # some last chunks
     assert max(past) > skeleton.limit, (grown, skeleton.limit)
     md, fi, ref = _graph_step(builder, grown, [qlen] * 4, causal, 91)
     assert_states_close(fi, ref)
-    assert slot.native_replans + slot.full_plans == planned  # refreshed, not re-planned
+    assert plans() == planned  # refreshed, not re-planned
     grown[0] += 1
     md, fi, ref = _graph_step(builder, grown, [qlen] * 4, causal, 92)
     assert_states_close(fi, ref)
-    assert slot.native_replans + slot.full_plans == planned + 1
+    assert plans() == planned + 1
 
 
 def _upper_bound_plan_case(plan_seed: int, case_seed: int,
@@ -569,3 +575,103 @@ def test_which_cluster_computes_a_chunk_changes_no_output_bit(qlen, causal):
                  if w["partial_indptr"] >= 0 and w["kv_start"] == 0)
     ws[end + first] -= 16
     assert not same(run(), base)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_host_written_plans_are_flashinfers_byte_for_byte(causal):
+    """flashinfer_host_plan.mla_plan against FlashInfer's own planner (the JIT module's plan,
+    which writes the page-locked int scratch) on 300 random batches: one to 40 requests of 0
+    to 12 query rows (so one- and two-CTA clusters, single- and multi-tile requests, padding
+    requests) and 0 to 6000 KV tokens (split and unsplit, empty), at 16, 64 and 128 heads.
+    Every array the kernels read must be equal (the per-work arrays up to the work count, the
+    merge arrays' num_SMs entries, work_indptr), and the plan_info's cluster fields. This is
+    what makes the cluster a host-written plan deals a chunk to FlashInfer's own."""
+    import numpy as np
+
+    from tests.utils.flashinfer_mla_plan_model import FIELDS, MERGE_FIELDS
+    from vllm.v1.attention.backends.mla.flashinfer_host_plan import mla_plan
+    builder = _graph_builder(1, non_causal=False, max_model_len=8192)
+    md, _, _ = _graph_step(builder, [700, 2049, 64, 9], [1] * 4, True, 95)
+    backend = md.decode.backend_state.wrapper_slot.wrapper._planned_backend
+    raw_plan = backend._cached_module._module.plan
+    pinned = backend._pin_memory_int_workspace_buffer
+    num_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    torch.cuda.synchronize()  # the scratch's last copy to the device is done
+    rng = np.random.default_rng(7 + causal)
+    checked = split = multi_tile = 0
+    for trial in range(300):
+        batch = int(rng.integers(1, 41))
+        heads = int(rng.choice([16, 64, 128]))
+        q_lens = rng.integers(0, 13, batch)
+        q_lens[rng.random(batch) < 0.2] = 0
+        kv = rng.integers(0, 6001, batch) * (q_lens > 0)
+        if trial % 3 == 0:
+            kv = rng.integers(1, 300, batch) * (q_lens > 0)  # short: unsplit, 1-CTA limits
+        qo = torch.from_numpy(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))
+        pages = -(-kv // BLOCK)
+        kv_indptr = torch.from_numpy(np.concatenate([[0], np.cumsum(pages)]).astype(np.int32))
+        kv_len = torch.from_numpy(kv.astype(np.int32))
+        info, _ = raw_plan(backend._float_workspace_buffer, backend._int_workspace_buffer,
+                           pinned, qo, kv_indptr, kv_len, heads, 512, causal)
+        info = [int(v) for v in info]
+        plan = mla_plan(qo.numpy(), kv_indptr.numpy(), kv, heads, num_sm, causal)
+        assert plan is not None
+        assert info[:2] == [plan.cluster_size, plan.num_clusters], trial
+        ws = pinned.view(torch.int32).numpy()
+        at = dict(zip(FIELDS, info[2:16]))
+        num_works = plan.work_indptr[-1]
+        clusters = info[1]
+        wi = ws[at["work_indptr"] // 4: at["work_indptr"] // 4 + clusters + 1]
+        assert wi.tolist() == plan.work_indptr, trial
+        for f, values in plan.works.items():
+            got = ws[at[f] // 4: at[f] // 4 + num_works].tolist()
+            assert got == values, (trial, f)
+        for k, f in enumerate(MERGE_FIELDS):
+            got = ws[at[f] // 4: at[f] // 4 + num_sm].tolist()
+            want = [m[k] for m in plan.merges] + [0] * (num_sm - len(plan.merges))
+            assert got == want, (trial, f)
+        checked += 1
+        split += bool(plan.merges)
+        multi_tile += any(q * heads > 64 * plan.cluster_size for q in q_lens)
+    assert checked == 300 and split > 50 and multi_tile > 50, (split, multi_tile)
+
+
+@pytest.mark.parametrize("non_causal", [False, True], ids=["verify-causal", "draft-noncausal"])
+def test_an_advance_into_a_structure_never_planned_takes_a_host_plan_that_matches_torch_mla(
+        non_causal):
+    """A graph step carried to lengths of a chunk structure neither the held plan nor the plan
+    cache holds (request 1 grows from 2040 to 2300 tokens: 12 chunks of 192, not 11) takes a
+    plan written on the host (flashinfer_host_plan.py), put back with its page lists rebuilt
+    on the device: no native plan, and FlashInfer on the carried metadata equals TORCH_MLA on
+    metadata built afresh. Verify rows (causal Q=5) and draft blocks (non-causal Q=5)."""
+    import numpy as np
+    from dataclasses import replace
+    q_len, previous, nxt = 5, [700, 2040, 60, 9], [704, 2300, 64, 13]
+    builder = _graph_builder(q_len, non_causal=non_causal, max_model_len=8192)
+    _graph_step(builder, [690, 2030, 50, 5], [q_len] * 4, not non_causal, 83)  # plan_args
+    case = make_case(nxt, [q_len] * 4, num_heads=HEADS, causal=not non_causal, seed=84,
+                     dtype=torch.bfloat16)
+    _, cache, cm, _ = build_rank(case, FlashInferMLAMetadataBuilder, 1, 0, 1, BLOCK, fill=4.0,
+                                 device=DEVICE, builder_kwargs=dict(kernel_family="hopper"))
+    graph_cm = replace(cm, cudagraph=True)
+    q = torch.zeros(4 * q_len, HEADS, case.q.shape[-1], dtype=case.q.dtype, device=DEVICE)
+    q[: case.q.shape[0]] = case.q.to(DEVICE)
+
+    def run(impl, decode):
+        return impl(num_heads=HEADS, scale=case.scale).forward_decode(q, cache, decode)
+
+    fresh = _graph_builder(q_len, non_causal=non_causal, max_model_len=8192)
+    ref = run(TorchMLAImpl, fresh.build(0, graph_cm).decode)
+    cm.seq_lens.copy_(torch.tensor(previous, dtype=cm.seq_lens.dtype))
+    md = builder.build(0, replace(graph_cm,
+                                  seq_lens_cpu=torch.tensor(previous, dtype=torch.int32)))
+    cm.seq_lens.copy_(torch.tensor(nxt, dtype=cm.seq_lens.dtype))
+    slot = md.decode.backend_state.wrapper_slot
+    refresher = slot.refresher
+    held = refresher.skeleton
+    plans = (slot.native_replans, slot.full_plans)
+    assert not held.fits(held.qo_indptr, np.array(nxt + [0] * (held.qo_indptr.shape[0] - 5)))
+    assert builder.advance_graph_step(md, np.array(nxt, dtype=np.int32))
+    assert (slot.native_replans, slot.full_plans) == plans and slot.host_plans == 1
+    assert refresher.skeleton is not held and refresher.cache_put_backs == 1
+    assert_states_close(run(FlashInferMLAImpl, md.decode), ref)

@@ -15,6 +15,7 @@ import torch
 
 from tests.utils.call_probes import check_switch
 from tests.utils.held_flashinfer_plan import EXACT, Q, UPPER, held_plan, page_lists
+from vllm.v1.attention.backends.mla.flashinfer_host_plan import HOST_PLANS_FLAG
 from vllm.v1.attention.backends.mla.flashinfer_mla import PAGE_LIST_REBUILD_FLAG
 from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import PlanRefresher
 
@@ -367,12 +368,17 @@ def test_a_graph_step_advance_writes_the_lengths_a_build_would(held_step, crossi
     assert refresher.page_list_rebuilds == rebuilds + int(crossing)
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["verify-causal", "draft-noncausal"])
 @pytest.mark.parametrize("why", ["a later build", "under a chunk edge"])
-def test_a_refused_graph_step_advance_changes_nothing(held_step, why):
+def test_a_refused_graph_step_advance_changes_nothing(monkeypatch, causal, why):
     """Refused where the held state is no longer the builder's latest (any build since
-    rewrote its row buffers or plans) or the lengths leave the plan's pages or chunks; the
-    device buffers keep what they held (the runner then builds)."""
-    (builder, md, ws, _, upper_cm), _ = held_step
+    rewrote its row buffers or plans) or the lengths leave the plan's pages or chunks (with
+    no plan of their chunk structure to be had: the plan cache holds none and host plans,
+    flashinfer_host_plan.py, are off; with them on such an advance takes a host plan,
+    tests/v1/attention/test_flashinfer_mla_host_plan.py); the device buffers keep what they
+    held (the runner then builds)."""
+    monkeypatch.setenv(HOST_PLANS_FLAG, "0")
+    builder, md, ws, _, upper_cm = held_plan(monkeypatch, causal=causal)
     lengths = np.array(NEXT, dtype=np.int32)
     if why == "a later build":
         builder.build(0, upper_cm)

@@ -15,18 +15,17 @@ import torch
 
 from tests.utils.call_probes import check_switch
 from tests.utils.fake_flashinfer import PlanModelWrapper, plan_model_raw
-from tests.utils.flashinfer_mla_plan_model import (assert_valid_plan, limit_of, model_plan,
-                                                   plan_works)
-from tests.utils.held_flashinfer_plan import UPPER, held_plan, page_lists
+from tests.utils.flashinfer_mla_plan_model import limit_of
+from tests.utils.held_flashinfer_plan import (UPPER, expect_plan_for, held_plan,
+                                              page_lists)
+from vllm.v1.attention.backends.mla.flashinfer_host_plan import HOST_PLANS_FLAG
 from vllm.v1.attention.backends.mla.flashinfer_mla import OWN_PLAN_COPY_FLAG
 from vllm.v1.attention.backends.mla.flashinfer_plan_cache import (PLAN_CACHE_FLAG, PlanCache,
                                                                   plan_cache_enabled,
                                                                   single_request_lengths,
                                                                   structure_of)
-from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import chunk_count, refresh_slack
+from vllm.v1.attention.backends.mla.flashinfer_plan_refresh import chunk_count
 
-NUM_SM = 132  # the plan model's (fake_flashinfer.plan_model_native)
-HEADS = 16
 # Another structure than UPPER's (request 1 in 10 chunks of 192, not 11), and lengths of
 # UPPER's structure again (4, 11, 1, 1 chunks of 192) that were never planned.
 OTHER = [708, 1900, 70, 12]
@@ -39,45 +38,17 @@ def cached(request, monkeypatch):
 
 
 def _cached(monkeypatch, causal: bool):
-    """A wrapper that planned UPPER then OTHER (both kept), the OTHER metadata held."""
+    """A wrapper that planned UPPER then OTHER (both kept), the OTHER metadata held. Host
+    plans (flashinfer_host_plan.py) are off: these tests are of plans FlashInfer's planner
+    made and the cache kept (a structure the cache lacks then takes the native planner);
+    tests/v1/attention/test_flashinfer_mla_host_plan.py has them on."""
+    monkeypatch.setenv(HOST_PLANS_FLAG, "0")
     builder, md, ws, _, upper_cm = held_plan(monkeypatch, causal=causal)
     slot = md.decode.backend_state.wrapper_slot
     other_cm = replace(upper_cm, seq_lens_cpu=torch.tensor(OTHER, dtype=torch.int32))
     md_other = builder.build(0, other_cm)
     assert len(slot.refresher.cache) == 2, "each real plan is kept"
     return builder, md_other, ws, slot, upper_cm, causal
-
-
-def _expect_plan_for(md, ws, slot, lengths, causal: bool, csr_indptr,
-                     exact_cut: bool = True) -> None:
-    """The int workspace holds a plan for `lengths` that a fresh plan would cut the same way,
-    with the works' first pages from `csr_indptr` (the CSR the kernels read). Not
-    `exact_cut`: a draft plan, whose last chunk may have grown by the draft slack
-    (refresh_slack) since it was made; it must still cover every request exactly."""
-    inputs = md.decode.backend_state.hopper_inputs
-    qo = inputs.arrays[0]
-    kv = np.zeros(qo.shape[0] - 1, dtype=np.int64)
-    kv[:len(lengths)] = lengths
-    indptr = np.full(qo.shape[0], csr_indptr[-1], dtype=np.int64)
-    indptr[:len(csr_indptr)] = csr_indptr
-    info = list(slot.refresher.skeleton.info)
-    works = plan_works(ws.numpy(), info)
-    clusters = info[1]
-    limit = limit_of(int(kv.sum()), clusters)
-    counts = [-(-int(g) // limit) if g > limit else 1 for g in kv]
-    if not exact_cut:
-        assert_valid_plan(works, qo, kv, indptr, chunk_limit=limit,
-                          last_chunk_limit=limit + refresh_slack(limit, draft=True))
-        return
-    assert_valid_plan(works, qo, kv, indptr, chunk_limit=limit, chunk_counts=counts)
-    fresh_info, scratch, fresh_limit = model_plan(qo, kv, indptr, HEADS, num_sm=NUM_SM,
-                                                  causal=causal)
-    assert fresh_limit == limit
-    cut = {(w["q_indptr"], w["kv_start"], w["kv_end"], w["kv_len"], w["kv_indptr"])
-           for w in works}
-    fresh = {(w["q_indptr"], w["kv_start"], w["kv_end"], w["kv_len"], w["kv_indptr"])
-             for w in plan_works(scratch.view(torch.int32).numpy(), fresh_info)}
-    assert cut == fresh
 
 
 def test_an_advance_into_a_kept_structure_puts_its_plan_back(cached):
@@ -103,7 +74,7 @@ def test_an_advance_into_a_kept_structure_puts_its_plan_back(cached):
     assert backend._kv_indices_buf[:indptr[-1]].tolist() == indices
     assert backend._kv_len_arr_buf[:4].tolist() == AGAIN
     assert not backend._kv_len_arr_buf[4:].any()
-    _expect_plan_for(md, ws, slot, AGAIN, causal, indptr)
+    expect_plan_for(md, ws, slot, AGAIN, causal, indptr)
 
 
 def test_a_draft_range_takes_a_kept_plan_that_serves_all_of_it(monkeypatch):
@@ -117,7 +88,7 @@ def test_a_draft_range_takes_a_kept_plan_that_serves_all_of_it(monkeypatch):
     assert slot.refresher.cache_put_backs == 1
     lengths = (lower + 2).tolist()
     indptr, _ = page_lists(md.decode.block_table, lengths)
-    _expect_plan_for(md, ws, slot, lengths, causal, indptr)
+    expect_plan_for(md, ws, slot, lengths, causal, indptr)
 
 
 def test_a_kept_plan_takes_this_steps_page_lists(cached):
@@ -137,7 +108,7 @@ def test_a_kept_plan_takes_this_steps_page_lists(cached):
     assert slot.refresher.cache_put_backs == 1
     indptr, _ = page_lists(md.decode.block_table, lengths)
     assert slot.wrapper._planned_backend._kv_indptr_buf[:5].tolist() == indptr
-    _expect_plan_for(md, ws, slot, lengths, causal, indptr)
+    expect_plan_for(md, ws, slot, lengths, causal, indptr)
 
 
 def test_a_build_for_a_kept_structure_refreshes_its_plan_without_the_planner(cached):
@@ -150,7 +121,7 @@ def test_a_build_for_a_kept_structure_refreshes_its_plan_without_the_planner(cac
     assert (slot.native_replans, slot.full_plans) == plans
     assert slot.refresher.cache_put_backs == 1
     csr = md_again.decode.backend_state.hopper_inputs.arrays[1]
-    _expect_plan_for(md_again, ws, slot, AGAIN, causal, csr[:5].tolist())
+    expect_plan_for(md_again, ws, slot, AGAIN, causal, csr[:5].tolist())
 
 
 def test_a_structure_never_planned_is_refused_and_then_kept(cached):
@@ -174,7 +145,7 @@ def test_a_structure_never_planned_is_refused_and_then_kept(cached):
         md_third.decode.seq_lens[:4] = torch.tensor(lengths)
         assert advance(md_third, np.array(lengths, dtype=np.int64))
         indptr, _ = page_lists(md_third.decode.block_table, lengths)
-        _expect_plan_for(md_third, ws, slot, lengths, causal, indptr)
+        expect_plan_for(md_third, ws, slot, lengths, causal, indptr)
     assert slot.refresher.cache_put_backs == 2 and slot.native_replans == replans + 1
 
 
@@ -298,7 +269,7 @@ def test_a_lone_request_layout_plans_every_structure_once(monkeypatch, causal):
     refresher = slot.refresher
     clusters = refresher.skeleton.num_clusters
     assert len(refresher.cache) == len(single_request_lengths(512, clusters))
-    _expect_plan_for(md, ws, slot, [96], causal, [0, 6])  # still the live plan
+    expect_plan_for(md, ws, slot, [96], causal, [0, 6])  # still the live plan
     plans = (slot.native_replans, slot.full_plans)
     changes, previous = 0, structure_of(np.array([96]), clusters)
     for length in range(99, 513, 3):
@@ -309,7 +280,7 @@ def test_a_lone_request_layout_plans_every_structure_once(monkeypatch, causal):
         else:
             assert builder.advance_decode_plan_on_device(md, (bounds, bounds)), length
         indptr, _ = page_lists(md.decode.block_table, [length])
-        _expect_plan_for(md, ws, slot, [length], causal, indptr, exact_cut=causal)
+        expect_plan_for(md, ws, slot, [length], causal, indptr, exact_cut=causal)
         now = structure_of(bounds, clusters)
         changes += now != previous
         previous = now

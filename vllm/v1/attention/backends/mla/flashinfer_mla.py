@@ -508,6 +508,11 @@ class _WrapperSlot:
     def refreshes(self) -> int:
         return 0 if self.refresher is None else self.refresher.refreshes
 
+    @property
+    def host_plans(self) -> int:
+        """Plans written on the host for a chunk structure (flashinfer_host_plan.py)."""
+        return 0 if self.refresher is None else self.refresher.host_plans
+
 
 def _fa_common_module():
     """flashinfer.mla._batch_mla._backends._fa_common (raises ImportError without it). Looked up

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from vllm.utils.env_flags import switch_flag
+from vllm.utils.pinned_upload import upload
 # (a module reference, its names looked up at call time: flashinfer_plan_refresh refers to
 # this module the same way, so either may be imported first)
 from vllm.v1.attention.backends.mla import flashinfer_plan_refresh as _refresh
@@ -147,21 +148,38 @@ class PlanCache:
         if key in self._entries:
             self._entries.move_to_end(key)
             return
-        shared = self._indexes.get((info, skeleton.num_works))
+        positions, _ = self._index(info, skeleton.num_works, device)
+        self.store_values(skeleton, info, pinned_ws.view(torch.int32).numpy()[positions],
+                          device)
+
+    def _index(self, info: tuple, num_works: int, device) -> tuple:
+        """(host positions, device index) of a plan's regions, shared by entries alike."""
+        shared = self._indexes.get((info, num_works))
         if shared is None:
-            positions = plan_regions(list(info), skeleton.num_works)
-            index = torch.from_numpy(positions)
-            if device.type == "cuda":  # pinned, so the copy does not wait for the host
-                index = index.pin_memory().to(device, non_blocking=True)
-            shared = self._indexes[(info, skeleton.num_works)] = (positions, index)
-        positions, index = shared
-        values = torch.from_numpy(pinned_ws.view(torch.int32).numpy()[positions])
-        if device.type == "cuda":
-            values = values.pin_memory().to(device, non_blocking=True)
-        self._entries[key] = CachedPlan(skeleton, tuple(info), index, values)
+            positions = plan_regions(list(info), num_works)
+            # (through a pinned ring: no page-locked allocation, no wait for the stream)
+            shared = self._indexes[(info, num_works)] = (positions, upload(positions, device))
+        return shared
+
+    def store_values(self, skeleton, info: tuple, values: np.ndarray, device) -> CachedPlan:
+        """Keep a plan given by its values at plan_regions(info, works) (a plan written on the
+        host: flashinfer_host_plan.workspace_values); returns its entry (a structure already
+        kept keeps its first plan)."""
+        key = (skeleton.qo_bytes, skeleton.limit, skeleton.counts)
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+            return entry
+        positions, index = self._index(info, skeleton.num_works, device)
+        if values.shape != positions.shape:
+            raise ValueError(f"a plan of {skeleton.num_works} works has {positions.shape[0]} "
+                             f"workspace values, not {values.shape[0]}")
+        kept = upload(np.asarray(values, dtype=np.int32), device)
+        entry = self._entries[key] = CachedPlan(skeleton, tuple(info), index, kept)
         self.stores += 1
         if len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
+        return entry
 
     def find(self, qo_bytes: bytes, lower: np.ndarray, upper: np.ndarray, num_clusters: int,
              draft: bool) -> CachedPlan | None:

@@ -47,9 +47,11 @@ import torch
 
 from vllm.triton_utils import HAS_TRITON
 from vllm.utils.cuda_streams import record_event
+from vllm.utils.pinned_upload import upload
 # (a module reference: flashinfer_plan_cache reads this module's planner arithmetic the same
 # way, so either may be imported first)
 from vllm.v1.attention.backends.mla import flashinfer_plan_cache as _cache
+from vllm.v1.attention.backends.mla import flashinfer_host_plan as _host
 from vllm.v1.attention.backends.mla.plan_lowering import (PlanLowering, rebuild_csr_torch,
                                                           rebuild_csr_triton)
 
@@ -163,6 +165,8 @@ class PlanSkeleton:
     counts: tuple = ()              # the real requests' chunk counts (a plan cache's key)
     num_clusters: int = 0           # the plan's clusters (its limit is a function of them)
     info: tuple = ()                # the plan's plan_info (a kept plan must have the same)
+    num_heads: int = 0              # the plan's query heads and causal flag: what a plan for
+    causal: bool = False            # other lengths of these rows is made with (host plans)
     # device tensors made from this skeleton once (lower_on_device's index, the page-list
     # rebuild's work -> request map): a skeleton put back from a plan cache brings them along
     device: dict = field(default_factory=dict)
@@ -279,7 +283,8 @@ class PlanSkeleton:
                    kv_end=np.array(kv_end_w, dtype=int64),
                    offsets={f: at[f] // 4 for f in ("kv_indptr", "kv_len", "kv_end")},
                    num_works=num_works, limit=limit, counts=tuple(counts),
-                   num_clusters=num_clusters, info=tuple(info))
+                   num_clusters=num_clusters, info=tuple(info), num_heads=int(num_heads),
+                   causal=bool(causal))
 
     def fits(self, qo_indptr: np.ndarray, kv_lens: np.ndarray) -> bool:
         """Whether (qo_indptr, kv_lens) keep this plan's rows and every chunk count, every last
@@ -352,6 +357,15 @@ class PlanRefresher:
         # the wrapper, or switched off)
         self.cache = _cache.PlanCache() if keep_plans and _cache.plan_cache_enabled() else None
         self.cache_put_backs = 0
+        # plans written on the host for structures the cache lacked (flashinfer_host_plan.py)
+        self.host_plans = 0
+        self.host_plans_enabled = self.cache is not None and _host.host_plans_enabled()
+        # the device's SMs, which MLAPlan's cluster count and merge bound come from (without
+        # CUDA: the held plan's clusters times their size)
+        self.num_sm = 0
+        if self._cuda:
+            self.num_sm = torch.cuda.get_device_properties(
+                int_workspace.device).multi_processor_count
         # why a step was planned for real instead (benchmarks print these)
         self.misses = {"no skeleton": 0, "other rows or chunk counts": 0}
 
@@ -380,15 +394,54 @@ class PlanRefresher:
                   draft: bool) -> _cache.CachedPlan | None:
         """A kept plan for the query rows `qo_bytes` (the planned qo_indptr's bytes) valid for
         every length of the real requests between `lower` and `upper` (PlanCache.find), with
-        the held plan's offsets; None without one. Changes nothing."""
+        the held plan's offsets; without one, a plan written on the host for them
+        (flashinfer_host_plan.py) and kept; None where neither serves. Changes nothing on the
+        device."""
         sk = self.skeleton
-        if (self.cache is None or sk is None or not len(self.cache)
-                or _cache.capturing()):
+        if self.cache is None or sk is None or _cache.capturing():
             return None
-        entry = self.cache.find(qo_bytes, lower, upper, sk.num_clusters, draft)
+        entry = None
+        if len(self.cache):
+            entry = self.cache.find(qo_bytes, lower, upper, sk.num_clusters, draft)
+        if entry is None and self.host_plans_enabled:
+            entry = self._host_plan(qo_bytes, lower, upper, draft)
         if entry is None or entry.info != sk.info or entry.skeleton is sk:
             return None
         return entry
+
+    def _host_plan(self, qo_bytes: bytes, lower: np.ndarray, upper: np.ndarray,
+                   draft: bool) -> _cache.CachedPlan | None:
+        """Write MLAPlan's plan for the held plan's rows at the lengths `lower` (a draft plan:
+        or `upper`) on the host and keep it, when it serves every length in [lower, upper] as
+        PlanCache.find would ask of a kept one; None otherwise."""
+        sk = self.skeleton
+        n = sk.num_real
+        if (qo_bytes != sk.qo_bytes or sk.num_heads <= 0 or lower.shape[0] != n
+                or upper.shape[0] != n):
+            return None
+        same = lower is upper or np.array_equal(lower, upper)
+        qo = np.frombuffer(sk.qo_bytes, dtype=sk.qo_dtype)
+        num_sm = self.num_sm or sk.info[0] * sk.info[1]
+        for lengths in ((lower,) if same or not draft else (lower, upper)):
+            kv = np.zeros(qo.shape[0] - 1, dtype=np.int64)
+            kv[:n] = lengths
+            plan = _host.mla_plan(qo, np.zeros_like(qo), kv, sk.num_heads, num_sm, sk.causal)
+            skeleton = None if plan is None else _host.skeleton_of(
+                plan, qo, kv, sk.num_heads, sk.causal, sk.info, draft)
+            if skeleton is None:
+                return None
+            if not same:
+                if draft:
+                    if not ((lower > skeleton.lo).all() and (upper <= skeleton.hi).all()):
+                        continue
+                elif _cache.structure_of(upper, sk.num_clusters) != (skeleton.limit,
+                                                                     skeleton.counts):
+                    return None
+            self.host_plans += 1
+            return self.cache.store_values(skeleton, sk.info,
+                                           _host.workspace_values(plan, sk.info),
+                                           self.device_ws.device)
+        return None
 
     def put_back(self, entry: _cache.CachedPlan) -> None:
         """Write a kept plan (find_kept) into the int workspace and hold its skeleton; the
@@ -428,10 +481,7 @@ class PlanRefresher:
                 ends, end_req = sk.last_work, sk.last_req
             host = np.concatenate([sk.offsets["kv_len"] + real, sk.work_req[real],
                                    sk.offsets["kv_end"] + ends, end_req]).astype(np.int64)
-            staged = torch.from_numpy(host)
-            if self._pin:
-                staged = staged.pin_memory()
-            flat = staged.to(self.device_ws.device, non_blocking=True)
+            flat = upload(host, self.device_ws.device)  # (pinned ring: no cudaHostAlloc)
             index = sk.device["index"] = (flat, len(real), len(ends))
         return index
 
@@ -474,11 +524,8 @@ class PlanRefresher:
             raise RuntimeError("rebuild_page_lists_on_device needs a held plan skeleton")
         work_req = self.skeleton.device.get("work_req")
         if work_req is None:
-            staged = torch.from_numpy(self.skeleton.work_req.astype(np.int64))
-            if self._pin:
-                staged = staged.pin_memory()
-            work_req = self.skeleton.device["work_req"] = staged.to(self.device_ws.device,
-                                                                    non_blocking=True)
+            work_req = self.skeleton.device["work_req"] = upload(
+                self.skeleton.work_req.astype(np.int64), self.device_ws.device)
         ws = self.device_ws
         rebuild = (rebuild_csr_triton if ws.is_cuda and HAS_TRITON and table.is_cuda
                    else rebuild_csr_torch)

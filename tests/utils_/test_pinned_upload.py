@@ -1,0 +1,33 @@
+"""vllm/utils/pinned_upload.py: uploads through the pinned ring arrive intact and in stream
+order, a buffer is reused only after its copy completed (the ring never hands out a buffer a
+pending copy still reads), and buffers grow for larger arrays. On the CPU an upload is a copy."""
+import numpy as np
+import pytest
+import torch
+
+from vllm.utils.pinned_upload import PinnedUploader
+
+
+def test_on_the_cpu_an_upload_is_an_independent_copy():
+    source = np.arange(10, dtype=np.int64)
+    out = PinnedUploader("cpu").upload(source)
+    source[:] = -1
+    assert out.tolist() == list(range(10)) and out.dtype == torch.int64
+
+
+@pytest.mark.gpu
+def test_uploads_behind_a_long_kernel_keep_their_values():
+    """Twenty uploads through a ring of four, enqueued behind a long kernel (a large matmul
+    chain): each buffer is rewritten only after its own copy ran, so every device tensor holds
+    its array, including one larger than the buffers were made for."""
+    uploader = PinnedUploader("cuda", depth=4, min_bytes=64)
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(8):
+        a = a @ a / 64  # keeps the stream busy while the host enqueues uploads
+    arrays = [np.full(8 + i, i, dtype=np.int32) for i in range(19)]
+    arrays.append(np.arange(5000, dtype=np.int64))  # past min_bytes: the buffer grows
+    outs = [uploader.upload(x) for x in arrays]
+    torch.cuda.synchronize()
+    for x, out in zip(arrays, outs):
+        assert out.device.type == "cuda" and out.cpu().numpy().tolist() == x.tolist()
+    assert uploader.uploads == 20 and uploader.waits >= 1  # the ring wrapped behind the matmuls
