@@ -31,15 +31,20 @@ def run_switching_engine(monkeypatch, defer: bool, *, method: str = "dspark",
         enforce_eager=enforce_eager, max_model_len=192, max_num_seqs=4,
         speculative_config=spec, async_scheduling=async_scheduling, seed=0, **extra))
     try:
-        speculator = engine.executor.worker.model_runner.speculator
+        runner = engine.executor.worker.model_runner
+        speculator = runner.speculator
         flushed, drafts = [], []
-        propose = speculator.propose
+        propose = runner._propose
 
-        def recording_propose(inputs):
-            out = propose(inputs)
-            drafts.append(out[0].tolist())
+        def recording_propose(*args, **kwargs):
+            # Every draft pass, whichever way it ran: speculator.propose, or a draft step
+            # launched early (consume_early_launch, CUDA graphs on FlashInfer), which does
+            # not call propose. Both leave the pass's drafts in _last_drafts.
+            out = propose(*args, **kwargs)
+            req_ids, step_drafts = runner._last_drafts
+            drafts.append(step_drafts[:len(req_ids)].tolist())
             return out
-        speculator.propose = recording_propose
+        runner._propose = recording_propose
         if defer:
             inner = speculator.flush_context
 
@@ -60,10 +65,17 @@ def run_switching_engine(monkeypatch, defer: bool, *, method: str = "dspark",
         engine.shutdown()
 
 
-def draft_agreement(a: list, b: list) -> float:
-    """Share of draft positions equal between two runs' draft passes (same passes in order)."""
+def draft_agreement(a: list, b: list, strict: bool = True) -> float:
+    """Share of draft positions equal between two runs' draft passes (same passes in order).
+    `strict`: the runs must have made the same passes (a mismatch in their number or shapes
+    raises: for runs that should agree it is a recording fault, not a disagreement); else a
+    mismatch counts as no agreement (drafts bad enough to change acceptance, hence the
+    passes)."""
     flat_a = [t for step in a for row in step for t in row]
     flat_b = [t for step in b for row in step for t in row]
     if not flat_a or len(flat_a) != len(flat_b):
-        return 0.0
+        if not strict:
+            return 0.0
+        raise AssertionError(f"draft passes differ: {len(a)} passes / {len(flat_a)} drafts "
+                             f"against {len(b)} / {len(flat_b)}")
     return sum(x == y for x, y in zip(flat_a, flat_b)) / len(flat_a)

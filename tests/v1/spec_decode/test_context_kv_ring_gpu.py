@@ -27,4 +27,4 @@ def test_deferred_context_kv_with_graphs(monkeypatch, method, backend, dtype):
     assert agree >= 0.9, agree
     assert draft_agreement(eager["drafts"], deferred["drafts"]) >= 0.9
     dropped = run_switching_engine(monkeypatch, True, drop_flush=True, **common)
-    assert draft_agreement(dropped["drafts"], direct["drafts"]) < agree
+    assert draft_agreement(dropped["drafts"], direct["drafts"], strict=False) < agree
