@@ -383,29 +383,17 @@ def test_a_plan_held_from_the_previous_step_advanced_on_the_device_matches_torch
     assert_states_close(fi, ref)
 
 
-@pytest.mark.parametrize("crossing", [False, True], ids=["same-pages", "into-a-new-page"])
-@pytest.mark.parametrize("non_causal", [False, True], ids=["verify-causal", "draft-noncausal"])
-def test_a_graph_step_carried_to_the_next_step_matches_torch_mla(non_causal, crossing,
-                                                                 monkeypatch):
-    """The runner's graph-step advance (GPUModelRunner._advance_graph_step): metadata built
-    for one graph step (lengths [700, 2040, 60, 9]) carries the next (every request one to
-    four tokens longer, in the same chunks; `crossing`: request 2 grows from 60 to 70 tokens,
-    into a second page of 64 that the held plan does not list, so the page lists are rebuilt
-    on the device), whose lengths the batch builder has written into the device buffer the
-    metadata aliases. advance_graph_step writes them into the plan and the row lengths;
-    FlashInfer and TORCH_MLA on the carried metadata then equal TORCH_MLA on metadata built
-    afresh for the next step. Before the advance FlashInfer still reads the earlier lengths
-    (it must differ, so the check can fail). Verify rows (causal Q=5) and draft blocks
-    (non-causal Q=5)."""
-    import numpy as np
+def _carried_step(non_causal: bool, previous, nxt, plan_seed: int, case_seed: int):
+    """A Q=5 graph step (verify rows, causal; or draft blocks, non-causal) built for lengths
+    `previous` on a builder that planned once before, whose device lengths then move to `nxt`
+    (what the batch builder writes into the buffer the metadata aliases), and TORCH_MLA on
+    metadata built afresh for `nxt` as the reference; the KV cache past every length holds
+    4.0. Returns (builder, the carried metadata, run(impl, decode), reference, query rows)."""
     from dataclasses import replace
-    from vllm.v1.attention.backends.mla.flashinfer_mla import PAGE_LIST_REBUILD_FLAG
-    monkeypatch.setenv(PAGE_LIST_REBUILD_FLAG, "1")  # the default, pinned (read per builder)
-    q_len, previous = 5, [700, 2040, 60, 9]
-    nxt = [704, 2044, 70 if crossing else 64, 13]
+    q_len = 5
     builder = _graph_builder(q_len, non_causal=non_causal, max_model_len=8192)
-    _graph_step(builder, [690, 2030, 50, 5], [q_len] * 4, not non_causal, 81)  # plan_args
-    case = make_case(nxt, [q_len] * 4, num_heads=HEADS, causal=not non_causal, seed=82,
+    _graph_step(builder, [690, 2030, 50, 5], [q_len] * 4, not non_causal, plan_seed)
+    case = make_case(nxt, [q_len] * 4, num_heads=HEADS, causal=not non_causal, seed=case_seed,
                      dtype=torch.bfloat16)
     _, cache, cm, _ = build_rank(case, FlashInferMLAMetadataBuilder, 1, 0, 1, BLOCK, fill=4.0,
                                  device=DEVICE, builder_kwargs=dict(kernel_family="hopper"))
@@ -424,8 +412,30 @@ def test_a_graph_step_carried_to_the_next_step_matches_torch_mla(non_causal, cro
                                   seq_lens_cpu=torch.tensor(previous, dtype=torch.int32)))
     cm.seq_lens.copy_(torch.tensor(nxt, dtype=cm.seq_lens.dtype))
     assert md.decode.seq_lens.data_ptr() == cm.seq_lens.data_ptr()
+    return builder, md, run, ref, case.q.shape[0]
+
+
+@pytest.mark.parametrize("crossing", [False, True], ids=["same-pages", "into-a-new-page"])
+@pytest.mark.parametrize("non_causal", [False, True], ids=["verify-causal", "draft-noncausal"])
+def test_a_graph_step_carried_to_the_next_step_matches_torch_mla(non_causal, crossing,
+                                                                 monkeypatch):
+    """The runner's graph-step advance (GPUModelRunner._advance_graph_step): metadata built
+    for one graph step (lengths [700, 2040, 60, 9]) carries the next (every request one to
+    four tokens longer, in the same chunks; `crossing`: request 2 grows from 60 to 70 tokens,
+    into a second page of 64 that the held plan does not list, so the page lists are rebuilt
+    on the device), whose lengths the batch builder has written into the device buffer the
+    metadata aliases. advance_graph_step writes them into the plan and the row lengths;
+    FlashInfer and TORCH_MLA on the carried metadata then equal TORCH_MLA on metadata built
+    afresh for the next step. Before the advance FlashInfer still reads the earlier lengths
+    (it must differ, so the check can fail). Verify rows (causal Q=5) and draft blocks
+    (non-causal Q=5)."""
+    import numpy as np
+    from vllm.v1.attention.backends.mla.flashinfer_mla import PAGE_LIST_REBUILD_FLAG
+    monkeypatch.setenv(PAGE_LIST_REBUILD_FLAG, "1")  # the default, pinned (read per builder)
+    nxt = [704, 2044, 70 if crossing else 64, 13]
+    builder, md, run, ref, rows = _carried_step(non_causal, [700, 2040, 60, 9], nxt, 81, 82)
     stale = run(FlashInferMLAImpl, md.decode)
-    assert not torch.allclose(stale[1][: case.q.shape[0]].float(), ref[1][: case.q.shape[0]].float(),
+    assert not torch.allclose(stale[1][:rows].float(), ref[1][:rows].float(),
                               atol=1e-2)
     refresher = md.decode.backend_state.wrapper_slot.refresher
     rebuilds = refresher.page_list_rebuilds
@@ -645,27 +655,8 @@ def test_an_advance_into_a_structure_never_planned_takes_a_host_plan_that_matche
     on the device: no native plan, and FlashInfer on the carried metadata equals TORCH_MLA on
     metadata built afresh. Verify rows (causal Q=5) and draft blocks (non-causal Q=5)."""
     import numpy as np
-    from dataclasses import replace
-    q_len, previous, nxt = 5, [700, 2040, 60, 9], [704, 2300, 64, 13]
-    builder = _graph_builder(q_len, non_causal=non_causal, max_model_len=8192)
-    _graph_step(builder, [690, 2030, 50, 5], [q_len] * 4, not non_causal, 83)  # plan_args
-    case = make_case(nxt, [q_len] * 4, num_heads=HEADS, causal=not non_causal, seed=84,
-                     dtype=torch.bfloat16)
-    _, cache, cm, _ = build_rank(case, FlashInferMLAMetadataBuilder, 1, 0, 1, BLOCK, fill=4.0,
-                                 device=DEVICE, builder_kwargs=dict(kernel_family="hopper"))
-    graph_cm = replace(cm, cudagraph=True)
-    q = torch.zeros(4 * q_len, HEADS, case.q.shape[-1], dtype=case.q.dtype, device=DEVICE)
-    q[: case.q.shape[0]] = case.q.to(DEVICE)
-
-    def run(impl, decode):
-        return impl(num_heads=HEADS, scale=case.scale).forward_decode(q, cache, decode)
-
-    fresh = _graph_builder(q_len, non_causal=non_causal, max_model_len=8192)
-    ref = run(TorchMLAImpl, fresh.build(0, graph_cm).decode)
-    cm.seq_lens.copy_(torch.tensor(previous, dtype=cm.seq_lens.dtype))
-    md = builder.build(0, replace(graph_cm,
-                                  seq_lens_cpu=torch.tensor(previous, dtype=torch.int32)))
-    cm.seq_lens.copy_(torch.tensor(nxt, dtype=cm.seq_lens.dtype))
+    nxt = [704, 2300, 64, 13]
+    builder, md, run, ref, _ = _carried_step(non_causal, [700, 2040, 60, 9], nxt, 83, 84)
     slot = md.decode.backend_state.wrapper_slot
     refresher = slot.refresher
     held = refresher.skeleton
