@@ -40,6 +40,7 @@
 #   bash scripts/gpu_validation.sh lookaheadab # ... its in-process A/B at B=1 (~5 min)
 #   bash scripts/gpu_validation.sh clusters  # does the cluster a chunk lands on change an output bit? (~1 min)
 #   bash scripts/gpu_validation.sh hostplan  # host-written plans == FlashInfer's, byte for byte; vs TORCH_MLA (~2 min)
+#   bash scripts/gpu_validation.sh nextcheck # the thirty-second session's GPU tests not yet run (~3 min)
 #   bash scripts/gpu_validation.sh b8profile # why the drafter's presence costs at B=8: probe and profile diff, none vs never (~4 min)
 #   bash scripts/gpu_validation.sh headline  # tiny DSpark vs none (always, 3 repeats) and the V3-rank DSpark overhead (~5 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
@@ -346,8 +347,15 @@ for what in "${groups[@]}"; do
         tests/v1/attention/test_flashinfer_mla_gpu.py -k "which_cluster" ;;
     hostplan)  # thirty-second session: plans written on the host (flashinfer_host_plan.py)
       PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-300}" run_pytest hostplan \
-        tests/v1/attention/test_flashinfer_mla_gpu.py -k \
-        "host_written or never_planned or which_cluster or plan_refreshes or past_the_chunk" ;;
+        tests/v1/attention/test_flashinfer_mla_gpu.py tests/utils_/test_pinned_upload.py -k \
+        "host_written or never_planned or which_cluster or plan_refreshes or past_the_chunk \
+         or carried or upload" ;;
+    nextcheck)  # thirty-second session's changes not yet run on a GPU: the pinned ring under
+      # capture, the shared carried-step set-up, the context-KV ring test's recording (~3 min)
+      PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-400}" run_pytest nextcheck \
+        tests/utils_/test_pinned_upload.py tests/v1/attention/test_flashinfer_mla_gpu.py \
+        tests/v1/spec_decode/test_context_kv_ring_gpu.py -k \
+        "upload or carried or never_planned or deferred_context_kv" ;;
     b8profile)  # #15's cannot-pay at B=8: what the drafter's presence adds to a step
       timeout 100 python3 scripts/probe_spec_step.py --device cuda --dtype bfloat16 \
         --attention-backend FLASHINFER_MLA --batch 8 --modes plain nodraft nopay --steps 150 \

@@ -31,3 +31,22 @@ def test_uploads_behind_a_long_kernel_keep_their_values():
     for x, out in zip(arrays, outs):
         assert out.device.type == "cuda" and out.cpu().numpy().tolist() == x.tolist()
     assert uploader.uploads == 20 and uploader.waits >= 1  # the ring wrapped behind the matmuls
+
+
+@pytest.mark.gpu
+def test_an_upload_captured_in_a_cuda_graph_replays_its_own_values():
+    """Inside a capture the copy is replayed later: it reads a source kept for it, so uploads
+    after the capture (through the ring) do not change what a replay writes."""
+    uploader = PinnedUploader("cuda", depth=2, min_bytes=64)
+    uploader.upload(np.zeros(4, dtype=np.int32))  # warm the ring before the capture
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            out = uploader.upload(np.array([5, 6, 7, 8], dtype=np.int32))
+    for _ in range(4):
+        uploader.upload(np.full(4, -1, dtype=np.int32))
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert out.cpu().tolist() == [5, 6, 7, 8]

@@ -27,6 +27,7 @@ class PinnedUploader:
         self._next = 0
         self.uploads = 0
         self.waits = 0  # uploads that found their buffer's last copy still pending
+        self._captured_sources: list[torch.Tensor] = []
 
     def upload(self, array: np.ndarray) -> torch.Tensor:
         """A new device tensor holding `array` (stream-ordered: kernels enqueued after this on
@@ -34,6 +35,14 @@ class PinnedUploader:
         array = np.ascontiguousarray(array)
         if self.device.type != "cuda":
             return torch.from_numpy(array.copy())
+        if torch.cuda.is_current_stream_capturing():
+            # A captured copy reads its source again at every replay: give it a page-locked
+            # source of its own, kept for the process, not a ring buffer rewritten later.
+            source = torch.from_numpy(array.copy()).pin_memory()
+            self._captured_sources.append(source)
+            out = torch.empty(source.shape, dtype=source.dtype, device=self.device)
+            out.copy_(source, non_blocking=True)
+            return out
         i = self._next
         self._next = (i + 1) % self.depth
         event = self._events[i]
