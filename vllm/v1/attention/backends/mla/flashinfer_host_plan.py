@@ -49,7 +49,6 @@ from vllm.v1.attention.backends.mla import flashinfer_plan_cache as _cache
 from vllm.v1.attention.backends.mla import flashinfer_plan_refresh as _refresh
 
 HOST_PLANS_FLAG = "VLLM_MLA_HOST_PLANS"
-_CTA_TILE_Q = 64
 # The planner's costs are float32 sums of whole numbers; Python adds them exactly, so the two
 # agree while every partial sum is below 2**24. Larger workloads go to the native planner.
 _EXACT_FLOAT32 = 1 << 24
@@ -154,7 +153,7 @@ def mla_plan(qo_indptr, kv_indptr, kv_lens, num_heads: int, num_sm: int,
         raise ValueError(f"qo_indptr must not decrease: {qo}")
     cluster_size = 2 if sum(q * num_heads for q in q_lens) // batch > 64 else 1
     num_clusters = num_sm // cluster_size
-    tile = _CTA_TILE_Q * cluster_size
+    tile = _refresh._CTA_TILE_Q * cluster_size
     tiles = [-(-(q * num_heads) // tile) for q in q_lens]
 
     def effective(i: int, t: int) -> int:
@@ -243,29 +242,14 @@ def skeleton_of(plan: HostPlan, qo_indptr: np.ndarray, kv_lens: np.ndarray, num_
     q_lens = [b - a for a, b in zip(qo, qo[1:])]
     num_real = sum(1 for q in q_lens if q > 0)
     if (num_real == 0 or min(q_lens[:num_real]) <= 0 or any(kv[num_real:])
-            or max(q_lens) * num_heads > plan.cluster_size * _CTA_TILE_Q):
+            or max(q_lens) * num_heads > plan.cluster_size * _refresh._CTA_TILE_Q):
         return None
     counts = [0] * num_real
     for r in plan.work_req:
         counts[r] += 1
-    limit = plan.limit
     # (in request order, as from_plan lists them)
     last = sorted((plan.work_req[j], j) for j, is_last in enumerate(plan.last_of_request)
                   if is_last)
-    last_req = [r for r, _ in last]
-    last_work = [j for _, j in last]
-    slack = _refresh.refresh_slack(limit, draft)
-    int64 = np.int64
-    at = dict(zip(_refresh.PLAN_INFO_FIELDS, info))
-    num_works = plan.work_indptr[-1]
-    return _refresh.PlanSkeleton(
-        qo_indptr=np.array(qo, dtype=int64), num_real=num_real,
-        lo=np.array([(c - 1) * limit if c > 1 else -1 for c in counts], dtype=int64),
-        hi=np.array([c * limit + slack for c in counts], dtype=int64),
-        work_req=np.array(plan.work_req, dtype=int64),
-        last_work=np.array(last_work, dtype=int64), last_req=np.array(last_req, dtype=int64),
-        kv_end=np.array(plan.works["kv_end"], dtype=int64),
-        offsets={f: at[f] // 4 for f in ("kv_indptr", "kv_len", "kv_end")},
-        num_works=num_works, qo_bytes=qo_indptr.tobytes(), qo_dtype=qo_indptr.dtype,
-        ends_are_lengths=len(last_work) == num_works, limit=limit, counts=tuple(counts),
-        num_clusters=plan.num_clusters, info=info, num_heads=num_heads, causal=bool(causal))
+    return _refresh.PlanSkeleton.of_works(
+        qo_indptr, num_real, plan.work_req, [j for _, j in last], [r for r, _ in last],
+        plan.works["kv_end"], counts, plan.limit, info, num_heads, causal, draft)

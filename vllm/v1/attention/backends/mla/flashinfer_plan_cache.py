@@ -115,6 +115,20 @@ def plan_regions(info: list[int], num_works: int) -> np.ndarray:
     return np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in spans])
 
 
+def serves(skeleton, lower: np.ndarray, upper: np.ndarray, num_clusters: int,
+           draft: bool) -> bool:
+    """Whether a plan of `skeleton`, a plan of the lower bound's structure (or, for a draft
+    plan, of any structure), is valid for every length vector between `lower` and `upper`:
+    exact lengths always; else a verify plan (its split decides the output) only where the
+    upper bound has its structure too, a draft plan (its split decides nothing) where both
+    bounds are within its skeleton's bounds."""
+    if lower is upper or np.array_equal(lower, upper):
+        return True
+    if draft:
+        return bool((lower > skeleton.lo).all() and (upper <= skeleton.hi).all())
+    return structure_of(upper, num_clusters) == (skeleton.limit, skeleton.counts)
+
+
 @dataclass
 class CachedPlan:
     skeleton: object        # PlanSkeleton of the plan
@@ -193,13 +207,8 @@ class PlanCache:
         entry = self._entries.get(key)
         if entry is None:
             return None
-        sk = entry.skeleton
-        if lower is not upper and not np.array_equal(lower, upper):
-            if draft:
-                if not ((lower > sk.lo).all() and (upper <= sk.hi).all()):
-                    return None
-            elif structure_of(upper, num_clusters) != (limit, counts):
-                return None
+        if not serves(entry.skeleton, lower, upper, num_clusters, draft):
+            return None
         self._entries.move_to_end(key)
         self.hits += 1
         return entry

@@ -269,21 +269,34 @@ class PlanSkeleton:
                 last_work.append(j)
                 last_req.append(r)
             previous = r
-        lo = [(c - 1) * limit if c > 1 else -1 for c in counts]
+        return cls.of_works(qo_indptr, num_real, req, last_work, last_req, kv_end_w, counts,
+                            limit, info, num_heads, causal, draft,
+                            padding_works=req.count(num_real))
+
+    @classmethod
+    def of_works(cls, qo_indptr: np.ndarray, num_real: int, work_req: list, last_work: list,
+                 last_req: list, kv_end: list, counts: list, limit: int, info, num_heads: int,
+                 causal: bool, draft: bool, padding_works: int = 0) -> "PlanSkeleton":
+        """The skeleton of a plan of the recognised form from its works (each work's request,
+        the works ending a request's KV with their requests, every kv_end), the real requests'
+        chunk counts and the plan's limit and plan_info: from_plan's read-back and a plan
+        written on the host (flashinfer_host_plan.skeleton_of) both end here."""
         slack = refresh_slack(limit, draft)
-        hi = [c * limit + slack for c in counts]  # the last chunk may outgrow the limit
         int64 = np.int64
-        return cls(qo_indptr=np.array(qo, dtype=int64), num_real=num_real,
-                   lo=np.array(lo, dtype=int64), hi=np.array(hi, dtype=int64),
+        at = dict(zip(PLAN_INFO_FIELDS, info))
+        return cls(qo_indptr=qo_indptr.astype(int64), num_real=num_real,
+                   lo=np.array([(c - 1) * limit if c > 1 else -1 for c in counts], dtype=int64),
+                   # (the last chunk may outgrow the limit by the slack)
+                   hi=np.array([c * limit + slack for c in counts], dtype=int64),
                    qo_bytes=qo_indptr.tobytes(), qo_dtype=qo_indptr.dtype,
-                   ends_are_lengths=len(last_work) == num_works - req.count(num_real),
-                   work_req=np.array(req, dtype=int64),
+                   ends_are_lengths=len(last_work) == len(work_req) - padding_works,
+                   work_req=np.array(work_req, dtype=int64),
                    last_work=np.array(last_work, dtype=int64),
                    last_req=np.array(last_req, dtype=int64),
-                   kv_end=np.array(kv_end_w, dtype=int64),
+                   kv_end=np.array(kv_end, dtype=int64),
                    offsets={f: at[f] // 4 for f in ("kv_indptr", "kv_len", "kv_end")},
-                   num_works=num_works, limit=limit, counts=tuple(counts),
-                   num_clusters=num_clusters, info=tuple(info), num_heads=int(num_heads),
+                   num_works=len(work_req), limit=limit, counts=tuple(counts),
+                   num_clusters=at["num_blks_y"], info=tuple(info), num_heads=int(num_heads),
                    causal=bool(causal))
 
     def fits(self, qo_indptr: np.ndarray, kv_lens: np.ndarray) -> bool:
@@ -430,13 +443,8 @@ class PlanRefresher:
                 plan, qo, kv, sk.num_heads, sk.causal, sk.info, draft)
             if skeleton is None:
                 return None
-            if not same:
-                if draft:
-                    if not ((lower > skeleton.lo).all() and (upper <= skeleton.hi).all()):
-                        continue
-                elif _cache.structure_of(upper, sk.num_clusters) != (skeleton.limit,
-                                                                     skeleton.counts):
-                    return None
+            if not _cache.serves(skeleton, lower, upper, sk.num_clusters, draft):
+                continue  # (a draft range: the upper bound's structure may serve)
             self.host_plans += 1
             return self.cache.store_values(skeleton, sk.info,
                                            _host.workspace_values(plan, sk.info),
