@@ -355,7 +355,8 @@ for what in "${groups[@]}"; do
       PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-400}" run_pytest nextcheck \
         tests/utils_/test_pinned_upload.py tests/v1/attention/test_flashinfer_mla_gpu.py \
         tests/v1/spec_decode/test_context_kv_ring_gpu.py -k \
-        "upload or carried or never_planned or deferred_context_kv" ;;
+        "upload or carried or never_planned or host_written or plan_refreshes \
+         or past_the_chunk or deferred_context_kv" ;;
     b8profile)  # #15's cannot-pay at B=8: what the drafter's presence adds to a step
       timeout 100 python3 scripts/probe_spec_step.py --device cuda --dtype bfloat16 \
         --attention-backend FLASHINFER_MLA --batch 8 --modes plain nodraft nopay --steps 150 \
