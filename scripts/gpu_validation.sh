@@ -41,6 +41,7 @@
 #   bash scripts/gpu_validation.sh clusters  # does the cluster a chunk lands on change an output bit? (~1 min)
 #   bash scripts/gpu_validation.sh hostplan  # host-written plans == FlashInfer's, byte for byte; vs TORCH_MLA (~2 min)
 #   bash scripts/gpu_validation.sh nextcheck # the thirty-second session's GPU tests not yet run (~3 min)
+#   bash scripts/gpu_validation.sh moerouting # MoE routing kernels: tests, exactness, kernels/step, B=1 A/B (~8 min)
 #   bash scripts/gpu_validation.sh b8profile # why the drafter's presence costs at B=8: probe and profile diff, none vs never (~4 min)
 #   bash scripts/gpu_validation.sh headline  # tiny DSpark vs none (always, 3 repeats) and the V3-rank DSpark overhead (~5 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
@@ -357,6 +358,20 @@ for what in "${groups[@]}"; do
         tests/v1/spec_decode/test_context_kv_ring_gpu.py -k \
         "upload or carried or never_planned or host_written or plan_refreshes \
          or past_the_chunk or deferred_context_kv" ;;
+    moerouting)  # thirty-third session: the MoE routing + alignment kernels (moe_routing.py):
+      # their GPU tests, HF parity and the engine exactness list, then kernels per step with
+      # them off / on (graph_kernels.py) and the in-process tok/s A/B at B=1 (~8 min)
+      PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-330}" run_pytest moerouting \
+        tests/model_executor/layers/test_moe_routing.py tests/model_executor/layers/test_fused_moe.py \
+        tests/model_executor/test_models_gpu.py tests/v1/e2e/test_gpu_exactness.py
+      for f in 0 1; do
+        VLLM_FUSED_MOE_ROUTING=$f timeout 100 python3 scripts/graph_kernels.py --variants none always \
+          --batch 1 --steps 30 --top 80 >"$out/kernels_routing$f.log" 2>&1
+        summary+=("kernels routing=$f rc=$?"); grep -A3 "^| variant" "$out/kernels_routing$f.log"
+      done
+      [ -n "${MOE_SKIP_AB:-}" ] || { timeout 200 python3 scripts/ab_env_switch.py \
+        --switch VLLM_FUSED_MOE_ROUTING --batch-sizes 1 --rounds 3 >"$out/ab_routing.log" 2>&1
+        summary+=("ab routing rc=$?"); tail -n 12 "$out/ab_routing.log"; } ;;
     b8profile)  # #15's cannot-pay at B=8: what the drafter's presence adds to a step
       timeout 100 python3 scripts/probe_spec_step.py --device cuda --dtype bfloat16 \
         --attention-backend FLASHINFER_MLA --batch 8 --modes plain nodraft nopay --steps 150 \

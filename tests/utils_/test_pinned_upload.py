@@ -17,20 +17,26 @@ def test_on_the_cpu_an_upload_is_an_independent_copy():
 
 @pytest.mark.gpu
 def test_uploads_behind_a_long_kernel_keep_their_values():
-    """Twenty uploads through a ring of four, enqueued behind a long kernel (a large matmul
-    chain): each buffer is rewritten only after its own copy ran, so every device tensor holds
+    """Twenty uploads through a ring of four, enqueued behind a long kernel (a spinning
+    kernel): each buffer is rewritten only after its own copy ran, so every device tensor holds
     its array, including one larger than the buffers were made for."""
     uploader = PinnedUploader("cuda", depth=4, min_bytes=64)
-    a = torch.randn(4096, 4096, device="cuda")
-    for _ in range(8):
-        a = a @ a / 64  # keeps the stream busy while the host enqueues uploads
+    for _ in range(4):  # the ring's page-locked buffers are allocated before the long kernel:
+        uploader.upload(np.zeros(8, dtype=np.int32))  # cudaHostAlloc takes milliseconds
+    torch.cuda.synchronize()
+    waits_before = uploader.waits
+    # ~0.2-0.5 s of spinning on the stream (clock-dependent), far longer than the host takes
+    # to enqueue twenty uploads (a matmul chain of ~20 ms had finished before the ring wrapped
+    # when the first uploads still allocated their buffers: no wait seen, thirty-third session)
+    torch.cuda._sleep(500_000_000)
     arrays = [np.full(8 + i, i, dtype=np.int32) for i in range(19)]
     arrays.append(np.arange(5000, dtype=np.int64))  # past min_bytes: the buffer grows
     outs = [uploader.upload(x) for x in arrays]
     torch.cuda.synchronize()
     for x, out in zip(arrays, outs):
         assert out.device.type == "cuda" and out.cpu().numpy().tolist() == x.tolist()
-    assert uploader.uploads == 20 and uploader.waits >= 1  # the ring wrapped behind the matmuls
+    # the ring wrapped behind the spinning kernel: uploads 5-20 found their buffers pending
+    assert uploader.uploads == 24 and uploader.waits - waits_before >= 1
 
 
 @pytest.mark.gpu

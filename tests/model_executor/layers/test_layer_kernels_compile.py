@@ -48,10 +48,12 @@ def test_rope_kernel_compiles_for_sm90():
 
 def test_moe_kernels_compile_for_sm90():
     from vllm.model_executor.layers import moe_kernels as mk
+    from vllm.model_executor.layers import moe_routing as mr
     cuda_target()
     experts, hidden, inter, top_k = 8, 512, 256, 2
     with record_launches(mk, "_moe_gate_up_kernel") as gate_up, \
-            record_launches(mk, "_moe_down_kernel") as down:
+            record_launches(mk, "_moe_down_kernel") as down, \
+            record_launches(mr, "_align_kernel") as align:
         for dtype in _DTYPES:
             w13 = torch.zeros(experts, 2 * inter, hidden, dtype=dtype)
             w2 = torch.zeros(experts, hidden, inter, dtype=dtype)
@@ -63,3 +65,25 @@ def test_moe_kernels_compile_for_sm90():
                 mk.fused_experts_triton(torch.zeros(tokens, hidden, dtype=dtype), w13, w2, weights, ids)
     compile_recorded(gate_up, expect_at_least=len(_DTYPES) * 4)
     compile_recorded(down, expect_at_least=len(_DTYPES) * 3)
+    # the one-program alignment where it fits (4 and 256 tokens; 2048 pairs and up keep the
+    # torch form)
+    compile_recorded(align, expect_at_least=2)
+
+
+def test_moe_routing_kernel_compiles_for_sm90():
+    """moe_routing.route_triton's variants: the tiny model's router (4 experts, top-2), groups
+    of two, DeepSeek-V3's (256 experts, 8 groups, 4 kept, top-8), softmax, top-1; one token
+    and a verify block's."""
+    from vllm.model_executor.layers import moe_routing as mr
+    cuda_target()
+    routers = ((4, 2, 1, 1, "sigmoid", True), (8, 3, 4, 2, "sigmoid", True),
+               (256, 8, 8, 4, "sigmoid", True), (6, 2, 1, 1, "softmax", False),
+               (16, 1, 2, 1, "sigmoid", False))
+    with record_launches(mr, "_route_kernel") as route:
+        for experts, top_k, groups, kept, scoring, bias in routers:
+            for tokens in (1, 40):
+                mr.route_triton(torch.zeros(tokens, experts), top_k, scoring_func=scoring,
+                                correction_bias=torch.zeros(experts) if bias else None,
+                                num_groups=groups, topk_groups=kept, renormalize=True,
+                                routed_scaling_factor=1.5)
+    compile_recorded(route, expect_at_least=len(routers))

@@ -11,7 +11,10 @@ from torch import nn
 
 from vllm.model_executor.layers.mlp import GatedMLP
 from vllm.model_executor.layers.moe_kernels import fused_experts
+from vllm.model_executor.layers.moe_routing import (fused_routing_enabled, route_supported,
+                                                    route_triton)
 from vllm.model_executor.layers.parallel_utils import divide, tp_group
+from vllm.triton_utils import HAS_TRITON
 from vllm.model_executor.layers.weight_utils import default_weight_loader, load_shard
 
 # checkpoint projection of each expert -> (stacked parameter, part); part 0 = gate rows of w13,
@@ -110,9 +113,11 @@ class StackedExperts(nn.Module):
         load_shard(param, loaded, dim=1 if shard_id[1] == 2 else 0, rank=self.tp_rank, world=self.tp_size,
                    dst=dst)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                fused_align: bool = True) -> torch.Tensor:
         """Routed sum over each token's experts (this rank's partial sum under TP)."""
-        return fused_experts(x, self.w13_weight, self.w2_weight, weights, ids)
+        return fused_experts(x, self.w13_weight, self.w2_weight, weights, ids,
+                             fused_align=fused_align)
 
 
 class DeepseekMoE(nn.Module):
@@ -126,6 +131,11 @@ class DeepseekMoE(nn.Module):
         self.num_groups, self.topk_groups = config.n_group, config.topk_group
         self.renormalize = bool(config.norm_topk_prob)
         self.routed_scaling_factor = float(config.routed_scaling_factor)
+        # Routing and pair alignment in one Triton launch each on CUDA (moe_routing.py), where
+        # the router's shape allows; VLLM_FUSED_MOE_ROUTING=0 keeps the torch forms.
+        self.fused_routing = fused_routing_enabled()
+        self._route_fits = route_supported(self.num_experts, self.top_k, self.num_groups,
+                                           self.topk_groups, self.scoring_func)
         self.gate = MoERouter(config.hidden_size, self.num_experts,
                               with_bias=config.topk_method == "noaux_tc")
         # Each expert is split over TP like a dense MLP; partial sums are reduced once at the end.
@@ -140,12 +150,14 @@ class DeepseekMoE(nn.Module):
             self.shared_experts = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(
+        fused = self.fused_routing and x.is_cuda and HAS_TRITON
+        route = route_triton if fused and self._route_fits else select_experts
+        weights, ids = route(
             self.gate(x), self.top_k, scoring_func=self.scoring_func,
             correction_bias=self.gate.e_score_correction_bias, num_groups=self.num_groups,
             topk_groups=self.topk_groups, renormalize=self.renormalize,
             routed_scaling_factor=self.routed_scaling_factor)
-        out = self.experts(x, weights, ids)
+        out = self.experts(x, weights, ids, fused_align=fused)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         group = tp_group()

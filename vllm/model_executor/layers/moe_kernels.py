@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vllm.model_executor.layers.moe_routing import align_supported, align_triton
 from vllm.triton_utils import HAS_TRITON, tl, triton  # noqa: F401
 
 
@@ -169,8 +170,11 @@ def _check_expert_args(x, w13, w2, weights, ids) -> None:
 
 
 def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                         ids: torch.Tensor, config: dict[str, int] | None = None) -> torch.Tensor:
-    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) -> [T, D] in x's dtype, four device-side steps."""
+                         ids: torch.Tensor, config: dict[str, int] | None = None,
+                         fused_align: bool = True) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) -> [T, D] in x's dtype, four device-side steps.
+    `fused_align`: the alignment in one Triton launch where it fits (moe_routing.align_triton),
+    else the torch form."""
     _check_expert_args(x, w13, w2, weights, ids)
     num_tokens, top_k = ids.shape
     num_experts, two_inter, hidden = w13.shape
@@ -183,7 +187,10 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w
     x = x if x.stride(-1) == 1 else x.contiguous()
     w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
-    sorted_pairs, block_expert = moe_align_block_size(ids, num_experts, block_m)
+    if fused_align and align_supported(num_pairs, num_experts, block_m):
+        sorted_pairs, block_expert = align_triton(ids, num_experts, block_m)
+    else:
+        sorted_pairs, block_expert = moe_align_block_size(ids, num_experts, block_m)
     num_blocks = block_expert.shape[0]
     ieee = x.dtype == torch.float32  # float32 activations: no TF32 shortcut
     inter = torch.empty(sorted_pairs.shape[0], inter_size, dtype=x.dtype, device=x.device)
@@ -266,7 +273,7 @@ def _experts_dense(x, w13, w2, weights, ids) -> torch.Tensor:
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor) -> torch.Tensor:
+                  ids: torch.Tensor, fused_align: bool = True) -> torch.Tensor:
     if HAS_TRITON and x.is_cuda and x.dtype != torch.float64:
-        return fused_experts_triton(x, w13, w2, weights, ids)
+        return fused_experts_triton(x, w13, w2, weights, ids, fused_align=fused_align)
     return fused_experts_torch(x, w13, w2, weights, ids)
