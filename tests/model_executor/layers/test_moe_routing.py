@@ -36,12 +36,39 @@ def test_which_routers_the_kernel_serves(experts, top_k, groups, kept, scoring, 
 
 
 def test_which_batches_the_alignment_kernel_serves():
-    # the expert chunk shrinks as pairs grow; past one program's cells the torch form stays
-    assert moe_routing.align_supported(5 * 2, 4, 16)
-    assert moe_routing.align_supported(40 * 8, 256, 16)      # V3 router, a B=8 verify step
-    assert moe_routing.align_supported(1024, 4, 16)
+    # the expert chunk shrinks as pairs grow; past one program's cells or four chunks of
+    # experts the torch form stays (at 256 pairs over 256 experts the kernel was slower)
+    assert moe_routing.align_supported(5 * 2, 4, 16)         # tiny model, B=1 verify
+    assert moe_routing.align_supported(1024, 4, 16)          # tiny model, 512 tokens
+    assert moe_routing.align_supported(5 * 8, 256, 16)       # V3 router, B=1 verify
+    assert not moe_routing.align_supported(32 * 8, 256, 16)  # V3 router, B=32 decode
     assert not moe_routing.align_supported(8192 * 8, 256, 64)  # a prefill chunk
     assert not moe_routing.align_supported(0, 4, 16)
+
+
+def test_prefill_sized_calls_keep_the_torch_routing(monkeypatch):
+    """The layer routes a CUDA call of up to MAX_ROUTE_TOKENS tokens with the kernel and a
+    longer one (a prefill) with select_experts, so a prefill's temporaries and the memory
+    profile stay the torch form's; off CUDA, with the switch off or for a router the kernel
+    does not serve, always the torch form."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers import fused_moe
+    monkeypatch.setattr(fused_moe, "HAS_TRITON", True)
+    monkeypatch.setenv(moe_routing.ENV_FLAG, "1")
+    limit = moe_routing.MAX_ROUTE_TOKENS
+
+    def call(tokens, cuda=True):
+        return SimpleNamespace(is_cuda=cuda, shape=(tokens, 64))
+
+    layer = DeepseekMoE(_config(n_routed_experts=4, n_group=1, topk_group=1))
+    assert [layer.routes_fused(call(n)) for n in (1, 5, limit, limit + 1, 8192)] == [
+        True, True, True, False, False]
+    assert not layer.routes_fused(call(5, cuda=False))
+    layer.fused_routing = False
+    assert not layer.routes_fused(call(5))
+    odd = DeepseekMoE(_config(n_routed_experts=12, n_group=3, topk_group=1))  # groups of 4, 3
+    assert not odd.routes_fused(call(5))
 
 
 def _config(**overrides):

@@ -11,8 +11,8 @@ from torch import nn
 
 from vllm.model_executor.layers.mlp import GatedMLP
 from vllm.model_executor.layers.moe_kernels import fused_experts
-from vllm.model_executor.layers.moe_routing import (fused_routing_enabled, route_supported,
-                                                    route_triton)
+from vllm.model_executor.layers.moe_routing import (MAX_ROUTE_TOKENS, fused_routing_enabled,
+                                                    route_supported, route_triton)
 from vllm.model_executor.layers.parallel_utils import divide, tp_group
 from vllm.triton_utils import HAS_TRITON
 from vllm.model_executor.layers.weight_utils import default_weight_loader, load_shard
@@ -149,9 +149,15 @@ class DeepseekMoE(nn.Module):
         else:
             self.shared_experts = None
 
+    def routes_fused(self, x: torch.Tensor) -> bool:
+        """Whether this call routes with moe_routing's kernel: CUDA, the switch on, a router
+        it serves, and a decode-sized call (a prefill keeps the torch form's temporaries)."""
+        return (self.fused_routing and self._route_fits and x.is_cuda and HAS_TRITON
+                and x.shape[0] <= MAX_ROUTE_TOKENS)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = self.fused_routing and x.is_cuda and HAS_TRITON
-        route = route_triton if fused and self._route_fits else select_experts
+        route = route_triton if self.routes_fused(x) else select_experts
         weights, ids = route(
             self.gate(x), self.top_k, scoring_func=self.scoring_func,
             correction_bias=self.gate.e_score_correction_bias, num_groups=self.num_groups,

@@ -25,8 +25,16 @@ from vllm.triton_utils import HAS_TRITON, tl, triton  # noqa: F401
 from vllm.utils.env_flags import switch_flag
 
 ENV_FLAG = "VLLM_FUSED_MOE_ROUTING"
-# One program holds a [pairs, expert chunk] one-hot and a [blocks, expert chunk] range test.
-_MAX_CELLS = 1 << 14
+# The kernels serve decode-sized calls only; a prefill keeps the torch forms, so its memory
+# profile and temporaries are what they were. Routing: up to this many tokens.
+MAX_ROUTE_TOKENS = 1024
+# Alignment: one program holds a [pairs, expert chunk] one-hot and a [blocks, expert chunk]
+# range test of at most _MAX_CELLS cells (registers, not spills), over at most _MAX_CHUNKS
+# chunks. Measured on the H100 node with 16K cells (thirty-third session): 0.3 ms a call at
+# 256 pairs over 256 experts (V3 rank, B=32), several times the torch form's ~20 kernels; at
+# 8 pairs it beat them.
+_MAX_CELLS = 1 << 12
+_MAX_CHUNKS = 4
 _MAX_SLOTS = 1 << 16
 _EXPERT_CHUNK = 64
 
@@ -43,7 +51,8 @@ def _pow2(n: int) -> int:
 def route_supported(num_experts: int, top_k: int, num_groups: int, topk_groups: int,
                     scoring_func: str) -> bool:
     """Whether route_triton serves this router: groups a power of two and, with several
-    groups, a power-of-two group size (the kernel views the experts as [groups, size])."""
+    groups, a power-of-two group size (the kernel views the experts as [groups, size]). The
+    caller also keeps calls of more than MAX_ROUTE_TOKENS tokens on the torch form."""
     if scoring_func not in ("sigmoid", "softmax") or not 1 <= top_k <= num_experts <= 1024:
         return False
     if num_groups <= 1:
@@ -65,7 +74,7 @@ def _align_shape(num_pairs: int, num_experts: int, block_m: int) -> tuple | None
     pairs_pad, blocks_pad = max(_pow2(num_pairs), 16), max(_pow2(blocks), 16)
     chunk = min(max(_pow2(num_experts), 2), _EXPERT_CHUNK,
                 _MAX_CELLS // max(pairs_pad, blocks_pad))
-    if chunk < 2 or _pow2(slots) > _MAX_SLOTS:
+    if chunk < 2 or -(-num_experts // chunk) > _MAX_CHUNKS or _pow2(slots) > _MAX_SLOTS:
         return None
     return pairs_pad, chunk, blocks_pad, max(_pow2(slots), 16), slots, blocks
 
