@@ -42,6 +42,7 @@
 #   bash scripts/gpu_validation.sh hostplan  # host-written plans == FlashInfer's, byte for byte; vs TORCH_MLA (~2 min)
 #   bash scripts/gpu_validation.sh nextcheck # the thirty-second session's GPU tests not yet run (~3 min)
 #   bash scripts/gpu_validation.sh moerouting # MoE routing kernels: tests, exactness, kernels/step, B=1 A/B (~8 min)
+#   bash scripts/gpu_validation.sh moev3     # MoE routing kernels at V3-rank MoE dims, off / on, B=1 and 32 (~3 min)
 #   bash scripts/gpu_validation.sh b8profile # why the drafter's presence costs at B=8: probe and profile diff, none vs never (~4 min)
 #   bash scripts/gpu_validation.sh headline  # tiny DSpark vs none (always, 3 repeats) and the V3-rank DSpark overhead (~5 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
@@ -372,6 +373,17 @@ for what in "${groups[@]}"; do
       [ -n "${MOE_SKIP_AB:-}" ] || { timeout 200 python3 scripts/ab_env_switch.py \
         --switch VLLM_FUSED_MOE_ROUTING --batch-sizes 1 --rounds 3 >"$out/ab_routing.log" 2>&1
         summary+=("ab routing rc=$?"); tail -n 12 "$out/ab_routing.log"; } ;;
+    moev3)  # the MoE routing kernels at V3-rank dims with 2 MoE layers (256 experts): off / on,
+      # B=1 and 32 (thirty-third session: SH's B=32 out-of-memory failure, before the kernels
+      # were kept to decode-sized calls, is to be re-checked; ~3 min with the JIT cache)
+      for f in 0 1; do
+        VLLM_FUSED_MOE_ROUTING=$f timeout 200 python3 benchmarks/engine/benchmark_decode.py \
+          --model benchmarks/configs/deepseek_v3_tp8_rank_moe --load-format dummy --batch-sizes 1 32 \
+          --methods none --modes graphs --steps 40 --steps-per-block 20 --profile-steps 3 \
+          --out "$out/moev3_$f" >"$out/moev3_$f.log" 2>&1
+        summary+=("moe v3 routing=$f rc=$?")
+        grep -E "^none|OutOfMemory|^top kernels" "$out/moev3_$f.log" | cut -c1-220
+      done ;;
     b8profile)  # #15's cannot-pay at B=8: what the drafter's presence adds to a step
       timeout 100 python3 scripts/probe_spec_step.py --device cuda --dtype bfloat16 \
         --attention-backend FLASHINFER_MLA --batch 8 --modes plain nodraft nopay --steps 150 \

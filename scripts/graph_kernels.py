@@ -1,4 +1,5 @@
 """Every GPU kernel of a steady engine step, by name: how many a step launches and their time,
+the CUDA runtime calls the host made per step (launches, graph launches, copies, event waits)
 and how long the host waited on the GPU in that step (GPU only).
 
 Why: a synchronous DSpark step's critical path is its host work before the verify launch, then
@@ -13,7 +14,6 @@ Usage (GPU node, after `source .gpu/env.sh`):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import re
 from collections import defaultdict
 
@@ -25,37 +25,19 @@ from vllm.benchmarks.spec_policy import SpecPolicyCase, build_engine
 _WAITS = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize")
 
 
-# Host calls that put work on the stream (what --sites attributes to code).
-_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
-             "cudaMemcpyAsync", "cudaMemsetAsync", "cudaGraphLaunch")
-
-
-def _call_site(event) -> str:
-    """The innermost frame of this package in the launch's Python stack (with_stack)."""
-    parent = event
-    while parent is not None:
-        for frame in getattr(parent, "stack", None) or ():
-            if "/vllm/" in frame and "/site-packages/" not in frame:
-                return frame.split("/vllm/", 1)[1]
-        parent = parent.cpu_parent
-    return "?"
-
-
 def _short(name: str, width: int) -> str:
     name = re.sub(r"\s+", " ", name)
     return name if len(name) <= width else name[:width - 3] + "..."
 
 
-def profile_variant(case: SpecPolicyCase, warmup: int, steps: int,
-                    with_stack: bool = False) -> dict:
+def profile_variant(case: SpecPolicyCase, warmup: int, steps: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
     engine = build_engine(case)
     try:
         for _ in range(warmup):
             engine.step()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                     with_stack=with_stack) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
                 engine.step()
             torch.cuda.synchronize()
@@ -68,7 +50,6 @@ def profile_variant(case: SpecPolicyCase, warmup: int, steps: int,
     time_us: dict[str, float] = defaultdict(float)
     wait_us = 0.0
     runtime: dict[str, int] = defaultdict(int)  # CUDA runtime / driver calls by the host
-    sites: dict[str, int] = defaultdict(int)
     for e in prof.events():
         span = e.time_range.end - e.time_range.start
         if e.device_type == torch.autograd.DeviceType.CUDA:
@@ -79,10 +60,8 @@ def profile_variant(case: SpecPolicyCase, warmup: int, steps: int,
                 wait_us += span
             if e.name.startswith(("cuda", "cu")) and not e.name.startswith("cudaGetDevice"):
                 runtime[e.name] += 1
-                if with_stack and e.name in _LAUNCHES:
-                    sites[f"{e.name} <- {_call_site(e)}"] += 1
     return {"count": count, "time_us": time_us, "wait_us": wait_us, "steps": steps,
-            "runtime": runtime, "sites": sites}
+            "runtime": runtime}
 
 
 def main() -> None:
@@ -94,9 +73,6 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=768)
     parser.add_argument("--top", type=int, default=60)
     parser.add_argument("--width", type=int, default=90)
-    parser.add_argument("--sites", action="store_true",
-                        help="also count host launches and copies by the innermost vllm/ frame "
-                        "that made them (torch.profiler with_stack: slower steps)")
     parser.add_argument("--scheduling", choices=["default", "sync"], default="sync",
                         help="sync (default): every engine synchronous, so a step's wait is "
                         "its own")
@@ -105,8 +81,7 @@ def main() -> None:
     for variant in args.variants:
         case = SpecPolicyCase(variant, args.batch, output_len=args.output_len,
                               async_scheduling=False if args.scheduling == "sync" else None)
-        results[variant] = profile_variant(dataclasses.replace(case), args.warmup, args.steps,
-                                           args.sites)
+        results[variant] = profile_variant(case, args.warmup, args.steps)
     names = sorted({n for r in results.values() for n in r["time_us"]},
                    key=lambda n: -max(r["time_us"].get(n, 0.0) / r["steps"]
                                       for r in results.values()))
@@ -125,16 +100,6 @@ def main() -> None:
     for name in calls:
         print(f"| {name} | " + " | ".join(f"{r['runtime'].get(name, 0) / r['steps']:.2f}"
                                            for r in results.values()) + " |")
-    if args.sites:
-        print()
-        keys = sorted({k for r in results.values() for k in r["sites"]},
-                      key=lambda k: -max(r["sites"].get(k, 0) for r in results.values()))
-        print("| host launch <- call site | " + " | ".join(f"{v} / step" for v in results)
-              + " |")
-        print("|---|" + "---|" * len(results))
-        for key in keys[:args.top]:
-            print(f"| {_short(key, args.width + 40)} | " + " | ".join(
-                f"{r['sites'].get(key, 0) / r['steps']:.2f}" for r in results.values()) + " |")
     print()
     print("| variant | kernels / step | kernel us / step | host wait on the GPU us / step |")
     print("|---|---|---|---|")
