@@ -29,10 +29,10 @@ ENV_FLAG = "VLLM_FUSED_MOE_ROUTING"
 # profile and temporaries are what they were. Routing: up to this many tokens.
 MAX_ROUTE_TOKENS = 1024
 # Alignment: one program holds a [pairs, expert chunk] one-hot and a [blocks, expert chunk]
-# range test of at most _MAX_CELLS cells (registers, not spills), over at most _MAX_CHUNKS
-# chunks. Measured on the H100 node with 16K cells (thirty-third session): 0.3 ms a call at
-# 256 pairs over 256 experts (V3 rank, B=32), several times the torch form's ~20 kernels; at
-# 8 pairs it beat them.
+# range test of at most _MAX_CELLS cells, over at most _MAX_CHUNKS chunks. Why so small: with
+# 16K cells (the first version; thirty-third session, one H100, run SH) one call at 256 pairs
+# over 256 experts (V3 rank, B=32 decode) took 0.3 ms, about twice what that layer's torch
+# routing and alignment took together; at 8 pairs (B=1) the kernels cut the step's GPU time.
 _MAX_CELLS = 1 << 12
 _MAX_CHUNKS = 4
 _MAX_SLOTS = 1 << 16
