@@ -14,8 +14,8 @@ from vllm.model_executor.layers.moe_kernels import fused_experts
 from vllm.model_executor.layers.moe_routing import (MAX_ROUTE_TOKENS, fused_routing_enabled,
                                                     route_supported, route_triton)
 from vllm.model_executor.layers.parallel_utils import divide, tp_group
-from vllm.triton_utils import HAS_TRITON
 from vllm.model_executor.layers.weight_utils import default_weight_loader, load_shard
+from vllm.triton_utils import HAS_TRITON
 
 # checkpoint projection of each expert -> (stacked parameter, part); part 0 = gate rows of w13,
 # 1 = up rows of w13, 2 = the whole w2
@@ -156,8 +156,8 @@ class DeepseekMoE(nn.Module):
                 and x.shape[0] <= MAX_ROUTE_TOKENS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = self.fused_routing and x.is_cuda and HAS_TRITON
-        route = route_triton if self.routes_fused(x) else select_experts
+        fused = self.fused_routing and x.is_cuda and HAS_TRITON  # (the alignment's own limits
+        route = route_triton if self.routes_fused(x) else select_experts  # are align_supported)
         weights, ids = route(
             self.gate(x), self.top_k, scoring_func=self.scoring_func,
             correction_bias=self.gate.e_score_correction_bias, num_groups=self.num_groups,
