@@ -149,15 +149,21 @@ class DeepseekMoE(nn.Module):
         else:
             self.shared_experts = None
 
-    def routes_fused(self, x: torch.Tensor) -> bool:
-        """Whether this call routes with moe_routing's kernel: CUDA, the switch on, a router
-        it serves, and a decode-sized call (a prefill keeps the torch form's temporaries)."""
-        return (self.fused_routing and self._route_fits and x.is_cuda and HAS_TRITON
-                and x.shape[0] <= MAX_ROUTE_TOKENS)
+    def _kernels_on(self, x: torch.Tensor) -> bool:
+        """moe_routing's kernels may run for this call: CUDA with Triton, the switch on (each
+        kernel then has its own limits)."""
+        return self.fused_routing and x.is_cuda and HAS_TRITON
+
+    def routes_fused(self, x: torch.Tensor, kernels_on: bool | None = None) -> bool:
+        """Whether this call routes with moe_routing's kernel: the kernels on, a router it
+        serves, and a decode-sized call (a prefill keeps the torch form's temporaries)."""
+        if kernels_on is None:
+            kernels_on = self._kernels_on(x)
+        return kernels_on and self._route_fits and x.shape[0] <= MAX_ROUTE_TOKENS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = self.fused_routing and x.is_cuda and HAS_TRITON  # (the alignment's own limits
-        route = route_triton if self.routes_fused(x) else select_experts  # are align_supported)
+        fused = self._kernels_on(x)
+        route = route_triton if self.routes_fused(x, fused) else select_experts
         weights, ids = route(
             self.gate(x), self.top_k, scoring_func=self.scoring_func,
             correction_bias=self.gate.e_score_correction_bias, num_groups=self.num_groups,

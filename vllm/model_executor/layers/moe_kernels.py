@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vllm.model_executor.layers.moe_routing import align_supported, align_triton
+# (a module reference, read at call time: moe_routing reads this module the same way)
+from vllm.model_executor.layers import moe_routing as _routing
 from vllm.triton_utils import HAS_TRITON, tl, triton  # noqa: F401
 
 
@@ -187,10 +188,10 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w
     x = x if x.stride(-1) == 1 else x.contiguous()
     w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
-    if fused_align and align_supported(num_pairs, num_experts, block_m):
-        sorted_pairs, block_expert = align_triton(ids, num_experts, block_m)
-    else:
-        sorted_pairs, block_expert = moe_align_block_size(ids, num_experts, block_m)
+    aligned = _routing.align_triton(ids, num_experts, block_m) if fused_align else None
+    if aligned is None:  # (switched off, or more pairs than one program holds)
+        aligned = moe_align_block_size(ids, num_experts, block_m)
+    sorted_pairs, block_expert = aligned
     num_blocks = block_expert.shape[0]
     ieee = x.dtype == torch.float32  # float32 activations: no TF32 shortcut
     inter = torch.empty(sorted_pairs.shape[0], inter_size, dtype=x.dtype, device=x.device)

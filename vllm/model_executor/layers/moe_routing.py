@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+# (a module reference, read at call time: moe_kernels imports this module's names)
+from vllm.model_executor.layers import moe_kernels as _kernels
 from vllm.triton_utils import HAS_TRITON, tl, triton  # noqa: F401
 from vllm.utils.env_flags import switch_flag
 
@@ -66,10 +68,9 @@ def _align_shape(num_pairs: int, num_experts: int, block_m: int) -> tuple | None
     """(P_PAD, E_CHUNK, NB_PAD, S_PAD, slots, blocks) of align_triton's one program, or None
     where it does not fit: the expert chunk shrinks as the pairs grow, so that a [pairs,
     chunk] one-hot and a [blocks, chunk] range test stay within _MAX_CELLS."""
-    from vllm.model_executor.layers.moe_kernels import padded_pairs_bound
     if num_pairs <= 0 or num_experts <= 0:
         return None
-    slots = padded_pairs_bound(num_pairs, num_experts, block_m)
+    slots = _kernels.padded_pairs_bound(num_pairs, num_experts, block_m)
     blocks = slots // block_m
     pairs_pad, blocks_pad = max(_pow2(num_pairs), 16), max(_pow2(blocks), 16)
     chunk = min(max(_pow2(num_experts), 2), _EXPERT_CHUNK,
@@ -209,14 +210,16 @@ def route_triton(router_logits: torch.Tensor, top_k: int, *, scoring_func: str,
 
 
 def align_triton(ids: torch.Tensor, num_experts: int,
-                 block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """moe_kernels.moe_align_block_size in one launch (same outputs, int32). The caller has
-    checked align_supported."""
+                 block_m: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """moe_kernels.moe_align_block_size in one launch (same outputs, int32), or None where
+    one program does not fit these pairs (align_supported): the caller keeps the torch form."""
     flat = ids.reshape(-1)
     flat = flat if flat.is_contiguous() else flat.contiguous()
     num_pairs = flat.numel()
-    pairs_pad, chunk, blocks_pad, slots_pad, slots, blocks = _align_shape(num_pairs, num_experts,
-                                                                          block_m)
+    shape = _align_shape(num_pairs, num_experts, block_m)
+    if shape is None:
+        return None
+    pairs_pad, chunk, blocks_pad, slots_pad, slots, blocks = shape
     sorted_pairs = torch.empty(slots, dtype=torch.int32, device=flat.device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
     _align_kernel[(1,)](
