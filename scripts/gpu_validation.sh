@@ -43,6 +43,7 @@
 #   bash scripts/gpu_validation.sh nextcheck # the thirty-second session's GPU tests not yet run (~3 min)
 #   bash scripts/gpu_validation.sh moerouting # MoE routing kernels: tests, exactness, kernels/step, B=1 A/B (~8 min)
 #   bash scripts/gpu_validation.sh moev3     # MoE routing kernels at V3-rank MoE dims, off / on, B=1 and 32 (~3 min)
+#   bash scripts/gpu_validation.sh recheck   # 26a63b9's MoE GPU tests, V3 DSpark overhead over 160 steps, tiny B=1 x7 (~5 min)
 #   bash scripts/gpu_validation.sh b8profile # why the drafter's presence costs at B=8: probe and profile diff, none vs never (~4 min)
 #   bash scripts/gpu_validation.sh headline  # tiny DSpark vs none (always, 3 repeats) and the V3-rank DSpark overhead (~5 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
@@ -373,6 +374,19 @@ for what in "${groups[@]}"; do
       [ -n "${MOE_SKIP_AB:-}" ] || { timeout 200 python3 scripts/ab_env_switch.py \
         --switch VLLM_FUSED_MOE_ROUTING --batch-sizes 1 --rounds 3 >"$out/ab_routing.log" 2>&1
         summary+=("ab routing rc=$?"); tail -n 12 "$out/ab_routing.log"; } ;;
+    recheck)  # thirty-fourth session: review commit 26a63b9's MoE routing GPU tests, the V3-rank
+      # DSpark overhead with 4x the timed steps (a 40-step mean moved 1.34 -> 1.50 at B=1 in
+      # one run while its median stayed 1.34), and the tiny B=1 headline over 7 rounds (~5 min)
+      PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-200}" run_pytest recheck \
+        tests/model_executor/layers/test_moe_routing.py tests/model_executor/layers/test_fused_moe.py
+      timeout 200 python3 benchmarks/engine/benchmark_decode.py "${V3[@]}" \
+        --draft-model benchmarks/configs/deepseek_v3_tp8_rank_dspark --num-spec-tokens 4 \
+        --batch-sizes 1 32 --methods none dspark --modes graphs --steps 160 \
+        --steps-per-block 40 --profile-steps 3 --out "$out/dspark160" >"$out/dspark160.log" 2>&1
+      summary+=("dspark v3 160 steps rc=$?"); grep -v "^{\|^top" "$out/dspark160.log" | tail -n 6
+      timeout 200 python3 benchmarks/engine/benchmark_spec_policy.py --batch-sizes 1 \
+        --variants none always --repeats 7 --out "$out/tiny_b1x7" >"$out/tiny_b1x7.log" 2>&1
+      summary+=("tiny B=1 x7 rc=$?"); grep -v "^{" "$out/tiny_b1x7.log" | tail -n 4 ;;
     moev3)  # the MoE routing kernels at V3-rank dims with 2 MoE layers (256 experts): off / on,
       # B=1 and 32 (thirty-third session: SH's B=32 out-of-memory failure, before the kernels
       # were kept to decode-sized calls, is to be re-checked; ~3 min with the JIT cache)
