@@ -32,6 +32,7 @@ from vllm.benchmarks.spec_policy import (
     paired_ratio,
     run_rounds,
 )
+from vllm.benchmarks.rounds import round_spread
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -100,7 +101,10 @@ def main() -> None:
     # tok/s: the median run; x none: geometric mean of the per-round paired ratios
     # tok/step x: tokens per step over no speculation's, the tok/s ratio at equal step cost
     # (x none = tok/step x * none's step time / the variant's)
-    print(f"{'variant':11} {'B':>3} {'ctx':>6} {'tok/s':>9} {'x none':>7} {'tok/step x':>10} "
+    # rounds: the median of the per-round ratios and their range (a round in which none
+    # stalled lifts the geometric mean, not the median)
+    print(f"{'variant':11} {'B':>3} {'ctx':>6} {'tok/s':>9} {'x none':>7} "
+          f"{'rounds med [min-max]':>21} {'tok/step x':>10} "
           f"{'AL':>5} {'drafted':>8} {'skipped':>24} {'greedy':>7} {'gc ms/step':>10}")
     ok = True
     for r in rows:
@@ -115,8 +119,11 @@ def main() -> None:
         policy = r["policy"] or {}
         al = r["mean_acceptance_length"]
         r["x_none_per_step"] = r["tokens_per_step"] / b["tokens_per_step"]
+        med, lo, hi = round_spread(r["x_none_rounds"])
+        r["x_none_median_round"] = med
         print(f"{r['variant']:11} {r['batch']:>3} {r['context']:>6} {r['tok_s']:9.1f} "
-              f"{r['x_none']:7.3f} {r['x_none_per_step']:10.3f} "
+              f"{r['x_none']:7.3f} {f'{med:.3f} [{lo:.3f}-{hi:.3f}]':>21} "
+              f"{r['x_none_per_step']:10.3f} "
               f"{'-' if al is None else f'{al:.2f}':>5} "
               f"{policy.get('num_drafted', '-')!s:>8} "
               f"{json.dumps(policy.get('num_skipped', {})):>24} "

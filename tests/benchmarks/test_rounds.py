@@ -1,7 +1,7 @@
 """Alternating rounds and paired ratios (vllm/benchmarks/rounds.py) on a machine that drifts."""
 import pytest
 
-from vllm.benchmarks.rounds import alternating_rounds, paired_ratio
+from vllm.benchmarks.rounds import alternating_rounds, paired_ratio, round_spread
 
 
 def test_alternating_rounds_and_paired_ratios_cancel_a_steady_drift():
@@ -48,3 +48,14 @@ def test_setting_rows_take_medians_and_median_ratios_per_batch_and_setting():
                      "always/none": 1.1}]
     table = setting_table(rows, "S", ["none", "always"], label=lambda s: f"<{s}>")
     assert table.splitlines()[2] == "| 1 | <0> | 200 | 300 | 1.500 |"
+
+
+def test_one_stalled_baseline_round_lifts_the_mean_not_the_median():
+    # the thirty-fourth session's TB rounds: four near 1.5 and one where the baseline stalled
+    ratios = [1.499, 1.530, 2.323, 1.477, 1.525]
+    mean, _ = paired_ratio(ratios, [1.0] * 5)
+    med, lo, hi = round_spread(ratios)
+    assert mean == pytest.approx(1.644, abs=1e-3)
+    assert (med, lo, hi) == (1.525, 1.477, 2.323)
+    with pytest.raises(ValueError, match="at least one round"):
+        round_spread([])

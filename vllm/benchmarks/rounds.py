@@ -40,6 +40,15 @@ def paired_ratio(values: list[float], base: list[float]) -> tuple[float, list[fl
     return math.exp(sum(math.log(x) for x in ratios) / len(ratios)), ratios
 
 
+def round_spread(ratios: list[float]) -> tuple[float, float, float]:
+    """(median, min, max) of per-round ratios. Printed beside paired_ratio's geometric mean:
+    one round in which the baseline stalled (a noisy host) lifts the mean, not the median
+    (thirty-fourth session: rounds of 1.48-1.53 and one of 2.32 gave a mean of 1.64)."""
+    if not ratios:
+        raise ValueError("round_spread needs at least one round")
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
 def setting_rows(tok_s: dict[tuple, list[float]], settings: list, batch_sizes: list[int],
                  variants: list[str]) -> list[dict]:
     """An in-process A/B of engine settings (scripts/ab_*.py): `tok_s[(setting, batch,
