@@ -28,6 +28,7 @@ BATCHED = (
     ("triton_fused_ops_interpret_driver.py", ("kv_cache",)),
     ("triton_fused_ops_interpret_driver.py", ("moe",)),
     ("triton_moe_routing_interpret_driver.py", ()),
+    ("triton_markov_greedy_interpret_driver.py", ()),
     ("triton_fused_ops_interpret_driver.py", ("rms_norm", "rope")),
     ("triton_fused_ops_interpret_driver.py", ("context_kv", "context_kv_writer")),
 )

@@ -2,22 +2,37 @@
 
 A low-rank Markov head adds a bias from the previously chosen token, so drafts are chosen (argmax,
 or sampled with draft_sample_method="probabilistic") left to right: tok_0 from
-logits_0 + bias(anchor), tok_j from logits_j + bias(tok_{j-1}).
+logits_0 + bias(anchor), tok_j from logits_j + bias(tok_{j-1}). Greedy choice on CUDA runs as one
+Triton launch where the head is small enough (markov_greedy.py).
 """
 from __future__ import annotations
 
 import torch
 
 from vllm.v1.worker.gpu.spec_decode.block_speculator import BlockSpeculator
+from vllm.v1.worker.gpu.spec_decode.dspark import markov_greedy
 
 
 class DSparkSpeculator(BlockSpeculator):
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # read once, when the speculator is built (an in-process A/B builds one per setting)
+        self.fused_markov = markov_greedy.fused_markov_enabled()
 
     @property
     def query_len(self) -> int:
         return self.num_speculative_tokens
 
     def select_drafts(self, logits: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        # (a model without the head's weights, e.g. a test's stand-in, keeps the torch ops)
+        head = getattr(self.model, "markov_head", None) if logits.is_cuda else None
+        if head is not None and self.fused_markov:
+            greedy = self.draft_sample_method == "greedy" or self._sampling_metadata is None
+            if markov_greedy.uses_fused_markov(True, "cuda", greedy, logits.shape[-1],
+                                               head.w1.weight.shape[1]):
+                return markov_greedy.markov_greedy_drafts(logits, anchors, head.w1.weight,
+                                                          head.w2.weight)
         drafts = torch.empty(logits.shape[0], logits.shape[1], dtype=torch.int64,
                              device=logits.device)
         previous = anchors
