@@ -46,8 +46,11 @@ def test_a_head_that_does_not_match_the_logits_is_refused():
 def test_the_switch_is_read_when_the_speculator_is_built(monkeypatch):
     from vllm import LLM
     spec = {"method": "dspark", "num_speculative_tokens": 4}
-    for flag, expected in (("0", False), ("1", True)):
-        monkeypatch.setenv(markov_greedy.ENV_FLAG, flag)
+    for flag, expected in ((None, False), ("0", False), ("1", True)):  # off by default
+        if flag is None:
+            monkeypatch.delenv(markov_greedy.ENV_FLAG, raising=False)
+        else:
+            monkeypatch.setenv(markov_greedy.ENV_FLAG, flag)
         with LLM(device="cpu", max_model_len=64, max_num_seqs=2, speculative_config=spec) as llm:
             speculator = llm.llm_engine.executor.worker.model_runner.speculator
             assert speculator.fused_markov is expected

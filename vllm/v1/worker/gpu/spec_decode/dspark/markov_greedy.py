@@ -17,8 +17,12 @@ argmax picks it, this kernel skips it.
 Serves greedy draft choice on CUDA for heads of at most _MAX_HEAD_CELLS (V x padded r) cells:
 every program reads the head's W2 once per position, which is nothing for the tiny model's
 260 x 64 head and too much for a real vocabulary (129K x r), where the torch form's GEMV reads
-W2 once for all rows. `VLLM_FUSED_MARKOV_DRAFTS=0` keeps the torch form (read when the
-speculator is built).
+W2 once for all rows.
+
+Off by default: `VLLM_FUSED_MARKOV_DRAFTS=1` turns it on (read when the speculator is built). It
+was written and checked on the CPU (Triton's interpreter, an sm_90 compile) after the thirty-
+fourth session's device time was spent; its GPU tests and its A/B are `gpu_validation.sh markov`,
+and the default should follow what that run measures.
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ _TILE_CELLS = 1 << 12
 
 
 def fused_markov_enabled() -> bool:
-    return switch_flag(ENV_FLAG, True, "choose DSpark's greedy drafts in one Triton launch on "
+    return switch_flag(ENV_FLAG, False, "choose DSpark's greedy drafts in one Triton launch on "
                        "CUDA", "use the torch ops (about 6 small kernels a draft position)")
 
 
