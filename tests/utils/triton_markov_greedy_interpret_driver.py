@@ -7,6 +7,7 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
+from tests.utils.interpret_checks import run_checks  # noqa: E402
 from tests.utils.markov_drafts_reference import greedy_gaps, torch_chain  # noqa: E402
 from vllm.v1.worker.gpu.spec_decode.dspark import markov_greedy  # noqa: E402
 
@@ -75,14 +76,7 @@ def check_ties_and_views(gen) -> None:
 
 
 def main() -> None:
-    if not markov_greedy.HAS_TRITON:
-        print("NO_TRITON")
-        return
-    gen = torch.Generator().manual_seed(0)
-    check_float32(gen)
-    check_bfloat16(gen)
-    check_ties_and_views(gen)
-    print("TRITON_INTERPRET_OK")
+    run_checks(markov_greedy.HAS_TRITON, check_float32, check_bfloat16, check_ties_and_views)
 
 
 if __name__ == "__main__":

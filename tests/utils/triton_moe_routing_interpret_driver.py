@@ -7,6 +7,7 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
+from tests.utils.interpret_checks import run_checks  # noqa: E402
 from vllm.model_executor.layers import moe_routing  # noqa: E402
 from vllm.model_executor.layers.fused_moe import select_experts  # noqa: E402
 from vllm.model_executor.layers.moe_kernels import moe_align_block_size  # noqa: E402
@@ -56,13 +57,7 @@ def check_align(gen) -> None:
 
 
 def main() -> None:
-    if not moe_routing.HAS_TRITON:
-        print("NO_TRITON")
-        return
-    gen = torch.Generator().manual_seed(0)
-    check_routing(gen)
-    check_align(gen)
-    print("TRITON_INTERPRET_OK")
+    run_checks(moe_routing.HAS_TRITON, check_routing, check_align)
 
 
 if __name__ == "__main__":
