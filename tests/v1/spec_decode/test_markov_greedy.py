@@ -91,6 +91,7 @@ def test_the_kernel_chooses_the_torch_drafts_on_the_gpu_and_replays(rows):
     """The tiny model's head in bf16 (cuBLAS's GEMV and argmax on the other side): the same
     drafts but for last-bit near-ties, and a greedy choice at every position; no host sync; a
     CUDA graph of the launch replays to the eager result on new inputs."""
+    markov_greedy.markov_greedy_drafts(*_tiny_head_case(rows, 99))  # compiled before the checks
     same = 0
     for seed in range(8):
         logits, anchors, w1, w2 = _tiny_head_case(rows, seed)
@@ -119,8 +120,9 @@ def test_the_kernel_chooses_the_torch_drafts_on_the_gpu_and_replays(rows):
 
 @pytest.mark.gpu
 def test_dspark_greedy_tokens_and_acceptance_with_and_without_the_kernel(monkeypatch):
-    """The DSpark engine (CUDA graphs, bf16) with the kernel and with the torch ops: the same
-    greedy tokens as plain decoding, and mean acceptance lengths that near-tie drafts alone
+    """The DSpark engine (CUDA graphs; TORCH_MLA in float32, where greedy speculative tokens
+    must equal plain decoding's exactly) with the kernel and with the torch ops: the same
+    greedy tokens as plain decoding, and mean acceptance lengths that only near-tie drafts
     could separate (within 2 %)."""
     from vllm import LLM, SamplingParams
     prompts = [[(7 * i + 13 * j) % 200 + 30 for j in range(12 + 5 * i)] for i in range(4)]
@@ -129,8 +131,8 @@ def test_dspark_greedy_tokens_and_acceptance_with_and_without_the_kernel(monkeyp
     for flag in ("0", "1", None):
         monkeypatch.setenv(markov_greedy.ENV_FLAG, flag or "1")
         spec = None if flag is None else {"method": "dspark", "num_speculative_tokens": 4}
-        with LLM(max_model_len=128, max_num_seqs=4, dtype="bfloat16",
-                 speculative_config=spec) as llm:
+        with LLM(max_model_len=128, max_num_seqs=4, dtype="float32",
+                 attention_backend="TORCH_MLA", speculative_config=spec) as llm:
             outputs = llm.generate(prompts, params, use_tqdm=False)
             tokens[flag] = [list(o.outputs[0].token_ids) for o in outputs]
             if spec:
