@@ -393,11 +393,7 @@ for what in "${groups[@]}"; do
       # one run while its median stayed 1.34), and the tiny B=1 headline over 7 rounds (~5 min)
       PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-200}" run_pytest recheck \
         tests/model_executor/layers/test_moe_routing.py tests/model_executor/layers/test_fused_moe.py
-      timeout 200 python3 benchmarks/engine/benchmark_decode.py "${V3[@]}" \
-        --draft-model benchmarks/configs/deepseek_v3_tp8_rank_dspark --num-spec-tokens 4 \
-        --batch-sizes 1 32 --methods none dspark --modes graphs --steps 160 \
-        --steps-per-block 40 --profile-steps 3 --out "$out/dspark160" >"$out/dspark160.log" 2>&1
-      summary+=("dspark v3 160 steps rc=$?"); grep -v "^{\|^top" "$out/dspark160.log" | tail -n 6
+      dspark_v3 200  # (160 timed steps since this session)
       timeout 200 python3 benchmarks/engine/benchmark_spec_policy.py --batch-sizes 1 \
         --variants none always --repeats 7 --out "$out/tiny_b1x7" >"$out/tiny_b1x7.log" 2>&1
       summary+=("tiny B=1 x7 rc=$?"); grep -v "^{" "$out/tiny_b1x7.log" | tail -n 4 ;;

@@ -181,6 +181,11 @@ class Speculator:
         self._slots = inputs.slots if inputs.slots is not None else torch.arange(
             inputs.num_reqs, device=self.device)
 
+    def _chooses_greedily(self) -> bool:
+        """Drafts are argmax choices: greedy drafting, or probabilistic drafting with no
+        sampling metadata this step (no q to keep)."""
+        return self.draft_sample_method == "greedy" or self._sampling_metadata is None
+
     def _choose_drafts(self, logits: torch.Tensor, index: int) -> torch.Tensor:
         """Draft `index` of every request from logits [num_reqs, V].
 
@@ -189,9 +194,9 @@ class Speculator:
         in `draft_probs` so that verification can accept with min(1, p/q).
         """
         greedy_tokens = logits.argmax(dim=-1)
-        metadata = self._sampling_metadata
-        if self.draft_sample_method == "greedy" or metadata is None:
+        if self._chooses_greedily():
             return greedy_tokens
+        metadata = self._sampling_metadata
         from vllm.v1.sample.metadata import SAMPLING_EPS
         from vllm.v1.sample.sampler import compute_probs, random_sample
         greedy_rows = metadata.temperature < SAMPLING_EPS

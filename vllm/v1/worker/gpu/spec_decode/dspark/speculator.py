@@ -27,13 +27,12 @@ class DSparkSpeculator(BlockSpeculator):
 
     def select_drafts(self, logits: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         # (a model without the head's weights, e.g. a test's stand-in, keeps the torch ops)
-        head = getattr(self.model, "markov_head", None) if logits.is_cuda else None
-        if head is not None and self.fused_markov:
-            greedy = self.draft_sample_method == "greedy" or self._sampling_metadata is None
-            if markov_greedy.uses_fused_markov(True, "cuda", greedy, logits.shape[-1],
-                                               head.w1.weight.shape[1]):
-                return markov_greedy.markov_greedy_drafts(logits, anchors, head.w1.weight,
-                                                          head.w2.weight)
+        head = getattr(self.model, "markov_head", None)
+        if head is not None and markov_greedy.uses_fused_markov(
+                self.fused_markov, logits.device.type, self._chooses_greedily(),
+                logits.shape[-1], head.w1.weight.shape[1]):
+            return markov_greedy.markov_greedy_drafts(logits, anchors, head.w1.weight,
+                                                      head.w2.weight)
         drafts = torch.empty(logits.shape[0], logits.shape[1], dtype=torch.int64,
                              device=logits.device)
         previous = anchors
