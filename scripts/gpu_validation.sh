@@ -44,7 +44,7 @@
 #   bash scripts/gpu_validation.sh moerouting # MoE routing kernels: tests, exactness, kernels/step, B=1 A/B (~8 min)
 #   bash scripts/gpu_validation.sh moev3     # MoE routing kernels at V3-rank MoE dims, off / on, B=1 and 32 (~3 min)
 #   bash scripts/gpu_validation.sh recheck   # 26a63b9's MoE GPU tests, V3 DSpark overhead over 160 steps, tiny B=1 x7 (~5 min)
-#   bash scripts/gpu_validation.sh markov    # DSpark's greedy Markov drafts in one launch: kernel tests, B=1 A/B, engine test (~5 min)
+#   bash scripts/gpu_validation.sh markov    # DSpark's greedy Markov drafts in one launch: GPU tests, then the B=1 A/B (~5 min)
 #   bash scripts/gpu_validation.sh b8profile # why the drafter's presence costs at B=8: probe and profile diff, none vs never (~4 min)
 #   bash scripts/gpu_validation.sh headline  # tiny DSpark vs none (always, 3 repeats) and the V3-rank DSpark overhead (~5 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
@@ -379,17 +379,17 @@ for what in "${groups[@]}"; do
         --switch VLLM_FUSED_MOE_ROUTING --batch-sizes 1 --rounds 3 >"$out/ab_routing.log" 2>&1
         summary+=("ab routing rc=$?"); tail -n 12 "$out/ab_routing.log"; } ;;
     markov)  # thirty-fourth session: DSpark's greedy Markov draft chain in one Triton launch
-      # (markov_greedy.py): its kernel GPU tests, the in-process A/B at B=1, the engine test (~5 min)
-      PYTEST_TIMEOUT_S=60 run_pytest markovkernel tests/v1/spec_decode/test_markov_greedy.py \
-        -k kernel_chooses
+      # (markov_greedy.py): its GPU tests (kernel, engine) first, then the in-process A/B at B=1
+      # (~5 min; MARKOV_AB_ROUNDS=0 runs the tests only)
+      PYTEST_TIMEOUT_S=180 run_pytest markov tests/v1/spec_decode/test_markov_greedy.py \
+        -k "kernel_chooses or with_and_without"
+      [ "${MARKOV_AB_ROUNDS:-4}" -gt 0 ] || continue
       # (four engines a round; TB's 4-round A/B of this kind, warm-up round included, ran in < 200 s)
       timeout $((60 + 50 * ${MARKOV_AB_ROUNDS:-4})) python3 scripts/ab_env_switch.py \
         --switch VLLM_FUSED_MARKOV_DRAFTS --batch-sizes ${MARKOV_AB_BATCHES:-1} \
         --rounds "${MARKOV_AB_ROUNDS:-4}" --json "$out/ab_markov.json" \
         >"$out/ab_markov.log" 2>&1
-      summary+=("markov A/B rc=$?"); grep "^|" "$out/ab_markov.log"
-      PYTEST_TIMEOUT_S=100 run_pytest markovengine tests/v1/spec_decode/test_markov_greedy.py \
-        -k with_and_without ;;
+      summary+=("markov A/B rc=$?"); grep "^|" "$out/ab_markov.log" ;;
     recheck)  # thirty-fourth session: review commit 26a63b9's MoE routing GPU tests, the V3-rank
       # DSpark overhead with 4x the timed steps (a 40-step mean moved 1.34 -> 1.50 at B=1 in
       # one run while its median stayed 1.34), and the tiny B=1 headline over 7 rounds (~5 min)
