@@ -400,8 +400,8 @@ for what in "${groups[@]}"; do
         --variants none always --repeats 7 --out "$out/tiny_b1x7" >"$out/tiny_b1x7.log" 2>&1
       summary+=("tiny B=1 x7 rc=$?"); grep -v "^{" "$out/tiny_b1x7.log" | tail -n 4 ;;
     moev3)  # the MoE routing kernels at V3-rank dims with 2 MoE layers (256 experts): off / on,
-      # B=1 and 32 (thirty-third session: SH's B=32 out-of-memory failure, before the kernels
-      # were kept to decode-sized calls, is to be re-checked; ~3 min with the JIT cache)
+      # B=1 and 32 (SH's out-of-memory failure, before the kernels were kept to decode-sized
+      # calls, was gone in the thirty-fourth session's TA; ~3 min with the JIT cache)
       for f in 0 1; do
         VLLM_FUSED_MOE_ROUTING=$f timeout 200 python3 benchmarks/engine/benchmark_decode.py \
           --model benchmarks/configs/deepseek_v3_tp8_rank_moe --load-format dummy --batch-sizes 1 32 \

@@ -13,4 +13,12 @@ except Exception:  # noqa: BLE001 - any import failure means "use the torch path
     tl = None
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "triton", "tl"]
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): a kernel's padded block size. Plain
+    Python, so the support checks that size kernels also run where Triton does not load."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+__all__ = ["HAS_TRITON", "next_pow2", "triton", "tl"]

@@ -23,7 +23,7 @@ import torch
 
 # (a module reference, read at call time: moe_kernels imports this module's names)
 from vllm.model_executor.layers import moe_kernels as _kernels
-from vllm.triton_utils import HAS_TRITON, tl, triton  # noqa: F401
+from vllm.triton_utils import HAS_TRITON, next_pow2, tl, triton  # noqa: F401
 from vllm.utils.env_flags import switch_flag
 
 ENV_FLAG = "VLLM_FUSED_MOE_ROUTING"
@@ -46,10 +46,6 @@ def fused_routing_enabled() -> bool:
                        "on CUDA", "use the torch forms (about 25 small kernels a layer)")
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
 def route_supported(num_experts: int, top_k: int, num_groups: int, topk_groups: int,
                     scoring_func: str) -> bool:
     """Whether route_triton serves this router: groups a power of two and, with several
@@ -60,8 +56,8 @@ def route_supported(num_experts: int, top_k: int, num_groups: int, topk_groups: 
     if num_groups <= 1:
         return True
     size = num_experts // num_groups
-    return (num_experts % num_groups == 0 and _pow2(num_groups) == num_groups
-            and _pow2(size) == size and 1 <= topk_groups <= num_groups)
+    return (num_experts % num_groups == 0 and next_pow2(num_groups) == num_groups
+            and next_pow2(size) == size and 1 <= topk_groups <= num_groups)
 
 
 def _align_shape(num_pairs: int, num_experts: int, block_m: int) -> tuple | None:
@@ -72,12 +68,12 @@ def _align_shape(num_pairs: int, num_experts: int, block_m: int) -> tuple | None
         return None
     slots = _kernels.padded_pairs_bound(num_pairs, num_experts, block_m)
     blocks = slots // block_m
-    pairs_pad, blocks_pad = max(_pow2(num_pairs), 16), max(_pow2(blocks), 16)
-    chunk = min(max(_pow2(num_experts), 2), _EXPERT_CHUNK,
+    pairs_pad, blocks_pad = max(next_pow2(num_pairs), 16), max(next_pow2(blocks), 16)
+    chunk = min(max(next_pow2(num_experts), 2), _EXPERT_CHUNK,
                 _MAX_CELLS // max(pairs_pad, blocks_pad))
-    if chunk < 2 or -(-num_experts // chunk) > _MAX_CHUNKS or _pow2(slots) > _MAX_SLOTS:
+    if chunk < 2 or -(-num_experts // chunk) > _MAX_CHUNKS or next_pow2(slots) > _MAX_SLOTS:
         return None
-    return pairs_pad, chunk, blocks_pad, max(_pow2(slots), 16), slots, blocks
+    return pairs_pad, chunk, blocks_pad, max(next_pow2(slots), 16), slots, blocks
 
 
 def align_supported(num_pairs: int, num_experts: int, block_m: int) -> bool:
@@ -194,7 +190,7 @@ def route_triton(router_logits: torch.Tensor, top_k: int, *, scoring_func: str,
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
     num_tokens, num_experts = logits.shape
     groups = max(int(num_groups), 1)
-    size = num_experts // groups if groups > 1 else _pow2(num_experts)
+    size = num_experts // groups if groups > 1 else next_pow2(num_experts)
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
     if num_tokens == 0:
@@ -203,7 +199,7 @@ def route_triton(router_logits: torch.Tensor, top_k: int, *, scoring_func: str,
     _route_kernel[(num_tokens,)](
         logits, logits.stride(0), bias, weights, ids, num_experts, float(routed_scaling_factor),
         GROUPS=groups, GROUP_SIZE=size, TOPK_GROUPS=int(topk_groups) if groups > 1 else 1,
-        TOP_K=top_k, K_PAD=max(_pow2(top_k), 2), SOFTMAX=scoring_func == "softmax",
+        TOP_K=top_k, K_PAD=max(next_pow2(top_k), 2), SOFTMAX=scoring_func == "softmax",
         HAS_BIAS=correction_bias is not None, RENORMALIZE=bool(renormalize),
         num_warps=1 if groups * size <= 64 else 4)
     return weights, ids

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm.triton_utils import HAS_TRITON, tl, triton  # noqa: F401
+from vllm.triton_utils import HAS_TRITON, next_pow2, tl, triton  # noqa: F401
 from vllm.utils.env_flags import switch_flag
 
 ENV_FLAG = "VLLM_FUSED_MARKOV_DRAFTS"
@@ -43,14 +43,10 @@ def fused_markov_enabled() -> bool:
                        "CUDA", "use the torch ops (about 6 small kernels a draft position)")
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
 def markov_greedy_supported(vocab_size: int, rank: int) -> bool:
     """Whether markov_greedy_drafts serves a head of `vocab_size` rows of rank `rank`."""
     return 1 <= rank <= _MAX_RANK and vocab_size >= 1 and (
-        vocab_size * max(_pow2(rank), 2) <= _MAX_HEAD_CELLS)
+        vocab_size * max(next_pow2(rank), 2) <= _MAX_HEAD_CELLS)
 
 
 def uses_fused_markov(enabled: bool, device_type: str, greedy: bool, vocab_size: int,
@@ -116,8 +112,8 @@ def markov_greedy_drafts(logits: torch.Tensor, anchors: torch.Tensor, w1: torch.
     out = torch.empty(num_rows, k, dtype=torch.int64, device=logits.device)
     if num_rows == 0 or k == 0:
         return out
-    r_pad = max(_pow2(rank), 2)
-    block_v = max(min(_pow2(vocab), _TILE_CELLS // r_pad), 16)
+    r_pad = max(next_pow2(rank), 2)
+    block_v = max(min(next_pow2(vocab), _TILE_CELLS // r_pad), 16)
     _markov_greedy_kernel[(num_rows,)](
         logits, logits.stride(0), logits.stride(1), anchors, w1, w2, out, out.stride(0), vocab,
         R=rank, R_PAD=r_pad, K=k, BLOCK_V=block_v, num_warps=4)
