@@ -383,6 +383,13 @@ for what in "${groups[@]}"; do
       # (~5 min; MARKOV_AB_ROUNDS=0 runs the tests only)
       PYTEST_TIMEOUT_S=180 run_pytest markov tests/v1/spec_decode/test_markov_greedy.py \
         -k "kernel_chooses or with_and_without"
+      # GPU kernels of a DSpark step with the kernel off / on (graph_kernels.py): its GPU time,
+      # which a noisy host's tok/s hides (thirty-sixth session: none's rounds 1,469-3,001 tok/s)
+      for f in 0 1; do
+        VLLM_FUSED_MARKOV_DRAFTS=$f timeout 100 python3 scripts/graph_kernels.py --variants always \
+          --batch ${MARKOV_KERNELS_BATCH:-1} --steps 30 --top 60 >"$out/kernels_markov$f.log" 2>&1
+        summary+=("kernels markov=$f rc=$?"); grep -A2 "^| variant" "$out/kernels_markov$f.log"
+      done
       [ "${MARKOV_AB_ROUNDS:-4}" -gt 0 ] || continue
       # (four engines a round; TB's 4-round A/B of this kind, warm-up round included, ran in < 200 s)
       timeout $((60 + 50 * ${MARKOV_AB_ROUNDS:-4})) python3 scripts/ab_env_switch.py \

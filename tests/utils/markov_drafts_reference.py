@@ -34,3 +34,25 @@ def greedy_gaps(drafts: torch.Tensor, logits: torch.Tensor, anchors: torch.Tenso
         gaps[:, j] = biased.max(dim=-1).values - biased.gather(1, chosen[:, None])[:, 0]
         previous = chosen
     return gaps
+
+
+def greedy_gap_bounds(drafts: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor,
+                      w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Along `drafts`' own chain, the largest gap (greedy_gaps) that rounding alone explains:
+    the chain rounds the bias to the head's dtype and the biased logit to the logits' dtype,
+    each with an error of at most u * |value| (u: the dtype's unit roundoff), on the chosen
+    token and on the true maximum alike, so gap <= 2 * (u_head * max|bias| + u_logits *
+    max|biased logit|) per position; float32 accumulation over the rank is orders of magnitude
+    below that. [B, K] float64."""
+    u_head = torch.finfo(w2.dtype).eps / 2
+    u_logits = torch.finfo(logits.dtype).eps / 2
+    w1, w2, lg = w1.double(), w2.double(), logits.double()
+    previous = anchors
+    bounds = torch.empty(drafts.shape, dtype=torch.float64, device=drafts.device)
+    for j in range(drafts.shape[1]):
+        bias = F.linear(F.embedding(previous, w1), w2)
+        biased = lg[:, j, :] + bias
+        bounds[:, j] = 2 * (u_head * bias.abs().amax(dim=-1)
+                            + u_logits * biased.abs().amax(dim=-1))
+        previous = drafts[:, j]
+    return bounds

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.utils.markov_drafts_reference import greedy_gaps, torch_chain
+from tests.utils.markov_drafts_reference import greedy_gap_bounds, greedy_gaps, torch_chain
 from tests.utils.triton_interpreter import run_interpreter_driver
 from vllm.v1.worker.gpu.spec_decode.dspark import markov_greedy
 
@@ -103,7 +103,9 @@ def test_the_kernel_chooses_the_torch_drafts_on_the_gpu_and_replays(rows):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         same += int((got == ref).all(dim=1).sum())
-        assert float(greedy_gaps(got, logits, anchors, w1, w2).max()) < 2e-2, seed
+        # (a fixed 2e-2 failed at B=64 on an H100 with 0.0219: one bf16 ulp at |logit| ~ 5)
+        gaps = greedy_gaps(got, logits, anchors, w1, w2)
+        assert bool((gaps <= greedy_gap_bounds(got, logits, anchors, w1, w2)).all()), seed
     assert same >= 8 * rows - max(2, rows // 8), (same, 8 * rows)
     logits, anchors, w1, w2 = _tiny_head_case(rows, 100)
     markov_greedy.markov_greedy_drafts(logits, anchors, w1, w2)  # compiled outside the capture
