@@ -46,7 +46,7 @@ def test_a_head_that_does_not_match_the_logits_is_refused():
 def test_the_switch_is_read_when_the_speculator_is_built(monkeypatch):
     from vllm import LLM
     spec = {"method": "dspark", "num_speculative_tokens": 4}
-    for flag, expected in ((None, False), ("0", False), ("1", True)):  # off by default
+    for flag, expected in ((None, True), ("0", False), ("1", True)):  # on by default
         if flag is None:
             monkeypatch.delenv(markov_greedy.ENV_FLAG, raising=False)
         else:

@@ -2,9 +2,9 @@
 
 A low-rank Markov head adds a bias from the previously chosen token, so drafts are chosen (argmax,
 or sampled with draft_sample_method="probabilistic") left to right: tok_0 from
-logits_0 + bias(anchor), tok_j from logits_j + bias(tok_{j-1}). With VLLM_FUSED_MARKOV_DRAFTS=1,
-greedy choice on CUDA runs as one Triton launch where the head is small enough (markov_greedy.py;
-off by default until its GPU run).
+logits_0 + bias(anchor), tok_j from logits_j + bias(tok_{j-1}). Greedy choice on CUDA runs as
+one Triton launch where the head is small enough (markov_greedy.py; VLLM_FUSED_MARKOV_DRAFTS=0
+keeps the torch ops).
 """
 from __future__ import annotations
 
