@@ -382,18 +382,22 @@ for what in "${groups[@]}"; do
       # (markov_greedy.py): its GPU tests (kernel, engine) first, then the in-process A/B at B=1
       # (~5 min; MARKOV_AB_ROUNDS=0 runs the tests only)
       PYTEST_TIMEOUT_S=180 run_pytest markov tests/v1/spec_decode/test_markov_greedy.py \
-        -k "kernel_chooses or with_and_without"
-      # GPU kernels of a DSpark step with the kernel off / on (graph_kernels.py): its GPU time,
+        -k "kernel_chooses or table_kernel or with_and_without"
+      # GPU kernels of a DSpark step with the torch ops (0), the kernel (1) and its bias-table
+      # form (table; VLLM_MARKOV_BIAS_TABLE=1, thirty-sixth session, opt-in): their GPU time,
       # which a noisy host's tok/s hides (thirty-sixth session: none's rounds 1,469-3,001 tok/s)
-      for f in 0 1; do
-        VLLM_FUSED_MARKOV_DRAFTS=$f timeout 100 python3 scripts/graph_kernels.py --variants always \
-          --batch ${MARKOV_KERNELS_BATCH:-1} --steps 30 --top 60 >"$out/kernels_markov$f.log" 2>&1
+      for f in 0 1 table; do
+        VLLM_FUSED_MARKOV_DRAFTS=$([ $f = 0 ] && echo 0 || echo 1) \
+        VLLM_MARKOV_BIAS_TABLE=$([ $f = table ] && echo 1 || echo 0) timeout 100 \
+          python3 scripts/graph_kernels.py --variants always --batch ${MARKOV_KERNELS_BATCH:-1} \
+          --steps 30 --top 60 >"$out/kernels_markov$f.log" 2>&1
         summary+=("kernels markov=$f rc=$?"); grep -A2 "^| variant" "$out/kernels_markov$f.log"
       done
       [ "${MARKOV_AB_ROUNDS:-4}" -gt 0 ] || continue
       # (four engines a round; TB's 4-round A/B of this kind, warm-up round included, ran in < 200 s)
+      # (MARKOV_AB_SWITCH=VLLM_MARKOV_BIAS_TABLE: the table's A/B, the fused chain on in both)
       timeout $((60 + 50 * ${MARKOV_AB_ROUNDS:-4})) python3 scripts/ab_env_switch.py \
-        --switch VLLM_FUSED_MARKOV_DRAFTS --batch-sizes ${MARKOV_AB_BATCHES:-1} \
+        --switch ${MARKOV_AB_SWITCH:-VLLM_FUSED_MARKOV_DRAFTS} --batch-sizes ${MARKOV_AB_BATCHES:-1} \
         --rounds "${MARKOV_AB_ROUNDS:-4}" --json "$out/ab_markov.json" \
         >"$out/ab_markov.log" 2>&1
       summary+=("markov A/B rc=$?"); grep "^|" "$out/ab_markov.log" ;;

@@ -1,6 +1,6 @@
 """The torch form of DSpark's greedy Markov draft chain (DSparkSpeculator.select_drafts with
-argmax), and a check that a chain of drafts is a greedy choice at every position: shared by the
-interpreter driver and the GPU test of markov_greedy.py."""
+argmax) and its bias-table form, and a check that a chain of drafts is a greedy choice at every
+position: shared by the interpreter driver and the GPU test of markov_greedy.py."""
 from __future__ import annotations
 
 import torch
@@ -16,6 +16,18 @@ def torch_chain(logits: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor,
     for j in range(logits.shape[1]):
         bias = F.linear(F.embedding(previous, w1), w2)
         previous = (logits[:, j, :] + bias.to(logits.dtype)).argmax(dim=-1)
+        drafts[:, j] = previous
+    return drafts
+
+
+def table_chain(logits: torch.Tensor, anchors: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The chain from the head's bias table (row p: the bias after token p, in the logits'
+    dtype), in torch ops: what markov_table_drafts must return exactly."""
+    drafts = torch.empty(logits.shape[0], logits.shape[1], dtype=torch.int64,
+                         device=logits.device)
+    previous = anchors
+    for j in range(logits.shape[1]):
+        previous = (logits[:, j, :] + table[previous]).argmax(dim=-1)
         drafts[:, j] = previous
     return drafts
 

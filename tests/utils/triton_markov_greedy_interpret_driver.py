@@ -8,7 +8,8 @@ import torch
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 from tests.utils.interpret_checks import run_checks  # noqa: E402
-from tests.utils.markov_drafts_reference import greedy_gaps, torch_chain  # noqa: E402
+from tests.utils.markov_drafts_reference import (greedy_gap_bounds, greedy_gaps,  # noqa: E402
+                                                 table_chain, torch_chain)
 from vllm.v1.worker.gpu.spec_decode.dspark import markov_greedy  # noqa: E402
 
 # (rows, positions, vocabulary, rank)
@@ -75,8 +76,63 @@ def check_ties_and_views(gen) -> None:
                        torch_chain(view, anchors, w1, w2))
 
 
+def _truncating_table_chain(logits, anchors, table):
+    """table_chain with the interpreter's float32 -> bf16 rounding (toward zero: the low 16
+    bits dropped) where torch and the GPU round to nearest even."""
+    drafts = torch.empty(logits.shape[0], logits.shape[1], dtype=torch.int64)
+    previous = anchors
+    for j in range(logits.shape[1]):
+        total = logits[:, j, :].float() + table[previous].float()
+        rounded = (total.view(torch.int32) & -65536).view(torch.float32)
+        previous = rounded.argmax(dim=-1)
+        drafts[:, j] = previous
+    return drafts
+
+
+def check_bias_table(gen) -> None:
+    """The bias-table kernel: exactly the torch chain over the same table in float32 (and the
+    torch form's drafts), and in bf16 exactly that chain with the interpreter's rounding
+    (Triton's interpreter rounds float32 to bf16 toward zero where the GPU and torch round to
+    nearest even; the GPU test holds the kernel to table_chain itself), whose choice is greedy
+    for the head's float64 biased logits within twice the chain's rounding bound (truncation
+    errs by up to one ulp, not half). Vocabularies of 17-1000; then a first-index tie and a
+    view of wider logits."""
+    for rows, k, vocab, rank in SHAPES[:4]:
+        for dtype in (torch.float32, torch.bfloat16):
+            assert markov_greedy.bias_table_supported(vocab), vocab
+            logits = (torch.randn(rows, k, vocab, generator=gen) * 2).to(dtype)
+            w1 = (torch.randn(vocab, rank, generator=gen) / rank ** 0.5).to(dtype)
+            w2 = torch.randn(vocab, rank, generator=gen).to(dtype)
+            anchors = torch.randint(0, vocab, (rows,), generator=gen)
+            table = markov_greedy.markov_bias_table(w1, w2, dtype)
+            got = markov_greedy.markov_table_drafts(logits, anchors, table)
+            assert got.dtype == torch.int64 and got.shape == (rows, k)
+            if dtype == torch.float32:
+                assert torch.equal(got, table_chain(logits, anchors, table)), (rows, vocab)
+                assert torch.equal(got, torch_chain(logits, anchors, w1, w2)), (rows, vocab)
+                continue
+            assert torch.equal(got, _truncating_table_chain(logits, anchors, table)), (rows, vocab)
+            gaps = greedy_gaps(got, logits, anchors, w1, w2)
+            bounds = greedy_gap_bounds(got, logits, anchors, w1, w2)
+            assert bool((gaps <= 2 * bounds).all()), (rows, vocab)
+    vocab = 300
+    table = torch.zeros(vocab, vocab)
+    logits = torch.zeros(1, 2, vocab)
+    logits[0, 0, [250, 7]] = 5.0  # a tie: 7
+    logits[0, 1, :] = -1.0        # all equal: 0
+    got = markov_greedy.markov_table_drafts(logits, torch.tensor([3]), table)
+    assert got.tolist() == [[7, 0]], got.tolist()
+    wide = torch.randn(4, 2, vocab + 12, generator=gen)
+    table = torch.randn(vocab, vocab, generator=gen)
+    anchors = torch.randint(0, vocab, (4,), generator=gen)
+    view = wide[..., :vocab]
+    assert torch.equal(markov_greedy.markov_table_drafts(view, anchors, table),
+                       table_chain(view, anchors, table))
+
+
 def main() -> None:
-    run_checks(markov_greedy.HAS_TRITON, check_float32, check_bfloat16, check_ties_and_views)
+    run_checks(markov_greedy.HAS_TRITON, check_float32, check_bfloat16, check_ties_and_views,
+               check_bias_table)
 
 
 if __name__ == "__main__":

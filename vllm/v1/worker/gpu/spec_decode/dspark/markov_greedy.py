@@ -25,15 +25,26 @@ DSpark step at B=1 launches 172.8 kernels instead of 191.8 and spends 393.5 us i
 414.2 (the kernel itself 17.1 us); its GPU tests pass (the torch drafts but for rounding near-ties,
 graph replay, DSpark greedy tokens equal plain decoding's with and without it), and so do the
 engine-level GPU tests with it on. The tok/s A/B on that node was inside its host noise.
+
+The kernel itself took 17.1 us of that step: one program per row reads all of W2 per draft
+position (5 serial [64, 64] tiles for the tiny head). Opt-in, `VLLM_MARKOV_BIAS_TABLE=1` (not
+run on a GPU yet): for heads of at most _MAX_TABLE_CELLS (V x V) cells the speculator keeps the
+head's whole bias table, table[p] = bias(p) = W2 @ W1[p] in the logits' dtype (one GEMM, rebuilt
+when the head's weights change), and a second kernel makes each position one row load, add and
+argmax. The table's GEMM may sum in another order than the torch form's GEMV: the same
+last-bit near-tie caveat as above.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from vllm.triton_utils import HAS_TRITON, next_pow2, tl, triton  # noqa: F401
 from vllm.utils.env_flags import switch_flag
 
 ENV_FLAG = "VLLM_FUSED_MARKOV_DRAFTS"
+TABLE_FLAG = "VLLM_MARKOV_BIAS_TABLE"
+_MAX_TABLE_CELLS = 1 << 20  # V <= 1024: 2 MiB in bf16
 _MAX_HEAD_CELLS = 1 << 16
 _MAX_RANK = 256
 # one [BLOCK_V, R_PAD] tile of W2 per loop step: at most this many cells
@@ -43,6 +54,22 @@ _TILE_CELLS = 1 << 12
 def fused_markov_enabled() -> bool:
     return switch_flag(ENV_FLAG, True, "choose DSpark's greedy drafts in one Triton launch on "
                        "CUDA", "use the torch ops (about 6 small kernels a draft position)")
+
+
+def bias_table_enabled() -> bool:
+    return switch_flag(TABLE_FLAG, False, "keep the Markov head's V x V bias table for heads of "
+                       "at most 1024 tokens (one row load per draft position)",
+                       "read W2 at every draft position")
+
+
+def bias_table_supported(vocab_size: int) -> bool:
+    return 1 <= vocab_size and vocab_size * vocab_size <= _MAX_TABLE_CELLS
+
+
+def markov_bias_table(w1: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[V, V]: row p is the bias the torch form adds after token p (F.linear's output in the
+    head's dtype, then cast to the logits' `dtype`)."""
+    return F.linear(w1, w2).to(dtype).contiguous()
 
 
 def markov_greedy_supported(vocab_size: int, rank: int) -> bool:
@@ -97,6 +124,25 @@ if HAS_TRITON:
             tl.store(out_ptr + b * stride_ob + j, best_idx)
             prev = best_idx
 
+    @triton.jit
+    def _markov_table_kernel(logits_ptr, stride_lb, stride_lq, anchors_ptr, table_ptr, out_ptr,
+                             stride_ob, V, K: tl.constexpr, BLOCK_V: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        offs_v = tl.arange(0, BLOCK_V)
+        v_ok = offs_v < V
+        prev = tl.minimum(tl.maximum(tl.load(anchors_ptr + b).to(tl.int64), 0), V - 1)
+        row = logits_ptr + b * stride_lb
+        for j in tl.static_range(K):
+            bias = tl.load(table_ptr + prev * V + offs_v, mask=v_ok, other=0.0)
+            logit = tl.load(row + j * stride_lq + offs_v, mask=v_ok, other=0.0)
+            # the add in the logits' dtype (computed in float32, rounded, as torch does)
+            biased = (logit.to(tl.float32) + bias.to(tl.float32)).to(
+                logits_ptr.dtype.element_ty).to(tl.float32)
+            biased = tl.where(v_ok, biased, float("-inf"))
+            m = tl.max(biased, axis=0)
+            prev = tl.min(tl.where(biased == m, offs_v, V), axis=0).to(tl.int64)
+            tl.store(out_ptr + b * stride_ob + j, prev)
+
 
 def markov_greedy_drafts(logits: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor,
                          w2: torch.Tensor) -> torch.Tensor:
@@ -119,4 +165,25 @@ def markov_greedy_drafts(logits: torch.Tensor, anchors: torch.Tensor, w1: torch.
     _markov_greedy_kernel[(num_rows,)](
         logits, logits.stride(0), logits.stride(1), anchors, w1, w2, out, out.stride(0), vocab,
         R=rank, R_PAD=r_pad, K=k, BLOCK_V=block_v, num_warps=4)
+    return out
+
+
+def markov_table_drafts(logits: torch.Tensor, anchors: torch.Tensor,
+                        table: torch.Tensor) -> torch.Tensor:
+    """markov_greedy_drafts from the head's bias table (markov_bias_table, in the logits'
+    dtype): drafts [B, K] int64. The caller has checked bias_table_supported."""
+    num_rows, k, vocab = logits.shape
+    if table.shape != (vocab, vocab) or table.dtype != logits.dtype:
+        raise ValueError(f"Markov bias table {tuple(table.shape)} {table.dtype} does not match "
+                         f"logits of vocabulary {vocab} in {logits.dtype}: rebuild it with "
+                         "markov_bias_table(w1, w2, logits.dtype)")
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    out = torch.empty(num_rows, k, dtype=torch.int64, device=logits.device)
+    if num_rows == 0 or k == 0:
+        return out
+    block_v = max(next_pow2(vocab), 16)
+    _markov_table_kernel[(num_rows,)](
+        logits, logits.stride(0), logits.stride(1), anchors, table.contiguous(), out,
+        out.stride(0), vocab, K=k, BLOCK_V=block_v, num_warps=4 if block_v <= 512 else 8)
     return out

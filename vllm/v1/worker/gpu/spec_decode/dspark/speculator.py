@@ -20,6 +20,10 @@ class DSparkSpeculator(BlockSpeculator):
         super().__init__(*args, **kwargs)
         # read once, when the speculator is built (an in-process A/B builds one per setting)
         self.fused_markov = markov_greedy.fused_markov_enabled()
+        self.markov_bias_table = self.fused_markov and markov_greedy.bias_table_enabled()
+        # (the head's bias table and what it was built from: weights (pointer, version), dtype)
+        self._bias_table: torch.Tensor | None = None
+        self._bias_table_key: tuple | None = None
 
     @property
     def query_len(self) -> int:
@@ -31,6 +35,9 @@ class DSparkSpeculator(BlockSpeculator):
         if head is not None and markov_greedy.uses_fused_markov(
                 self.fused_markov, logits.device.type, self._chooses_greedily(),
                 logits.shape[-1], head.w1.weight.shape[1]):
+            if self.markov_bias_table and markov_greedy.bias_table_supported(logits.shape[-1]):
+                return markov_greedy.markov_table_drafts(logits, anchors,
+                                                         self._head_table(head, logits.dtype))
             return markov_greedy.markov_greedy_drafts(logits, anchors, head.w1.weight,
                                                       head.w2.weight)
         drafts = torch.empty(logits.shape[0], logits.shape[1], dtype=torch.int64,
@@ -41,3 +48,14 @@ class DSparkSpeculator(BlockSpeculator):
             previous = self._choose_drafts(biased, j)
             drafts[:, j] = previous
         return drafts
+
+    def _head_table(self, head, dtype: torch.dtype) -> torch.Tensor:
+        """The Markov head's bias table, rebuilt when its weights were replaced or written in
+        place (tensor versions) or the logits' dtype changed. Built on the first eager draft
+        step, before any capture: a CUDA graph keeps reading the table it was captured with."""
+        w1, w2 = head.w1.weight, head.w2.weight
+        key = (w1.data_ptr(), w1._version, w2.data_ptr(), w2._version, dtype)
+        if key != self._bias_table_key:
+            self._bias_table = markov_greedy.markov_bias_table(w1, w2, dtype)
+            self._bias_table_key = key
+        return self._bias_table
