@@ -90,6 +90,15 @@ def uses_fused_markov(enabled: bool, device_type: str, greedy: bool, vocab_size:
 if HAS_TRITON:
 
     @triton.jit
+    def _biased_max(logit, bias, offs_v, v_ok, V):
+        """(maximum, its first index) of logit + bias over the valid lanes: the add in the
+        logits' dtype (computed in float32 and rounded, as torch does), torch.argmax's rule."""
+        biased = (logit.to(tl.float32) + bias.to(tl.float32)).to(logit.dtype).to(tl.float32)
+        biased = tl.where(v_ok, biased, float("-inf"))
+        m = tl.max(biased, axis=0)
+        return m, tl.min(tl.where(biased == m, offs_v, V), axis=0).to(tl.int64)
+
+    @triton.jit
     def _markov_greedy_kernel(logits_ptr, stride_lb, stride_lq, anchors_ptr, w1_ptr, w2_ptr,
                               out_ptr, stride_ob, V, R: tl.constexpr, R_PAD: tl.constexpr,
                               K: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -112,12 +121,7 @@ if HAS_TRITON:
                 bias = tl.sum(w2 * emb[None, :], axis=1)
                 bias = bias.to(w2_ptr.dtype.element_ty).to(logits_ptr.dtype.element_ty)
                 logit = tl.load(row + j * stride_lq + offs_v, mask=v_ok, other=0.0)
-                # the add in the logits' dtype (computed in float32, rounded, as torch does)
-                biased = (logit.to(tl.float32) + bias.to(tl.float32)).to(
-                    logits_ptr.dtype.element_ty).to(tl.float32)
-                biased = tl.where(v_ok, biased, float("-inf"))
-                m = tl.max(biased, axis=0)
-                first = tl.min(tl.where(biased == m, offs_v, V), axis=0).to(tl.int64)
+                m, first = _biased_max(logit, bias, offs_v, v_ok, V)
                 better = m > best_val  # strictly: an equal value later keeps the first index
                 best_idx = tl.where(better, first, best_idx)
                 best_val = tl.where(better, m, best_val)
@@ -135,12 +139,7 @@ if HAS_TRITON:
         for j in tl.static_range(K):
             bias = tl.load(table_ptr + prev * V + offs_v, mask=v_ok, other=0.0)
             logit = tl.load(row + j * stride_lq + offs_v, mask=v_ok, other=0.0)
-            # the add in the logits' dtype (computed in float32, rounded, as torch does)
-            biased = (logit.to(tl.float32) + bias.to(tl.float32)).to(
-                logits_ptr.dtype.element_ty).to(tl.float32)
-            biased = tl.where(v_ok, biased, float("-inf"))
-            m = tl.max(biased, axis=0)
-            prev = tl.min(tl.where(biased == m, offs_v, V), axis=0).to(tl.int64)
+            prev = _biased_max(logit, bias, offs_v, v_ok, V)[1]
             tl.store(out_ptr + b * stride_ob + j, prev)
 
 
