@@ -90,6 +90,14 @@ def uses_fused_markov(enabled: bool, device_type: str, greedy: bool, vocab_size:
 if HAS_TRITON:
 
     @triton.jit
+    def _chain_start(logits_ptr, stride_lb, anchors_ptr, V):
+        """(this program's row, its anchor, its logits row): one program per request row."""
+        b = tl.program_id(0).to(tl.int64)
+        # a padding row's anchor is a valid id already; the clamp only keeps a bad one in bounds
+        prev = tl.minimum(tl.maximum(tl.load(anchors_ptr + b).to(tl.int64), 0), V - 1)
+        return b, prev, logits_ptr + b * stride_lb
+
+    @triton.jit
     def _biased_max(logit, bias, offs_v, v_ok, V):
         """(maximum, its first index) of logit + bias over the valid lanes: the add in the
         logits' dtype (computed in float32 and rounded, as torch does), torch.argmax's rule."""
@@ -102,12 +110,9 @@ if HAS_TRITON:
     def _markov_greedy_kernel(logits_ptr, stride_lb, stride_lq, anchors_ptr, w1_ptr, w2_ptr,
                               out_ptr, stride_ob, V, R: tl.constexpr, R_PAD: tl.constexpr,
                               K: tl.constexpr, BLOCK_V: tl.constexpr):
-        b = tl.program_id(0).to(tl.int64)
+        b, prev, row = _chain_start(logits_ptr, stride_lb, anchors_ptr, V)
         offs_r = tl.arange(0, R_PAD)
         r_ok = offs_r < R
-        # a padding row's anchor is a valid id already; the clamp only keeps a bad one in bounds
-        prev = tl.minimum(tl.maximum(tl.load(anchors_ptr + b).to(tl.int64), 0), V - 1)
-        row = logits_ptr + b * stride_lb
         for j in tl.static_range(K):
             emb = tl.load(w1_ptr + prev * R + offs_r, mask=r_ok, other=0.0).to(tl.float32)
             best_val = tl.full([], float("-inf"), tl.float32)
@@ -131,11 +136,9 @@ if HAS_TRITON:
     @triton.jit
     def _markov_table_kernel(logits_ptr, stride_lb, stride_lq, anchors_ptr, table_ptr, out_ptr,
                              stride_ob, V, K: tl.constexpr, BLOCK_V: tl.constexpr):
-        b = tl.program_id(0).to(tl.int64)
+        b, prev, row = _chain_start(logits_ptr, stride_lb, anchors_ptr, V)
         offs_v = tl.arange(0, BLOCK_V)
         v_ok = offs_v < V
-        prev = tl.minimum(tl.maximum(tl.load(anchors_ptr + b).to(tl.int64), 0), V - 1)
-        row = logits_ptr + b * stride_lb
         for j in tl.static_range(K):
             bias = tl.load(table_ptr + prev * V + offs_v, mask=v_ok, other=0.0)
             logit = tl.load(row + j * stride_lq + offs_v, mask=v_ok, other=0.0)
