@@ -46,6 +46,7 @@
 #   bash scripts/gpu_validation.sh recheck   # 26a63b9's MoE GPU tests, V3 DSpark overhead over 160 steps, tiny B=1 x7 (~5 min)
 #   bash scripts/gpu_validation.sh markov    # DSpark's greedy Markov drafts in one launch: GPU tests, then the B=1 A/B (~5 min)
 #   bash scripts/gpu_validation.sh b8profile # why the drafter's presence costs at B=8: probe and profile diff, none vs never (~4 min)
+#   bash scripts/gpu_validation.sh refill    # context KV refilled before draft passes: GPU tests, cannot-pay write / refill (~6 min)
 #   bash scripts/gpu_validation.sh headline  # tiny DSpark vs none (always, 3 repeats) and the V3-rank DSpark overhead (~5 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
 set -uo pipefail
@@ -378,6 +379,13 @@ for what in "${groups[@]}"; do
       [ -n "${MOE_SKIP_AB:-}" ] || { timeout 200 python3 scripts/ab_env_switch.py \
         --switch VLLM_FUSED_MOE_ROUTING --batch-sizes 1 --rounds 3 >"$out/ab_routing.log" 2>&1
         summary+=("ab routing rc=$?"); tail -n 12 "$out/ab_routing.log"; } ;;
+    refill)  # thirty-seventh session: plain steps skip the drafter's context write, refilled
+      # before draft passes (VLLM_DRAFT_CONTEXT_REFILL=1, context_refill.py): its GPU tests
+      # (graphs, both backends), then the cannot-pay test writing / refilling (REFILL_K picks)
+      PYTEST_TIMEOUT_S=250 run_pytest refilltests tests/v1/spec_decode/test_context_refill_gpu.py
+      PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-360}" run_pytest refillpolicy \
+        tests/v1/e2e/test_spec_policy_gpu.py -k "${REFILL_K:-cannot_pay and (write or refill)}"
+      grep -h "^cannot-pay" "$out/pytest_refillpolicy.log" ;;
     markov)  # thirty-fourth session: DSpark's greedy Markov draft chain in one Triton launch
       # (markov_greedy.py): its GPU tests (kernel, engine) first, then the in-process A/B at B=1
       # (~5 min; MARKOV_AB_ROUNDS=0 runs the tests only)

@@ -15,15 +15,20 @@ ARRIVALS = {"late": 40}
 def run_switching_engine(monkeypatch, defer: bool, *, method: str = "dspark",
                          async_scheduling=False, drop_flush: bool = False, device: str = "cpu",
                          dtype: str = "float32", attention_backend: str = "TORCH_MLA",
-                         enforce_eager: bool = True) -> dict:
+                         enforce_eager: bool = True, refill: bool = False,
+                         drop_refill: bool = False) -> dict:
     """Run REQUESTS; -> tokens per request, every draft pass's drafts, acceptance counts and
     the sizes of the non-empty flushes. `drop_flush`: queued rows are discarded instead of
-    written (what a missing flush would leave)."""
+    written (what a missing flush would leave). `refill`: plain steps skip the context write
+    and it is refilled before draft passes (context_refill.py; "refills" counts the refill
+    passes and tokens); `drop_refill`: the stale rows are forgotten instead of refilled."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
     from vllm.v1.worker.gpu.spec_decode.context_kv_ring import ENV_FLAG
+    from vllm.v1.worker.gpu.spec_decode.context_refill import ENV_FLAG as REFILL_FLAG
 
     monkeypatch.setenv(ENV_FLAG, "1" if defer else "0")
+    monkeypatch.setenv(REFILL_FLAG, "1" if refill else "0")
     spec = {"method": method, "num_speculative_tokens": 3, "disable_by_batch_size": 2}
     extra = {} if device == "cuda" else {"device": device}
     engine = LLMEngine.from_engine_args(EngineArgs(
@@ -45,6 +50,23 @@ def run_switching_engine(monkeypatch, defer: bool, *, method: str = "dspark",
             drafts.append(step_drafts[:len(req_ids)].tolist())
             return out
         runner._propose = recording_propose
+        context_free = []  # replays of the Q=1 graphs captured without the context write
+        graphs = runner._context_free_graphs
+        if graphs is not None:
+            replay = graphs.replay
+
+            def counted_replay(size):
+                context_free.append(size)
+                return replay(size)
+            graphs.replay = counted_replay
+        if drop_refill:
+            tracker = runner._context_refill
+
+            def forget_stale(scheduler_output):
+                by_id = runner.requests.by_id
+                tracker.refilled(tracker.stale_pieces(
+                    [by_id[r] for r in scheduler_output.num_scheduled_tokens if r in by_id]))
+            runner._refill_draft_context = forget_stale
         if defer:
             inner = speculator.flush_context
 
@@ -60,7 +82,9 @@ def run_switching_engine(monkeypatch, defer: bool, *, method: str = "dspark",
         stats = engine.scheduler.get_stats()["spec_decode"]
         return {"tokens": {r: o[0] for r, o in outputs.items()},
                 "accepted": stats["num_accepted_tokens"], "num_drafts": stats["num_drafts"],
-                "drafts": drafts, "flushed": [n for n in flushed if n]}
+                "drafts": drafts, "flushed": [n for n in flushed if n],
+                "refills": (runner.context_refills, runner.context_refill_tokens),
+                "context_free_replays": len(context_free)}
     finally:
         engine.shutdown()
 

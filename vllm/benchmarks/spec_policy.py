@@ -55,6 +55,10 @@ class SpecPolicyCase:
     # Block drafters' deferred context-KV writes (VLLM_DEFER_DRAFT_CONTEXT_KV, read when the
     # engine is built): None = the environment's setting.
     defer_context_kv: bool | None = None
+    # Block drafters' context KV refilled before draft passes instead of written in plain
+    # steps (VLLM_DRAFT_CONTEXT_REFILL, read when the engine is built; context_refill.py):
+    # None = the environment's setting.
+    refill_context_kv: bool | None = None
     # Block drafters' fused context-KV write (VLLM_FUSED_DRAFT_CONTEXT_KV, read when the drafter
     # is built; mla_context_kv_writer.py): None = the environment's setting.
     fused_context_kv: bool | None = None
@@ -153,7 +157,9 @@ def build_engine(case: SpecPolicyCase):
         kv_cache_memory_bytes=case.kv_cache_memory_bytes, **extra)
     from vllm.model_executor.layers.attention.mla_context_kv_writer import ENV_FLAG as FUSED
     from vllm.v1.worker.gpu.spec_decode.context_kv_ring import ENV_FLAG as DEFER
-    engine = _with_flags({DEFER: case.defer_context_kv, FUSED: case.fused_context_kv},
+    from vllm.v1.worker.gpu.spec_decode.context_refill import ENV_FLAG as REFILL
+    engine = _with_flags({DEFER: case.defer_context_kv, FUSED: case.fused_context_kv,
+                          REFILL: case.refill_context_kv},
                          LLMEngine.from_engine_args, engine_args)
     try:
         policy = engine.scheduler.spec_policy

@@ -14,7 +14,7 @@ def best_of(case: SpecPolicyCase, repeats: int = 2) -> dict:
     return max((run_case(case) for _ in range(repeats)), key=lambda r: r["tok_s"])
 
 
-@pytest.mark.parametrize("context_kv", ["write", "defer"])
+@pytest.mark.parametrize("context_kv", ["write", "defer", "refill"])
 @pytest.mark.parametrize("scheduling", ["sync", "async"])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_speculation_that_cannot_pay_costs_at_most_5_percent(batch, scheduling, context_kv):
@@ -25,10 +25,13 @@ def test_speculation_that_cannot_pay_costs_at_most_5_percent(batch, scheduling, 
     # moves by up to 2x between processes on the node, the 5 % asked is far below that);
     # every block is timed whole, so exploration, probes and stalls count. "defer": the
     # drafter's context KV of Q=1 steps is queued and written in batches
-    # (VLLM_DEFER_DRAFT_CONTEXT_KV=1, context_kv_ring.py); "write": written in every step.
+    # (VLLM_DEFER_DRAFT_CONTEXT_KV=1, context_kv_ring.py); "write": written in every step;
+    # "refill": plain steps skip it and it is refilled before a probe's draft pass
+    # (VLLM_DRAFT_CONTEXT_REFILL=1, context_refill.py).
     overlap = None if scheduling == "async" else False
     common = dict(output_len=768, warmup_steps=32, async_scheduling=overlap,
-                  defer_context_kv=context_kv == "defer")
+                  defer_context_kv=context_kv == "defer",
+                  refill_context_kv=context_kv == "refill")
     runs = run_interleaved({"none": SpecPolicyCase("none", batch, **common),
                             "auto-nopay": SpecPolicyCase("auto-nopay", batch, **common)})
     base, nopay = runs["none"], runs["auto-nopay"]

@@ -42,6 +42,9 @@ from vllm.v1.worker.gpu.request_states import RequestStates
 from vllm.v1.worker.gpu.sample_utils import (BatchRows, SamplingStates,
                                              sampling_row_index)
 from vllm.v1.worker.gpu.spec_decode import get_speculator_cls
+from vllm.v1.worker.gpu.spec_decode.context_refill import (ENV_FLAG as REFILL_FLAG,
+                                                          ContextRefillTracker, chunk_pieces,
+                                                          refill_enabled)
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftInputs
 from vllm.v1.worker.gpu.spec_decode.step_output import apply_verified_step
 
@@ -267,6 +270,9 @@ class GPUModelRunner:
         # VLLM_GRAPH_STEP_ADVANCE is not "0" (on by default).
         self._held_graph_step = None
         self._graph_step_advance = graph_step_advance_enabled()
+        # Plain steps that skip a block drafter's context-KV write, refilled before its next
+        # draft pass (context_refill.py; opt-in).
+        self._context_refill = self._make_context_refill()
         for builder in self.attn_metadata_builders:
             # Rows of at most 1 + k tokens (decode / verify, draft blocks) take the decode path;
             # longer rows (prefill chunks, with or without context) the prefill path.
@@ -283,10 +289,41 @@ class GPUModelRunner:
             else:
                 self.capture_model()
 
+    def _make_context_refill(self) -> ContextRefillTracker | None:
+        """The refill tracker where VLLM_DRAFT_CONTEXT_REFILL=1 applies (a block drafter with a
+        speculation policy), and the Q=1 graphs without the context write it replays."""
+        self._context_free_graphs = None
+        if not refill_enabled():
+            return None
+        spec = self.speculator
+        if spec is None or not getattr(spec, "can_skip_propose", False):
+            # (benchmarks switch the flag for a plain engine and a DSpark one in one process)
+            logger.info("%s=1 has no effect here: only block drafters (dflash, dspark) write "
+                        "context KV in the target step", REFILL_FLAG)
+            return None
+        if spec.defers_context:
+            raise ValueError(f"{REFILL_FLAG}=1 and VLLM_DEFER_DRAFT_CONTEXT_KV=1 are two answers "
+                             "to one question (the drafter's context KV of plain steps); set "
+                             "one of them to 0")
+        if getattr(self.spec_config, "disable_by_batch_size", None) is None:
+            logger.info("%s=1 has no effect without speculative_config disable_by_batch_size: "
+                        "every step is followed by a draft pass", REFILL_FLAG)
+            return None
+        plain = self._graph_managers.get(1)
+        if plain is not None:
+            from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+            self._context_free_graphs = CudaGraphManager(plain.capture_sizes, 1, self.device)
+        return ContextRefillTracker(self.max_num_reqs)
+
     @torch.inference_mode()
     def capture_model(self) -> None:
         for q, manager in self._graph_managers.items():
             manager.capture_all(lambda size, q=q: self._dummy_graph_batch(size, q), self._forward)
+        if self._context_free_graphs is not None:
+            # Q=1 steps after which nobody drafts, refill on: the target alone.
+            self._context_free_graphs.capture_all(
+                lambda size: self._dummy_graph_batch(size, 1),
+                lambda batch: self._forward(batch, write_context=False))
         self._warm_early_block_write()
         if any(hasattr(b, "advance_decode_plan_on_device") for b in self.attn_metadata_builders):
             # the plan lowering (early draft steps, graph-step advances) JIT-compiles here, not
@@ -336,6 +373,8 @@ class GPUModelRunner:
             if state is not None:
                 self._has_draft_probs[state.slot] = False
                 self.block_tables.remove_request(state.slot)
+                if self._context_refill is not None:
+                    self._context_refill.forget(state.slot)
             if req_id in scheduler_output.finished_req_ids:
                 self.generators.remove_request(req_id)
 
@@ -344,6 +383,8 @@ class GPUModelRunner:
                 self.block_tables.remove_request(self.requests.remove(new.req_id).slot)
             state = self.requests.add(new.req_id, new.prompt_token_ids, new.num_computed_tokens,
                                       new.sampling_params)
+            if self._context_refill is not None:
+                self._context_refill.forget(state.slot)
             self.block_tables.append_block_ids(state.slot, (list(new.block_ids),) * num_groups,
                                                overwrite=True)
             # Idempotent per request id: a preempted request keeps its generator and its draws.
@@ -390,12 +431,17 @@ class GPUModelRunner:
         self._retire_previous_step()
         if self.speculator is not None:
             self.speculator.discard_early()  # a draft prepared early is for its own step only
+        refill = self._context_refill
+        if refill is not None and refill.any_stale and getattr(
+                scheduler_output, "propose_drafts", True):
+            self._refill_draft_context(scheduler_output)  # the draft pass after this step reads it
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return AsyncModelRunnerOutput.ready(ModelRunnerOutput(
                 req_ids=[], sampled_token_ids=[], spec_token_ids=[] if self.speculator else None))
         batch = self._prepare_inputs(scheduler_output)
         deferred = self._before_context_write(batch, scheduler_output)
+        skip_context = refill is not None and self._skips_context(batch, scheduler_output)
         overlap = overlap and self._can_overlap(batch, scheduler_output)
         if overlap and self._inputs_event is not None:
             # Every pinned host twin of this step has been copied once the GPU gets here; the
@@ -404,13 +450,19 @@ class GPUModelRunner:
             self._wait_inputs = True
         num_reqs = batch.num_reqs
         if batch.cudagraph:
-            manager = self._graph_managers[batch.uniform_query_len]
+            manager = (self._context_free_graphs if skip_context
+                       else self._graph_managers[batch.uniform_query_len])
             hidden, aux_hidden, logits_all = manager.replay(batch.num_reqs_padded)
             # Uniform decode: every real token is a logit row, in order.
             logits = logits_all[: batch.num_tokens]
         else:
-            hidden, aux_hidden, logits_all = self._forward(batch)
+            # (the keyword only where it applies: host benchmarks stand in for _forward)
+            hidden, aux_hidden, logits_all = (self._forward(batch, write_context=False)
+                                              if skip_context else self._forward(batch))
             logits = logits_all
+        if skip_context:
+            n = batch.num_reqs
+            refill.note_skipped(batch.idx_mapping_np[:n], batch.num_computed_np[:n])
         if deferred:
             self.speculator.note_context_appended(batch.num_tokens_padded)
 
@@ -505,10 +557,12 @@ class GPUModelRunner:
                                  num_accepted_tokens=num_accepted, logprobs=logprobs,
                                  prompt_logprobs=prompt_logprobs)
 
-    def _forward(self, batch: InputBatch) -> tuple:
+    def _forward(self, batch: InputBatch, write_context: bool = True) -> tuple:
         """Target forward (+ block drafters' context KV) and the LM head of the logit rows.
-        In graph mode (captured) the logit rows are all padded tokens, in order."""
-        aux_layers = self.speculator.aux_hidden_state_layers if self.speculator else ()
+        In graph mode (captured) the logit rows are all padded tokens, in order.
+        `write_context=False`: the target alone (no taps, no context KV; context_refill.py)."""
+        aux_layers = (self.speculator.aux_hidden_state_layers
+                      if self.speculator is not None and write_context else ())
         aux_hidden = None
         input_ids, positions = batch.input_ids, batch.positions
         with set_forward_context(batch.attn_metadata, self.vllm_config):
@@ -518,7 +572,7 @@ class GPUModelRunner:
                                                 aux_hidden_state_layers=aux_layers)
             else:
                 hidden = self.model(input_ids, positions)
-            if self.speculator is not None:
+            if self.speculator is not None and write_context:
                 # Block drafters store context KV of the processed tokens through the draft
                 # group's slot mapping of this very step (or queue it: _defers_context).
                 self.speculator.precompute_context(aux_hidden, positions,
@@ -535,6 +589,72 @@ class GPUModelRunner:
         else:
             logits = self.model.compute_logits(hidden[batch.logits_indices])
         return hidden, aux_hidden, logits
+
+    def _skips_context(self, batch: InputBatch, scheduler_output: Any) -> bool:
+        """With refill on: a uniform Q=1 decode step after which nobody drafts runs the target
+        alone (graph: the context-free capture). Prefill chunks and verify steps write context
+        KV as always (a refill would repeat their whole forward)."""
+        if getattr(scheduler_output, "propose_drafts", True) or batch.uniform_query_len != 1:
+            return False
+        return not batch.cudagraph or self._context_free_graphs is not None
+
+    def _refill_draft_context(self, scheduler_output: Any) -> None:
+        """Write the draft context KV of the stale positions of this step's rows (the draft
+        pass after this step reads it): target forwards over those positions, as prefill
+        chunks with context, that tap the hidden states and store the drafter's context KV
+        and no target KV (context_refill.py). Runs before the step's state update: the block
+        ids that update appends reach the device as patches that only the step's own batch
+        build applies (every patched slot is one of its rows), and the builders' persistent
+        buffers then hold the step's own metadata. Rows are the step's resident requests (a
+        re-admitted one starts afresh: _update_states replaces its state)."""
+        refill = self._context_refill
+        by_id = self.requests.by_id
+        admitted = {n.req_id for n in scheduler_output.scheduled_new_reqs}
+        pieces = refill.stale_pieces(
+            [by_id[r] for r in scheduler_output.num_scheduled_tokens
+             if r in by_id and r not in admitted])
+        if not pieces:
+            return
+        if self._inflight is not None and not self._inflight.done and any(
+                -1 in p.state.token_ids[p.start:p.end] for p in pieces):
+            # A token of the range is still a placeholder of an overlapped step: collect it
+            # (in launch order; the engine's own get_output() later returns the same output).
+            self._inflight.get_output()
+        num_computed = self.requests.num_computed.np
+        spec = self.speculator
+        aux_layers = spec.aux_hidden_state_layers
+        target_layers = [name for g in self._target_group_ids
+                         for name in self.kv_cache_config.kv_cache_groups[g].layer_names]
+        for chunk in chunk_pieces(pieces, self.max_num_tokens, self.max_num_reqs):
+            layout = ([p.state for p in chunk], [p.num_tokens for p in chunk], [0] * len(chunk),
+                      [False] * len(chunk), [p.state.token_ids[p.start:p.end] for p in chunk])
+            for p in chunk:  # the builder reads each row's context length by slot
+                num_computed[p.state.slot] = p.start
+            try:
+                batch = self._build_batch(layout, None, cudagraph=False)
+            finally:
+                for p in chunk:
+                    num_computed[p.state.slot] = p.state.num_computed_tokens
+            for name in target_layers:
+                # The target's KV of these positions is in the cache already: write none.
+                batch.attn_metadata[name].slot_mapping.fill_(-1)
+            with set_forward_context(batch.attn_metadata, self.vllm_config):
+                _, aux_hidden = self.model(batch.input_ids, batch.positions,
+                                           aux_hidden_state_layers=aux_layers)
+                spec.precompute_context(aux_hidden, batch.positions)
+            if self._inputs_event is not None:
+                # The next build rewrites the pinned host twins this one copies from.
+                record_event(self._inputs_event)
+                self._inputs_event.synchronize()
+        refill.refilled(pieces)
+        self.context_refills += 1
+        self.context_refill_tokens += sum(p.num_tokens for p in pieces)
+
+    # refill passes and the tokens they refilled (context_refill.py; tests and probes read them)
+    context_refills = 0
+    context_refill_tokens = 0
+    _context_refill: ContextRefillTracker | None = None  # (set by initialize_kv_cache)
+    _context_free_graphs = None
 
     def _defers_context(self, batch: InputBatch) -> bool:
         """Q=1 decode steps queue a block drafter's context KV when deferral is on

@@ -1,0 +1,142 @@
+"""Draft context refilled before draft passes instead of written in plain steps
+(VLLM_DRAFT_CONTEXT_REFILL=1, context_refill.py): the tracker and the refill's chunking against
+brute force, and engines whose drafting switches off and on (tests/utils/context_kv_runs.py):
+their greedy tokens and every draft pass equal the engine that writes context in every step,
+the refill writes no target KV, and without it the drafts change."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from tests.utils.context_kv_runs import run_switching_engine
+from vllm.v1.worker.gpu.request_states import RequestState
+from vllm.v1.worker.gpu.spec_decode.context_refill import (ENV_FLAG, ContextRefillTracker,
+                                                          RefillPiece, chunk_pieces,
+                                                          refill_enabled)
+
+
+def _state(slot: int, num_computed: int) -> RequestState:
+    return RequestState(f"r{slot}", slot, [0] * (num_computed + 1), num_computed)
+
+
+def test_tracker_keeps_each_slots_first_skipped_position():
+    tracker = ContextRefillTracker(4)
+    states = [_state(s, 10 + s) for s in range(4)]
+    assert not tracker.any_stale and tracker.stale_pieces(states) == []
+    tracker.note_skipped(np.array([1, 3]), np.array([11, 13]))
+    tracker.note_skipped(np.array([3, 1]), np.array([14, 12]))  # later steps: no change
+    assert tracker.any_stale
+    for state in states:
+        state.num_computed_tokens += 2
+    pieces = tracker.stale_pieces(states)
+    assert [(p.state.slot, p.start, p.end) for p in pieces] == [(1, 11, 13), (3, 13, 15)]
+    tracker.refilled(pieces[:1])
+    assert tracker.any_stale  # slot 3 is still stale
+    tracker.forget(3)  # its request left
+    assert not tracker.any_stale or tracker.stale_pieces(states) == []
+    tracker.refilled([])
+    assert not tracker.any_stale
+
+
+def test_refill_flag_refuses_other_values(monkeypatch):
+    monkeypatch.setenv(ENV_FLAG, "yes")
+    with pytest.raises(ValueError, match=f"{ENV_FLAG}='yes' is invalid"):
+        refill_enabled()
+    monkeypatch.setenv(ENV_FLAG, "1")
+    assert refill_enabled()
+    monkeypatch.delenv(ENV_FLAG)
+    assert not refill_enabled()  # opt-in
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_chunking_covers_every_stale_position_once_within_the_limits(seed):
+    rng = random.Random(seed)
+    pieces = []
+    for slot in rng.sample(range(64), rng.randint(1, 12)):
+        start = rng.randint(0, 300)
+        pieces.append(RefillPiece(_state(slot, start + 1), start, start + rng.randint(1, 200)))
+    max_tokens, max_rows = rng.randint(1, 400), rng.randint(1, 6)
+    passes = chunk_pieces(pieces, max_tokens, max_rows)
+    seen: dict[int, list[tuple[int, int]]] = {}
+    for chunk in passes:
+        assert chunk and sum(p.num_tokens for p in chunk) <= max_tokens and len(chunk) <= max_rows
+        slots = [p.state.slot for p in chunk]
+        assert len(set(slots)) == len(slots)  # a request is one row of a pass
+        assert [p.num_tokens for p in chunk] == sorted(p.num_tokens for p in chunk)
+        for p in chunk:
+            assert p.num_tokens >= 1
+            seen.setdefault(p.state.slot, []).append((p.start, p.end))
+    # Brute force: each request's positions, in pass order, are its stale range exactly once
+    # and in order (a later piece reads the earlier positions' target KV from the cache).
+    for piece in pieces:
+        covered = [pos for start, end in seen.pop(piece.state.slot) for pos in range(start, end)]
+        assert covered == list(range(piece.start, piece.end))
+    assert not seen
+    # full passes: only the last pass may have room left for another token and row
+    for chunk in passes[:-1]:
+        assert sum(p.num_tokens for p in chunk) == max_tokens or len(chunk) == max_rows
+    with pytest.raises(ValueError, match="max_tokens=0"):
+        chunk_pieces(pieces, 0, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["dspark", "dflash"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_refilled_context_gives_the_drafts_of_the_written_context(monkeypatch, async_scheduling,
+                                                                 method):
+    common = dict(method=method, async_scheduling=async_scheduling)
+    direct = run_switching_engine(monkeypatch, False, **common)
+    refilled = run_switching_engine(monkeypatch, False, refill=True, **common)
+    passes, tokens = refilled["refills"]
+    assert passes >= 1 and tokens > passes  # plain steps skipped the write and were refilled
+    assert direct["refills"] == (0, 0)
+    assert refilled["tokens"] == direct["tokens"]
+    assert refilled["num_drafts"] == direct["num_drafts"] > 0
+    # float32 on the CPU: the refill's prefill-shaped forward gives the same drafts
+    assert refilled["drafts"] == direct["drafts"]
+    assert refilled["accepted"] == direct["accepted"]
+    # The check can fail: without the refill the drafter reads stale context KV, and its
+    # drafts change (the verified tokens do not).
+    dropped = run_switching_engine(monkeypatch, False, refill=True, drop_refill=True, **common)
+    assert dropped["tokens"] == direct["tokens"]
+    assert dropped["drafts"] != direct["drafts"]
+
+
+@pytest.mark.slow
+def test_a_refill_in_small_passes_writes_no_target_kv(monkeypatch):
+    """Refills cut into passes of at most 5 tokens and 2 rows (requests split across passes,
+    decode- and prefill-shaped rows): the target's KV cache is bit for bit what it was, the
+    drafter's holds new context KV, and the drafts still equal the written context's."""
+    import vllm.v1.worker.gpu.model_runner as model_runner
+
+    snapshots = []
+    cut = model_runner.chunk_pieces
+
+    def small_passes(pieces, max_tokens, max_rows):
+        return cut(pieces, 5, 2)
+    monkeypatch.setattr(model_runner, "chunk_pieces", small_passes)
+    refill = model_runner.GPUModelRunner._refill_draft_context
+
+    def checked_refill(runner, scheduler_output):
+        target = {name for g in runner._target_group_ids
+                  for name in runner.kv_cache_config.kv_cache_groups[g].layer_names}
+        before = {name: cache.clone() for name, cache in runner.kv_caches.items()}
+        refill(runner, scheduler_output)
+        changed = {name for name, cache in runner.kv_caches.items()
+                   if not torch.equal(cache, before[name])}
+        snapshots.append((target, changed, set(runner.kv_caches)))
+    monkeypatch.setattr(model_runner.GPUModelRunner, "_refill_draft_context", checked_refill)
+    direct = run_switching_engine(monkeypatch, False)
+    refilled = run_switching_engine(monkeypatch, False, refill=True)
+    passes, tokens = refilled["refills"]
+    assert passes >= 1 and tokens > 10  # more than two passes' worth: cut into several
+    assert refilled["drafts"] == direct["drafts"]
+    assert refilled["tokens"] == direct["tokens"]
+    nonempty = [s for s in snapshots if s[1]]
+    assert nonempty
+    for target, changed, every in nonempty:
+        assert not changed & target  # no target KV written
+        assert changed == every - target  # every drafter layer's context KV was
