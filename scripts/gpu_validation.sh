@@ -185,8 +185,8 @@ for what in "${groups[@]}"; do
         tests/v1/e2e/test_spec_policy_gpu.py -k "${POLICY_K:-cannot_pay}" ;;
     deferral)  # deferred context-KV writes: graphs + ring, then cannot-pay with and without
       PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-400}" run_pytest deferral \
-        tests/v1/spec_decode/test_context_kv_ring_gpu.py \
-        tests/v1/e2e/test_spec_policy_gpu.py -k "context_kv_ring or cannot_pay" ;;
+        tests/v1/spec_decode/test_context_kv_gpu.py \
+        tests/v1/e2e/test_spec_policy_gpu.py -k "(context_kv_written and defer) or (cannot_pay and not refill)" ;;
     policymodes)  # the other policy GPU tests: keeps drafting, float32 modes, probe steps (~3 min)
       PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-420}" run_pytest policymodes \
         tests/v1/e2e/test_spec_policy_gpu.py -k "not cannot_pay" ;;
@@ -362,9 +362,9 @@ for what in "${groups[@]}"; do
       # capture, the shared carried-step set-up, the context-KV ring test's recording (~3 min)
       PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-400}" run_pytest nextcheck \
         tests/utils_/test_pinned_upload.py tests/v1/attention/test_flashinfer_mla_gpu.py \
-        tests/v1/spec_decode/test_context_kv_ring_gpu.py -k \
+        tests/v1/spec_decode/test_context_kv_gpu.py -k \
         "upload or carried or never_planned or host_written or plan_refreshes \
-         or past_the_chunk or deferred_context_kv" ;;
+         or past_the_chunk or (context_kv_written and defer)" ;;
     moerouting)  # thirty-third session: the MoE routing + alignment kernels (moe_routing.py):
       # their GPU tests, HF parity and the engine exactness list, then kernels per step with
       # them off / on (graph_kernels.py) and the in-process tok/s A/B at B=1 (~8 min)
@@ -382,7 +382,7 @@ for what in "${groups[@]}"; do
     refill)  # thirty-seventh session: plain steps skip the drafter's context write, refilled
       # before draft passes (VLLM_DRAFT_CONTEXT_REFILL=1, context_refill.py): its GPU tests
       # (graphs, both backends), then the cannot-pay test writing / refilling (REFILL_K picks)
-      PYTEST_TIMEOUT_S=250 run_pytest refilltests tests/v1/spec_decode/test_context_refill_gpu.py
+      PYTEST_TIMEOUT_S=250 run_pytest refilltests tests/v1/spec_decode/test_context_kv_gpu.py -k refill
       PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-360}" run_pytest refillpolicy \
         tests/v1/e2e/test_spec_policy_gpu.py -k "${REFILL_K:-cannot_pay and (write or refill)}"
       grep -h "^cannot-pay" "$out/pytest_refillpolicy.log" ;;

@@ -10,6 +10,15 @@ REQUESTS = {"long": ([7, 19, 31, 43, 55, 67, 79, 91], greedy(72)),
             "short": ([200, 3, 9, 27], greedy(20)),
             "late": ([11, 22, 33, 44, 55], greedy(30))}
 ARRIVALS = {"late": 40}
+# The GPU tests' settings: each drafter on both backends, with CUDA graphs.
+GRAPH_CASES = [(method, backend, dtype) for method in ("dspark", "dflash")
+               for backend, dtype in (("TORCH_MLA", "float32"), ("FLASHINFER_MLA", "bfloat16"))]
+
+
+def graph_settings(method: str, backend: str, dtype: str) -> dict:
+    """run_switching_engine's keywords for one of GRAPH_CASES."""
+    return dict(method=method, device="cuda", dtype=dtype, attention_backend=backend,
+                enforce_eager=False)
 
 
 def run_switching_engine(monkeypatch, defer: bool, *, method: str = "dspark",
@@ -87,6 +96,28 @@ def run_switching_engine(monkeypatch, defer: bool, *, method: str = "dspark",
                 "context_free_replays": len(context_free)}
     finally:
         engine.shutdown()
+
+
+def check_graphs_against_writing(monkeypatch, common: dict, variant: dict,
+                                 dropped: dict) -> tuple[dict, dict]:
+    """The GPU tests' shared check of a way to write context KV other than in every step
+    (`variant`: run_switching_engine's keywords, e.g. defer=True): with graphs and eagerly, its
+    greedy tokens equal writing in every step, and its drafts agree with it to >= 0.9 (bf16
+    may round the batched or refilled KV differently), while `dropped` (the same with its
+    writes left out) agrees less. -> (the variant's run, the eager variant's run)."""
+    defer = variant.pop("defer", False)
+    direct = run_switching_engine(monkeypatch, False, **common)
+    run = run_switching_engine(monkeypatch, defer, **common, **variant)
+    eager = run_switching_engine(monkeypatch, defer, **{**common, "enforce_eager": True},
+                                 **variant)
+    assert run["tokens"] == direct["tokens"] == eager["tokens"]
+    agree = draft_agreement(run["drafts"], direct["drafts"])
+    assert agree >= 0.9, agree
+    assert draft_agreement(eager["drafts"], run["drafts"]) >= 0.9
+    lost = run_switching_engine(monkeypatch, defer, **common, **variant, **dropped)
+    assert lost["tokens"] == direct["tokens"]
+    assert draft_agreement(lost["drafts"], direct["drafts"], strict=False) < agree
+    return run, eager
 
 
 def draft_agreement(a: list, b: list, strict: bool = True) -> float:
