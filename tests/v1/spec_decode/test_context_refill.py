@@ -140,3 +140,30 @@ def test_a_refill_in_small_passes_writes_no_target_kv(monkeypatch):
     for target, changed, every in nonempty:
         assert not changed & target  # no target KV written
         assert changed == every - target  # every drafter layer's context KV was
+
+
+@pytest.mark.slow
+def test_the_start_up_warm_up_writes_no_target_kv_and_changes_no_output(monkeypatch):
+    """The refill's start-up passes (run on CUDA only; here forced on the CPU) write only the
+    drafter's cache, count as no refill, and serving after them is unchanged."""
+    import vllm.v1.worker.gpu.model_runner as model_runner
+
+    warm = model_runner.GPUModelRunner._warm_context_refill
+    seen = []
+
+    def warm_on_cpu(runner, on_cpu=False):
+        before = {name: cache.clone() for name, cache in runner.kv_caches.items()}
+        warm(runner, on_cpu=True)
+        target = {name for g in runner._target_group_ids
+                  for name in runner.kv_cache_config.kv_cache_groups[g].layer_names}
+        changed = {name for name, cache in runner.kv_caches.items()
+                   if not torch.equal(cache, before[name])}
+        seen.append((runner._context_refill is not None, changed & target,
+                     changed == set(runner.kv_caches) - target, runner.context_refills))
+    monkeypatch.setattr(model_runner.GPUModelRunner, "_warm_context_refill", warm_on_cpu)
+    direct = run_switching_engine(monkeypatch, False)
+    refilled = run_switching_engine(monkeypatch, False, refill=True)
+    # the writing engine has no refill (nothing runs); the refilling one wrote drafter KV only
+    assert seen == [(False, set(), False, 0), (True, set(), True, 0)]
+    assert refilled["tokens"] == direct["tokens"]
+    assert refilled["drafts"] == direct["drafts"]

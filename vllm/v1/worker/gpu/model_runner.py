@@ -288,6 +288,7 @@ class GPUModelRunner:
                 self._graph_managers = {}
             else:
                 self.capture_model()
+        self._warm_context_refill()
 
     def _make_context_refill(self) -> ContextRefillTracker | None:
         """The refill tracker where VLLM_DRAFT_CONTEXT_REFILL=1 applies (a block drafter with a
@@ -620,6 +621,15 @@ class GPUModelRunner:
             # A token of the range is still a placeholder of an overlapped step: collect it
             # (in launch order; the engine's own get_output() later returns the same output).
             self._inflight.get_output()
+        started = time.perf_counter()
+        self._refill_pieces(pieces)
+        refill.refilled(pieces)
+        self.context_refills += 1
+        self.context_refill_tokens += sum(p.num_tokens for p in pieces)
+        self.context_refill_seconds += time.perf_counter() - started
+
+    def _refill_pieces(self, pieces: list) -> None:
+        """The refill's forward passes over these RefillPieces (see _refill_draft_context)."""
         num_computed = self.requests.num_computed.np
         spec = self.speculator
         aux_layers = spec.aux_hidden_state_layers
@@ -646,13 +656,35 @@ class GPUModelRunner:
                 # The next build rewrites the pinned host twins this one copies from.
                 record_event(self._inputs_event)
                 self._inputs_event.synchronize()
-        refill.refilled(pieces)
-        self.context_refills += 1
-        self.context_refill_tokens += sum(p.num_tokens for p in pieces)
 
-    # refill passes and the tokens they refilled (context_refill.py; tests and probes read them)
+    @torch.inference_mode()
+    def _warm_context_refill(self, on_cpu: bool = False) -> None:
+        """Run the refill's kinds of pass once at start-up, over slots 0-1 (block 0, as the
+        graph captures' dummy batches): Triton specialises its kernels on integer arguments
+        (1, a multiple of 16, other), and a refill's token and row counts (a few dozen stale
+        tokens a row) were the first "other" of several eager kernels, so the first refill
+        of a serving engine compiled them: 0.2-0.75 s of one probe step on the H100 (the
+        thirty-seventh session's first cannot-pay runs with refill, 0.31-0.67x)."""
+        from vllm.v1.worker.gpu.request_states import RequestState
+        from vllm.v1.worker.gpu.spec_decode.context_refill import RefillPiece
+        if self._context_refill is None or (self.device.type != "cuda" and not on_cpu):
+            return
+        q = 1 + self.num_spec_tokens  # rows up to q tokens take the decode path, longer ones not
+        # (rows, start, tokens): one prefill-shaped row; a decode- and a prefill-shaped row
+        # (other counts); the same with a multiple of 16 tokens in all
+        for shape in ([(3, q + 2)], [(2, q - 1), (5, q + 3)], [(2, 1), (4, 15)]):
+            pieces = [RefillPiece(RequestState(f"_refill_{slot}", slot, [0] * (start + m),
+                                               start + m), start, start + m)
+                      for slot, (start, m) in enumerate(shape)]
+            self._refill_pieces(pieces)
+        self.requests.num_computed.np[:] = 0  # hand every slot back clean
+        self._held_graph_step = None
+
+    # refill passes, the tokens they refilled and their host time, waits included
+    # (context_refill.py; tests and probes read them)
     context_refills = 0
     context_refill_tokens = 0
+    context_refill_seconds = 0.0
     _context_refill: ContextRefillTracker | None = None  # (set by initialize_kv_cache)
     _context_free_graphs = None
 
