@@ -54,7 +54,9 @@ def metric(llm: LLM, name: str, **labels) -> float:
     raise AssertionError(f"{name} {labels} not in /metrics:\n{text}")
 
 
-def run(method, disable_by_batch_size=None, inject=None):
+def run(method, disable_by_batch_size=None, inject=None, refills: list | None = None):
+    """-> (tokens, spec-decode stats, draft passes, drafted and skipped counts from /metrics);
+    `refills` receives the runner's (refill passes, tokens refilled) (context_refill.py)."""
     with make_llm(method, disable_by_batch_size) as llm:
         proposes = count_proposes(llm)
         if inject is not None:
@@ -64,6 +66,9 @@ def run(method, disable_by_batch_size=None, inject=None):
         drafted = metric(llm, "vllm:spec_decode_policy_drafted_total")
         skipped = {r: metric(llm, "vllm:spec_decode_policy_skipped_total", reason=r)
                    for r in (REASON_BATCH, REASON_COST, REASON_EXPLORE)}
+        if refills is not None:
+            runner = llm.llm_engine.executor.worker.model_runner
+            refills.append((runner.context_refills, runner.context_refill_tokens))
     return out, spec, proposes[0], drafted, skipped
 
 
@@ -123,6 +128,26 @@ def test_auto_stops_drafting_where_it_cannot_pay(plain_greedy, method):
     if method == "dspark":
         # The draft pass ran only in those steps (and after the prefill).
         assert proposes <= 8
+
+
+def test_refilled_context_changes_no_decision_and_no_accepted_draft(plain_greedy, monkeypatch):
+    """VLLM_DRAFT_CONTEXT_REFILL=1 under "auto" that cannot pay: the plain steps skip DSpark's
+    context write and the re-probe refills it first, so its drafts, hence the accepted counts
+    and every decision, are those of the engine that writes in every step (float32)."""
+    from vllm.v1.worker.gpu.spec_decode.context_refill import ENV_FLAG
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv(ENV_FLAG, flag)
+        refills = []
+        runs[flag] = run("dspark", "auto", cannot_pay, refills) + (refills[0],)
+    (out0, spec0, proposes0, drafted0, skipped0, refills0), (out1, spec1, proposes1, drafted1,
+                                                              skipped1, refills1) = runs.values()
+    assert out1 == out0 == plain_greedy
+    assert refills0 == (0, 0) and refills1[0] >= 1 and refills1[1] >= len(PROMPTS)
+    assert (spec1["num_drafts"], spec1["num_accepted_tokens"]) == (
+        spec0["num_drafts"], spec0["num_accepted_tokens"])
+    assert spec0["num_accepted_tokens"] > 0  # the re-probe's drafts were accepted: they count
+    assert (proposes1, drafted1, skipped1) == (proposes0, drafted0, skipped0)
 
 
 @pytest.mark.parametrize("method", METHODS)
