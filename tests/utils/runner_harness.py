@@ -39,6 +39,9 @@ class Scenario:
     sampling_params: dict = field(default_factory=dict)  # req_id -> SamplingParams (else greedy)
     # Chunked prefill: at most this many prompt tokens per request and step (None: whole).
     prefill_chunk: int | None = None
+    # Steps after which nobody drafts (the scheduler output's propose_drafts=False, as a
+    # speculation policy sets it): the next step verifies no drafts.
+    pause_steps: frozenset = frozenset()
 
 
 @dataclass
@@ -58,12 +61,14 @@ class ScenarioResult:
     num_partial_prefill_rows: int = 0  # rows that ran a prefill chunk short of the prompt end
     # (layer names, dcp_sharded, pages of each layer's cache) of every KV cache group
     kv_groups: list[tuple[list[str], bool, int]] = field(default_factory=list)
+    # the runner's (refill passes, tokens refilled) (context_refill.py)
+    context_refills: tuple[int, int] = (0, 0)
 
 
 def make_config(model_dir: str, method: str | None = None, draft_dir: str | None = None,
                 k: int = 3, dcp: int = 1, interleave: int = 1, backend: str = "TORCH_MLA",
                 device: str = "cpu", dtype: str = "float32", max_model_len: int = 256,
-                draft_dcp: int | None = None):
+                draft_dcp: int | None = None, disable_by_batch_size=None):
     spec = None
     if method is not None:
         # "<method>+prob": probabilistic drafts verified by probabilistic rejection sampling.
@@ -72,7 +77,8 @@ def make_config(model_dir: str, method: str | None = None, draft_dir: str | None
         spec = SpeculativeConfig(method=method, model=draft_dir, num_speculative_tokens=k,
                                  draft_sample_method=sampling or "greedy",
                                  rejection_sample_method=sampling or "strict",
-                                 draft_decode_context_parallel_size=draft_dcp)
+                                 draft_decode_context_parallel_size=draft_dcp,
+                                 disable_by_batch_size=disable_by_batch_size)
     return VllmConfig(
         model_config=ModelConfig(model=model_dir, dtype=dtype, max_model_len=max_model_len,
                                  attention_backend=backend, device=device),
@@ -171,7 +177,8 @@ def run_scenario(runner: GPUModelRunner, scenario: Scenario,
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
-            scheduled_spec_decode_tokens=spec_tokens, finished_req_ids=finished)
+            scheduled_spec_decode_tokens=spec_tokens, finished_req_ids=finished,
+            propose_drafts=step not in scenario.pause_steps)
         finished = set()
         out = runner.execute_model(output)
         # The drafts stay on the device in the engine (the output carries placeholders); the
@@ -192,7 +199,10 @@ def run_scenario(runner: GPUModelRunner, scenario: Scenario,
                 assert out.spec_token_ids is None or out.spec_token_ids[i] == [], req_id
                 result.num_partial_prefill_rows += 1
                 continue
-            if out.spec_token_ids is not None:
+            if out.spec_token_ids is not None and not output.propose_drafts:
+                assert out.spec_token_ids[i] == [], req_id  # no draft pass after this step
+                state["drafts"] = []
+            elif out.spec_token_ids is not None:
                 assert len(out.spec_token_ids[i]) == k
                 state["drafts"] = list(out.spec_token_ids[i])  # placeholders: device drafts
                 result.proposals[req_id].append(list(proposed[req_id]))
@@ -301,28 +311,43 @@ def init_dist(rank: int, world_size: int, port: int, dcp: int, backend: str = "g
 
 
 # ------------------------------------------------------------------ multi-process worlds
-def spec_tag(method: str | None, draft_dcp: int | None = None) -> str:
+def spec_tag(method: str | None, draft_dcp: int | None = None, refill: bool = False) -> str:
     """Result key of a case: the method, plus "@draft_dcp<n>" when the drafter's DCP size is
-    set explicitly."""
+    set explicitly, plus "+refill" for a refilled drafter context."""
     tag = method or "plain"
-    return tag if draft_dcp is None else f"{tag}@draft_dcp{draft_dcp}"
+    tag = tag if draft_dcp is None else f"{tag}@draft_dcp{draft_dcp}"
+    return f"{tag}+refill" if refill else tag
 
 
 def run_all_methods(paths: dict[str, str], cases: list[tuple[str | None, int]], scenario: Scenario,
                     oracle: dict[str, list[int]], *, dcp: int = 1, interleave: int = 1,
                     rank: int = 0, backend: str = "TORCH_MLA", device: str = "cpu",
                     dtype: str = "float32") -> dict[str, ScenarioResult]:
-    """One runner per (method, k) or (method, k, draft_dcp) on this rank; results keyed by
-    spec_tag (a method may carry a "+prob" variant suffix)."""
+    """One runner per (method, k), (method, k, draft_dcp) or (method, k, draft_dcp, "refill")
+    on this rank; results keyed by spec_tag (a method may carry a "+prob" variant suffix).
+    "refill": VLLM_DRAFT_CONTEXT_REFILL=1 with a policy set, so the scenario's pause steps
+    skip the block drafter's context write and the next draft pass refills it."""
+    import os
+
+    from vllm.v1.worker.gpu.spec_decode.context_refill import ENV_FLAG as REFILL
     results = {}
     for method, k, *rest in cases:
         draft_dcp = rest[0] if rest else None
+        refill = len(rest) > 1 and rest[1] == "refill"
         draft_dir = paths.get(method.partition("+")[0]) if method else None
         config = make_config(paths["target"], method, draft_dir, k=k, dcp=dcp,
                              interleave=interleave, backend=backend, device=device, dtype=dtype,
-                             draft_dcp=draft_dcp)
-        runner = make_runner(config, device=device, rank=rank)
-        results[spec_tag(method, draft_dcp)] = run_scenario(runner, scenario, oracle)
+                             draft_dcp=draft_dcp,
+                             disable_by_batch_size="auto" if refill else None)
+        before = os.environ.get(REFILL)
+        os.environ[REFILL] = "1" if refill else "0"  # read when the KV cache is set up
+        try:
+            runner = make_runner(config, device=device, rank=rank)
+        finally:
+            os.environ.pop(REFILL) if before is None else os.environ.update({REFILL: before})
+        result = run_scenario(runner, scenario, oracle)
+        result.context_refills = (runner.context_refills, runner.context_refill_tokens)
+        results[spec_tag(method, draft_dcp, refill)] = result
     return results
 
 
