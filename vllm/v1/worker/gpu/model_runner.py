@@ -673,6 +673,8 @@ class GPUModelRunner:
         # (rows, start, tokens): one prefill-shaped row; a decode- and a prefill-shaped row
         # (other counts); the same with a multiple of 16 tokens in all
         for shape in ([(3, q + 2)], [(2, q - 1), (5, q + 3)], [(2, 1), (4, 15)]):
+            if len(shape) > self.max_num_reqs:
+                continue  # (a batch of one: its refills are one row too)
             pieces = [RefillPiece(RequestState(f"_refill_{slot}", slot, [0] * (start + m),
                                                start + m), start, start + m)
                       for slot, (start, m) in enumerate(shape)]
