@@ -208,3 +208,26 @@ def test_refill_under_dcp_proposes_what_the_written_context_proposes(cpu_world_p
         assert passes >= 1 and tokens >= 2 * len(DCP_PROMPTS), written  # the pause was refilled
         assert results[written].context_refills == (0, 0)
         assert refilled.proposals == results[written].proposals, written  # float32: identical
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 2])
+def test_the_warm_up_fits_any_batch_size(monkeypatch, max_num_seqs):
+    """Its passes use as many rows as the engine's batch holds (a two-row pass once indexed
+    slot 1 of a max_num_seqs=1 engine on the GPU)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+    monkeypatch.setenv(ENV_FLAG, "1")
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=None, device="cpu", dtype="float32", max_model_len=64, max_num_seqs=max_num_seqs,
+        speculative_config={"method": "dspark", "num_speculative_tokens": 3,
+                            "disable_by_batch_size": "auto"}))
+    try:
+        runner = engine.executor.worker.model_runner
+        passes = []
+        monkeypatch.setattr(runner, "_refill_pieces", lambda pieces: passes.append(
+            [p.state.slot for p in pieces]))
+        runner._warm_context_refill(on_cpu=True)
+        assert passes and all(max(slots) < max_num_seqs for slots in passes)
+        assert max(len(slots) for slots in passes) == max_num_seqs  # multi-row where it fits
+    finally:
+        engine.shutdown()
