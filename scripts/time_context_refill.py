@@ -17,6 +17,14 @@ import time
 import torch
 
 
+def triton_cache_entries() -> int:
+    """Kernels in Triton's on-disk cache (one directory per compiled specialisation): a pass that
+    adds entries compiled kernels."""
+    root = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton",
+                                                               "cache")
+    return len(os.listdir(root)) if os.path.isdir(root) else 0
+
+
 def synchronize(device: str) -> None:
     if device != "cpu":
         torch.cuda.synchronize()
@@ -52,19 +60,20 @@ def time_batch(args, batch: int) -> list[str]:
         runner = engine.executor.worker.model_runner
         states = list(runner.requests.by_id.values())
         step_ms = statistics.median(steps[-64:]) * 1e3
-        rows.append(f"| {batch} | plain-step median | - | {step_ms:.3f} | - |")
+        rows.append(f"| {batch} | plain-step median | - | {step_ms:.3f} | - | - |")
         for tokens in args.tokens:
             pieces = [RefillPiece(s, s.num_computed_tokens - tokens, s.num_computed_tokens)
                       for s in states]
             for repeat in range(args.repeats):
                 synchronize(args.device)
+                compiled = triton_cache_entries()
                 start = time.perf_counter()
                 with torch.inference_mode():
                     runner._refill_pieces(pieces)
                 synchronize(args.device)
                 ms = (time.perf_counter() - start) * 1e3
                 rows.append(f"| {batch} | {tokens} x {len(pieces)} rows | {repeat} | {ms:.3f} | "
-                            f"{ms / step_ms:.1f} |")
+                            f"{ms / step_ms:.1f} | {triton_cache_entries() - compiled} |")
     finally:
         engine.shutdown()
     return rows
@@ -81,7 +90,8 @@ def main() -> None:
                         help="positions refilled per request")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    rows = ["| B | refill | repeat | ms | plain steps |", "|---|---|---|---|---|"]
+    rows = ["| B | refill | repeat | ms | plain steps | Triton kernels compiled |",
+            "|---|---|---|---|---|---|"]
     for batch in args.batch:
         rows += time_batch(args, batch)
     print("\n".join(rows))
