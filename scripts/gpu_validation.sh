@@ -47,6 +47,7 @@
 #   bash scripts/gpu_validation.sh markov    # DSpark's greedy Markov drafts in one launch: GPU tests, then the B=1 A/B (~5 min)
 #   bash scripts/gpu_validation.sh b8profile # why the drafter's presence costs at B=8: probe and profile diff, none vs never (~4 min)
 #   bash scripts/gpu_validation.sh refill    # context KV refilled before draft passes: GPU tests, cannot-pay write / refill (~6 min)
+#   bash scripts/gpu_validation.sh refilltime # refill passes timed by size, lazy / eager module loading (~4 min)
 #   bash scripts/gpu_validation.sh headline  # tiny DSpark vs none (always, 3 repeats) and the V3-rank DSpark overhead (~5 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
 set -uo pipefail
@@ -386,6 +387,13 @@ for what in "${groups[@]}"; do
       PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-360}" run_pytest refillpolicy \
         tests/v1/e2e/test_spec_policy_gpu.py -k "${REFILL_K:-cannot_pay and (write or refill)}"
       grep -h "^cannot-pay" "$out/pytest_refillpolicy.log" ;;
+    refilltime)  # thirty-seventh session: why a refill pass cost 0.2-0.9 s on the H100: passes
+      # by size, twice each, with their Triton compiles; then with every module loaded eagerly
+      for loading in LAZY EAGER; do
+        CUDA_MODULE_LOADING=$loading timeout 150 python3 scripts/time_context_refill.py \
+          --batch 8 1 --tokens 8 64 512 --repeats 2 >"$out/refill_time_$loading.log" 2>&1
+        summary+=("refill timing $loading rc=$?"); grep "^|" "$out/refill_time_$loading.log"
+      done ;;
     markov)  # thirty-fourth session: DSpark's greedy Markov draft chain in one Triton launch
       # (markov_greedy.py): its GPU tests (kernel, engine) first, then the in-process A/B at B=1
       # (~5 min; MARKOV_AB_ROUNDS=0 runs the tests only)

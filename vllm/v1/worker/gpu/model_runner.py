@@ -660,11 +660,13 @@ class GPUModelRunner:
     @torch.inference_mode()
     def _warm_context_refill(self, on_cpu: bool = False) -> None:
         """Run the refill's kinds of pass once at start-up, over slots 0-1 (block 0, as the
-        graph captures' dummy batches): Triton specialises its kernels on integer arguments
-        (1, a multiple of 16, other), and a refill's token and row counts (a few dozen stale
-        tokens a row) were the first "other" of several eager kernels, so the first refill
-        of a serving engine compiled them: 0.2-0.75 s of one probe step on the H100 (the
-        thirty-seventh session's first cannot-pay runs with refill, 0.31-0.67x)."""
+        graph captures' dummy batches), so that first-use costs of their eager kernels (Triton
+        specialises on integer arguments: 1, a multiple of 16, other; libraries load kernels
+        lazily) land here, not in a serving step. Why: every refill pass measured on the H100
+        cost 0.2-0.9 s, far more than its work (thirty-seventh session, cannot-pay runs with
+        refill on); these passes did not remove that at B=8 (its run VB), so its cause is
+        still open (scripts/time_context_refill.py times passes by size and counts Triton
+        compiles)."""
         from vllm.v1.worker.gpu.request_states import RequestState
         from vllm.v1.worker.gpu.spec_decode.context_refill import RefillPiece
         if self._context_refill is None or (self.device.type != "cuda" and not on_cpu):

@@ -23,6 +23,12 @@ Greedy output never depends on the drafter's context (drafts are verified). The 
 the same function of the same tokens, computed by prefill-shaped kernels instead of decode ones,
 so its low-order bits may differ from what the plain steps would have written. Prefill chunks and
 verify steps always write context KV (a refill would repeat a whole prompt's prefill).
+
+Where it stands (thirty-seventh session, H100, docs/performance.md): exact (greedy tokens equal
+writing in every step, graphs and eager, both backends) and the plain steps are cheaper (the
+cannot-pay test's median blocks 0.974 / 0.918-0.933 against 0.946-0.950 / 0.885-0.912 writing,
+B = 1 / 8 synchronous), but each of the four refill passes measured took 0.2-0.9 s, far more
+than its work, for a cause not yet isolated; so it stays off by default.
 """
 from __future__ import annotations
 
