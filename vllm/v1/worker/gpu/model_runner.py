@@ -662,8 +662,8 @@ class GPUModelRunner:
         """Run the refill's kinds of pass once at start-up, over slots 0-1 (block 0, as the
         graph captures' dummy batches), so that first-use costs of their eager kernels (Triton
         specialises on integer arguments: 1, a multiple of 16, other; libraries load kernels
-        lazily) land here, not in a serving step. Why: every refill pass measured on the H100
-        cost 0.2-0.9 s, far more than its work (thirty-seventh session, cannot-pay runs with
+        lazily) land here, not in a serving step. Why: every refill measured on the H100 cost
+        345-1,858 plain steps (~0.2-0.9 s), far more than its work (thirty-seventh session, cannot-pay runs with
         refill on); these passes did not remove that at B=8 (its run VB), so its cause is
         still open (scripts/time_context_refill.py times passes by size and counts Triton
         compiles)."""

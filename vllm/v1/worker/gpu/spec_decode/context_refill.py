@@ -27,8 +27,8 @@ verify steps always write context KV (a refill would repeat a whole prompt's pre
 Where it stands (thirty-seventh session, H100, docs/performance.md): exact (greedy tokens equal
 writing in every step, graphs and eager, both backends) and the plain steps are cheaper (the
 cannot-pay test's median blocks 0.974 / 0.918-0.933 against 0.946-0.950 / 0.885-0.912 writing,
-B = 1 / 8 synchronous), but each of the four refill passes measured took 0.2-0.9 s, far more
-than its work, for a cause not yet isolated; so it stays off by default.
+B = 1 / 8 synchronous), but each of the six refills measured cost 345-1,858 plain steps
+(~0.2-0.9 s), far more than its work, for a cause not yet isolated; so it stays off by default.
 """
 from __future__ import annotations
 
