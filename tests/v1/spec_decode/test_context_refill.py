@@ -231,3 +231,29 @@ def test_the_warm_up_fits_any_batch_size(monkeypatch, max_num_seqs):
         assert max(len(slots) for slots in passes) == max_num_seqs  # multi-row where it fits
     finally:
         engine.shutdown()
+
+
+def test_the_flag_is_refused_with_deferral_and_said_to_do_nothing_without_a_policy(
+        monkeypatch, caplog):
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.worker.gpu.spec_decode.context_kv_ring import ENV_FLAG as DEFER
+
+    def build(policy):
+        return LLMEngine.from_engine_args(EngineArgs(
+            model=None, device="cpu", dtype="float32", max_model_len=64, max_num_seqs=2,
+            speculative_config={"method": "dspark", "num_speculative_tokens": 3,
+                                "disable_by_batch_size": policy}))
+    monkeypatch.setenv(ENV_FLAG, "1")
+    monkeypatch.setenv(DEFER, "1")
+    with pytest.raises(ValueError, match=f"{ENV_FLAG}=1 and {DEFER}=1"):
+        build("auto")
+    monkeypatch.setenv(DEFER, "0")
+    with caplog.at_level("WARNING"):
+        engine = build(None)  # every step proposes: nothing to skip
+    try:
+        assert engine.executor.worker.model_runner._context_refill is None
+        assert f"{ENV_FLAG}=1 has no effect without speculative_config disable_by_batch_size" \
+            in caplog.text
+    finally:
+        engine.shutdown()

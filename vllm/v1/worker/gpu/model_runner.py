@@ -299,7 +299,7 @@ class GPUModelRunner:
         spec = self.speculator
         if spec is None or not getattr(spec, "can_skip_propose", False):
             # (benchmarks switch the flag for a plain engine and a DSpark one in one process)
-            logger.info("%s=1 has no effect here: only block drafters (dflash, dspark) write "
+            logger.warning("%s=1 has no effect here: only block drafters (dflash, dspark) write "
                         "context KV in the target step", REFILL_FLAG)
             return None
         if spec.defers_context:
@@ -307,7 +307,7 @@ class GPUModelRunner:
                              "to one question (the drafter's context KV of plain steps); set "
                              "one of them to 0")
         if getattr(self.spec_config, "disable_by_batch_size", None) is None:
-            logger.info("%s=1 has no effect without speculative_config disable_by_batch_size: "
+            logger.warning("%s=1 has no effect without speculative_config disable_by_batch_size: "
                         "every step is followed by a draft pass", REFILL_FLAG)
             return None
         plain = self._graph_managers.get(1)
