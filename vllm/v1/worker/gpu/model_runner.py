@@ -38,13 +38,13 @@ from vllm.v1.worker.gpu.block_table import BlockTables
 from vllm.v1.worker.gpu.buffer_utils import CpuGpuBuffer
 from vllm.v1.worker.gpu.graph_sampling import captured_greedy_step
 from vllm.v1.worker.gpu.input_batch import InputBatch, InputBatchBuilder
-from vllm.v1.worker.gpu.request_states import RequestStates
+from vllm.v1.worker.gpu.request_states import RequestState, RequestStates
 from vllm.v1.worker.gpu.sample_utils import (BatchRows, SamplingStates,
                                              sampling_row_index)
 from vllm.v1.worker.gpu.spec_decode import get_speculator_cls
 from vllm.v1.worker.gpu.spec_decode.context_refill import (ENV_FLAG as REFILL_FLAG,
-                                                          ContextRefillTracker, chunk_pieces,
-                                                          refill_enabled)
+                                                          ContextRefillTracker, RefillPiece,
+                                                          chunk_pieces, refill_enabled)
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftInputs
 from vllm.v1.worker.gpu.spec_decode.step_output import apply_verified_step
 
@@ -299,21 +299,26 @@ class GPUModelRunner:
         spec = self.speculator
         if spec is None or not getattr(spec, "can_skip_propose", False):
             # (benchmarks switch the flag for a plain engine and a DSpark one in one process)
-            logger.warning("%s=1 has no effect here: only block drafters (dflash, dspark) write "
-                        "context KV in the target step", REFILL_FLAG)
+            logger.warning("%s=1 has no effect here: only block drafters (dflash, dspark) "
+                           "write context KV in the target step", REFILL_FLAG)
             return None
         if spec.defers_context:
             raise ValueError(f"{REFILL_FLAG}=1 and VLLM_DEFER_DRAFT_CONTEXT_KV=1 are two answers "
                              "to one question (the drafter's context KV of plain steps); set "
                              "one of them to 0")
         if getattr(self.spec_config, "disable_by_batch_size", None) is None:
-            logger.warning("%s=1 has no effect without speculative_config disable_by_batch_size: "
-                        "every step is followed by a draft pass", REFILL_FLAG)
+            logger.warning("%s=1 has no effect without speculative_config "
+                           "disable_by_batch_size: every step is followed by a draft pass",
+                           REFILL_FLAG)
             return None
         plain = self._graph_managers.get(1)
         if plain is not None:
             from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
             self._context_free_graphs = CudaGraphManager(plain.capture_sizes, 1, self.device)
+        # the layers whose slot mappings a refill pass sets to -1 (it writes no target KV)
+        groups = self.kv_cache_config.kv_cache_groups
+        self._refill_target_layers = [name for g in self._target_group_ids
+                                      for name in groups[g].layer_names]
         return ContextRefillTracker(self.max_num_reqs)
 
     @torch.inference_mode()
@@ -350,7 +355,6 @@ class GPUModelRunner:
     def _dummy_graph_batch(self, num_reqs_padded: int, q: int) -> InputBatch:
         """A uniform decode batch of num_reqs_padded rows of q tokens over slots 0.. (block 0,
         KV empty)."""
-        from vllm.v1.worker.gpu.request_states import RequestState
         if self.speculator is not None and self.speculator.defers_context:
             # Warm-up + replay of each size append to the ring; start every size empty.
             self.speculator.reset_context()
@@ -633,8 +637,6 @@ class GPUModelRunner:
         num_computed = self.requests.num_computed.np
         spec = self.speculator
         aux_layers = spec.aux_hidden_state_layers
-        target_layers = [name for g in self._target_group_ids
-                         for name in self.kv_cache_config.kv_cache_groups[g].layer_names]
         for chunk in chunk_pieces(pieces, self.max_num_tokens, self.max_num_reqs):
             layout = ([p.state for p in chunk], [p.num_tokens for p in chunk], [0] * len(chunk),
                       [False] * len(chunk), [p.state.token_ids[p.start:p.end] for p in chunk])
@@ -645,7 +647,7 @@ class GPUModelRunner:
             finally:
                 for p in chunk:
                     num_computed[p.state.slot] = p.state.num_computed_tokens
-            for name in target_layers:
+            for name in self._refill_target_layers:
                 # The target's KV of these positions is in the cache already: write none.
                 batch.attn_metadata[name].slot_mapping.fill_(-1)
             with set_forward_context(batch.attn_metadata, self.vllm_config):
@@ -663,12 +665,10 @@ class GPUModelRunner:
         graph captures' dummy batches), so that first-use costs of their eager kernels (Triton
         specialises on integer arguments: 1, a multiple of 16, other; libraries load kernels
         lazily) land here, not in a serving step. Why: every refill measured on the H100 cost
-        345-1,858 plain steps (~0.2-0.9 s), far more than its work (thirty-seventh session, cannot-pay runs with
-        refill on); these passes did not remove that at B=8 (its run VB), so its cause is
-        still open (scripts/time_context_refill.py times passes by size and counts Triton
-        compiles)."""
-        from vllm.v1.worker.gpu.request_states import RequestState
-        from vllm.v1.worker.gpu.spec_decode.context_refill import RefillPiece
+        345-1,858 plain steps (~0.2-0.9 s), far more than its work (thirty-seventh session,
+        cannot-pay runs with refill on); these passes did not remove that at B=8 (its run
+        VB), so its cause is still open (scripts/time_context_refill.py times passes by size
+        and counts Triton compiles)."""
         if self._context_refill is None or (self.device.type != "cuda" and not on_cpu):
             return
         q = 1 + self.num_spec_tokens  # rows up to q tokens take the decode path, longer ones not
