@@ -2,7 +2,9 @@
 own: a DSpark engine under "auto" decodes a batch of requests, then refills the last N positions
 of every request several times per N, each pass synchronised and timed, beside the median plain
 step of the same engine. The first pass of a size that is slower than the next ones points at a
-one-time cost (kernel compilation, lazy module loading), not at the refill's own work.
+one-time cost (kernel compilation, lazy module loading), not at the refill's own work. Each
+size runs through both refill paths (GPUModelRunner.refill_through_decode: decode rows of any
+length, or prefill rows with context).
 
 Usage (GPU node): python scripts/time_context_refill.py --batch 1 8 --tokens 8 64 512
 CPU smoke run: ... --device cpu --dtype float32 --attention-backend TORCH_MLA
@@ -10,6 +12,7 @@ CPU smoke run: ... --device cpu --dtype float32 --attention-backend TORCH_MLA
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import time
@@ -60,8 +63,9 @@ def time_batch(args, batch: int) -> list[str]:
         runner = engine.executor.worker.model_runner
         states = list(runner.requests.by_id.values())
         step_ms = statistics.median(steps[-64:]) * 1e3
-        rows.append(f"| {batch} | plain-step median | - | {step_ms:.3f} | - | - |")
-        for tokens in args.tokens:
+        rows.append(f"| {batch} | plain-step median | - | - | {step_ms:.3f} | - | - |")
+        for tokens, path in itertools.product(args.tokens, args.paths):
+            runner.refill_through_decode = path == "decode"
             pieces = [RefillPiece(s, s.num_computed_tokens - tokens, s.num_computed_tokens)
                       for s in states]
             for repeat in range(args.repeats):
@@ -72,7 +76,8 @@ def time_batch(args, batch: int) -> list[str]:
                     runner._refill_pieces(pieces)
                 synchronize(args.device)
                 ms = (time.perf_counter() - start) * 1e3
-                rows.append(f"| {batch} | {tokens} x {len(pieces)} rows | {repeat} | {ms:.3f} | "
+                rows.append(f"| {batch} | {tokens} x {len(pieces)} rows | {path} | {repeat} | "
+                            f"{ms:.3f} | "
                             f"{ms / step_ms:.1f} | {triton_cache_entries() - compiled} |")
     finally:
         engine.shutdown()
@@ -89,9 +94,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[8, 64, 512],
                         help="positions refilled per request")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--paths", nargs="+", choices=["decode", "prefill"],
+                        default=["decode", "prefill"], help="refill paths to time")
     args = parser.parse_args()
-    rows = ["| B | refill | repeat | ms | plain steps | Triton kernels compiled |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| B | refill | path | repeat | ms | plain steps | Triton kernels compiled |",
+            "|---|---|---|---|---|---|---|"]
     for batch in args.batch:
         rows += time_batch(args, batch)
     print("\n".join(rows))

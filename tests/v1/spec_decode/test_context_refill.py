@@ -85,14 +85,56 @@ def test_chunking_covers_every_stale_position_once_within_the_limits(seed):
         chunk_pieces(pieces, 0, 1)
 
 
+def _record_refill_builds(monkeypatch) -> list:
+    """(num_decodes, num_prefills, max decode query length) of every MLA build made inside a
+    refill pass."""
+    import vllm.v1.worker.gpu.model_runner as model_runner
+    from vllm.v1.attention.backends.mla.common import MLACommonMetadataBuilder
+
+    builds, inside = [], []
+    refill_pieces = model_runner.GPUModelRunner._refill_pieces
+    build = MLACommonMetadataBuilder.build
+
+    def marked(runner, pieces):
+        inside.append(True)
+        try:
+            refill_pieces(runner, pieces)
+        finally:
+            inside.pop()
+
+    def recorded(builder, common_prefix_len, common_attn_metadata):
+        metadata = build(builder, common_prefix_len, common_attn_metadata)
+        if inside and builder.non_causal_group is False:
+            q = metadata.decode.max_query_len if metadata.decode is not None else 0
+            builds.append((metadata.num_decodes, metadata.num_prefills, q))
+        return metadata
+    monkeypatch.setattr(model_runner.GPUModelRunner, "_refill_pieces", marked)
+    monkeypatch.setattr(MLACommonMetadataBuilder, "build", recorded)
+    return builds
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["dspark", "dflash"])
 @pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("through_decode", [True, False], ids=["decode_path", "prefill_path"])
 def test_refilled_context_gives_the_drafts_of_the_written_context(monkeypatch, async_scheduling,
-                                                                 method):
+                                                                 method, through_decode):
+    """Refill passes as decode rows of any length (the default) and as prefill rows with
+    context (GPUModelRunner.refill_through_decode off) both give the written context's drafts;
+    the builds inside refill passes show which path each took."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
     common = dict(method=method, async_scheduling=async_scheduling)
     direct = run_switching_engine(monkeypatch, False, **common)
+    monkeypatch.setattr(GPUModelRunner, "refill_through_decode", through_decode)
+    builds = _record_refill_builds(monkeypatch)
     refilled = run_switching_engine(monkeypatch, False, refill=True, **common)
+    assert builds
+    if through_decode:  # every row a decode row, rows longer than 1 + k among them
+        assert all(prefills == 0 for _, prefills, _ in builds)
+        assert max(q for _, _, q in builds) > 1 + 3  # (k = 3)
+    else:
+        assert any(prefills > 0 for _, prefills, _ in builds)
     passes, tokens = refilled["refills"]
     assert passes >= 1 and tokens > passes  # plain steps skipped the write and were refilled
     assert direct["refills"] == (0, 0)
@@ -110,8 +152,8 @@ def test_refilled_context_gives_the_drafts_of_the_written_context(monkeypatch, a
 
 @pytest.mark.slow
 def test_a_refill_in_small_passes_writes_no_target_kv(monkeypatch):
-    """Refills cut into passes of at most 5 tokens and 2 rows (requests split across passes,
-    decode- and prefill-shaped rows): the target's KV cache is bit for bit what it was, the
+    """Refills cut into passes of at most 5 tokens and 2 rows (requests split across passes):
+    the target's KV cache is bit for bit what it was, the
     drafter's holds new context KV, and the drafts still equal the written context's."""
     import vllm.v1.worker.gpu.model_runner as model_runner
 

@@ -642,11 +642,17 @@ class GPUModelRunner:
                       [False] * len(chunk), [p.state.token_ids[p.start:p.end] for p in chunk])
             for p in chunk:  # the builder reads each row's context length by slot
                 num_computed[p.state.slot] = p.start
+            decode_builders = self._refill_decode_builders()
+            for builder in decode_builders:
+                # Every row a decode row (see refill_through_decode).
+                builder.reorder_batch_threshold = max(p.num_tokens for p in chunk)
             try:
                 batch = self._build_batch(layout, None, cudagraph=False)
             finally:
                 for p in chunk:
                     num_computed[p.state.slot] = p.state.num_computed_tokens
+                for builder in decode_builders:
+                    builder.reorder_batch_threshold = 1 + self.num_spec_tokens
             for name in self._refill_target_layers:
                 # The target's KV of these positions is in the cache already: write none.
                 batch.attn_metadata[name].slot_mapping.fill_(-1)
@@ -658,6 +664,26 @@ class GPUModelRunner:
                 # The next build rewrites the pinned host twins this one copies from.
                 record_event(self._inputs_event)
                 self._inputs_event.synchronize()
+
+    # Refill passes run the target's attention as decode rows of any length (the causal
+    # multi-token decode kernels, reading every position's KV from the cache, where the plain
+    # steps wrote it) instead of prefill rows with context. Why: the prefill path of a model
+    # whose head dims FlashInfer's prefill does not serve (the tiny model's 96/32) is torch
+    # loops per row and per tile, ~11k ATen ops for 8 rows x 8 tokens on the CPU; the decode
+    # path is batched, one kernel per layer on FlashInfer. It also reads the very KV the plain
+    # steps' decode read. False: the prefill path (scripts/time_context_refill.py compares).
+    refill_through_decode = True
+
+    def _refill_decode_builders(self) -> list:
+        """The target groups' builders whose threshold a refill pass raises (none when
+        refill_through_decode is off, or a builder is not a Hopper/torch one: the Blackwell
+        native kernel takes one query length per batch)."""
+        if not self.refill_through_decode:
+            return []
+        builders = [self.attn_metadata_builders[g] for g in self._target_group_ids]
+        if any(getattr(b, "kernel_family", "hopper") != "hopper" for b in builders):
+            return []
+        return builders
 
     @torch.inference_mode()
     def _warm_context_refill(self, on_cpu: bool = False) -> None:
@@ -671,7 +697,9 @@ class GPUModelRunner:
         and counts Triton compiles)."""
         if self._context_refill is None or (self.device.type != "cuda" and not on_cpu):
             return
-        q = 1 + self.num_spec_tokens  # rows up to q tokens take the decode path, longer ones not
+        # (with refill_through_decode off, rows up to q tokens take the decode path, longer ones
+        # the prefill path; on, every row is a decode row, of these lengths)
+        q = 1 + self.num_spec_tokens
         # (rows, start, tokens): one prefill-shaped row; a decode- and a prefill-shaped row
         # (other counts); the same with a multiple of 16 tokens in all
         for shape in ([(3, q + 2)], [(2, q - 1), (5, q + 3)], [(2, 1), (4, 15)]):
