@@ -389,7 +389,7 @@ for what in "${groups[@]}"; do
       grep -h "^cannot-pay" "$out/pytest_refillpolicy.log" ;;
     refilltime)  # thirty-seventh session: why a refill pass cost 0.2-0.9 s on the H100: passes
       # by size, twice each, with their Triton compiles; then with every module loaded eagerly
-      for loading in LAZY EAGER; do
+      for loading in ${REFILL_LOADING:-LAZY EAGER}; do
         CUDA_MODULE_LOADING=$loading timeout 150 python3 scripts/time_context_refill.py \
           --batch 8 1 --tokens 8 64 512 --repeats 2 >"$out/refill_time_$loading.log" 2>&1
         summary+=("refill timing $loading rc=$?"); grep "^|" "$out/refill_time_$loading.log"
