@@ -387,6 +387,17 @@ for what in "${groups[@]}"; do
       PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-360}" run_pytest refillpolicy \
         tests/v1/e2e/test_spec_policy_gpu.py -k "${REFILL_K:-cannot_pay and (write or refill)}"
       grep -h "^cannot-pay" "$out/pytest_refillpolicy.log" ;;
+    refilldecode)  # thirty-eighth session: refill passes as decode rows (the default now):
+      # their timing against the prefill path, the FlashInfer refill GPU tests, then the
+      # cannot-pay sync cases refilling (~5 min)
+      timeout 110 python3 scripts/time_context_refill.py --batch 8 1 --tokens 8 64 512 \
+        --repeats 2 >"$out/refill_time_decode.log" 2>&1
+      summary+=("refill timing (decode/prefill paths) rc=$?"); grep "^|" "$out/refill_time_decode.log"
+      PYTEST_TIMEOUT_S=110 run_pytest refilldecodetests tests/v1/spec_decode/test_context_kv_gpu.py \
+        -k "refill and FLASHINFER"
+      PYTEST_TIMEOUT_S=120 run_pytest refilldecodepolicy tests/v1/e2e/test_spec_policy_gpu.py \
+        -k "cannot_pay and (1-sync-refill or 8-sync-refill)"
+      grep -h "^cannot-pay" "$out/pytest_refilldecodepolicy.log" ;;
     refilltime)  # thirty-seventh session: why a refill pass cost 0.2-0.9 s on the H100: passes
       # by size, twice each, with their Triton compiles; then with every module loaded eagerly
       for loading in ${REFILL_LOADING:-LAZY EAGER}; do
