@@ -28,6 +28,15 @@ def triton_cache_entries() -> int:
     return len(os.listdir(root)) if os.path.isdir(root) else 0
 
 
+def aten_ops(runner, pieces) -> int:
+    """ATen operator calls of one refill (nested calls included): the host work a refill
+    costs beside its kernels' own time."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof, torch.inference_mode():
+        runner._refill_pieces(pieces)
+    return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+
+
 def synchronize(device: str) -> None:
     if device != "cpu":
         torch.cuda.synchronize()
@@ -63,7 +72,7 @@ def time_batch(args, batch: int) -> list[str]:
         runner = engine.executor.worker.model_runner
         states = list(runner.requests.by_id.values())
         step_ms = statistics.median(steps[-64:]) * 1e3
-        rows.append(f"| {batch} | plain-step median | - | - | {step_ms:.3f} | - | - |")
+        rows.append(f"| {batch} | plain-step median | - | - | {step_ms:.3f} | - | - | - |")
         for tokens, path in itertools.product(args.tokens, args.paths):
             runner.refill_through_decode = path == "decode"
             pieces = [RefillPiece(s, s.num_computed_tokens - tokens, s.num_computed_tokens)
@@ -78,7 +87,9 @@ def time_batch(args, batch: int) -> list[str]:
                 ms = (time.perf_counter() - start) * 1e3
                 rows.append(f"| {batch} | {tokens} x {len(pieces)} rows | {path} | {repeat} | "
                             f"{ms:.3f} | "
-                            f"{ms / step_ms:.1f} | {triton_cache_entries() - compiled} |")
+                            f"{ms / step_ms:.1f} | {triton_cache_entries() - compiled} | - |")
+            rows.append(f"| {batch} | {tokens} x {len(pieces)} rows | {path} | profiled | - | - "
+                        f"| - | {aten_ops(runner, pieces)} |")
     finally:
         engine.shutdown()
     return rows
@@ -97,8 +108,8 @@ def main() -> None:
     parser.add_argument("--paths", nargs="+", choices=["decode", "prefill"],
                         default=["decode", "prefill"], help="refill paths to time")
     args = parser.parse_args()
-    rows = ["| B | refill | path | repeat | ms | plain steps | Triton kernels compiled |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| B | refill | path | repeat | ms | plain steps | Triton kernels compiled | "
+            "ATen ops |", "|---|---|---|---|---|---|---|---|"]
     for batch in args.batch:
         rows += time_batch(args, batch)
     print("\n".join(rows))

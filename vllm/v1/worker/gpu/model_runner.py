@@ -694,7 +694,8 @@ class GPUModelRunner:
         345-1,858 plain steps (~0.2-0.9 s), far more than its work (thirty-seventh session,
         cannot-pay runs with refill on); these passes did not remove that at B=8 (its run
         VB), so its cause is still open (scripts/time_context_refill.py times passes by size
-        and counts Triton compiles)."""
+        and counts Triton compiles; the suspect since is the prefill path's per-row torch
+        loops, which refill_through_decode now avoids - not yet timed on a GPU)."""
         if self._context_refill is None or (self.device.type != "cuda" and not on_cpu):
             return
         # (with refill_through_decode off, rows up to q tokens take the decode path, longer ones
