@@ -643,6 +643,7 @@ class GPUModelRunner:
             for p in chunk:  # the builder reads each row's context length by slot
                 num_computed[p.state.slot] = p.start
             decode_builders = self._refill_decode_builders()
+            thresholds = [b.reorder_batch_threshold for b in decode_builders]
             for builder in decode_builders:
                 # Every row a decode row (see refill_through_decode).
                 builder.reorder_batch_threshold = max(p.num_tokens for p in chunk)
@@ -651,8 +652,8 @@ class GPUModelRunner:
             finally:
                 for p in chunk:
                     num_computed[p.state.slot] = p.state.num_computed_tokens
-                for builder in decode_builders:
-                    builder.reorder_batch_threshold = 1 + self.num_spec_tokens
+                for builder, threshold in zip(decode_builders, thresholds):
+                    builder.reorder_batch_threshold = threshold
             for name in self._refill_target_layers:
                 # The target's KV of these positions is in the cache already: write none.
                 batch.attn_metadata[name].slot_mapping.fill_(-1)
