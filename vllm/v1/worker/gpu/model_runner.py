@@ -605,9 +605,9 @@ class GPUModelRunner:
 
     def _refill_draft_context(self, scheduler_output: Any) -> None:
         """Write the draft context KV of the stale positions of this step's rows (the draft
-        pass after this step reads it): target forwards over those positions, as prefill
-        chunks with context, that tap the hidden states and store the drafter's context KV
-        and no target KV (context_refill.py). Runs before the step's state update: the block
+        pass after this step reads it): target forwards over those positions (decode rows of
+        any length, see refill_through_decode) that tap the hidden states and store the
+        drafter's context KV and no target KV (context_refill.py). Runs before the step's state update: the block
         ids that update appends reach the device as patches that only the step's own batch
         build applies (every patched slot is one of its rows), and the builders' persistent
         buffers then hold the step's own metadata. Rows are the step's resident requests (a
@@ -637,13 +637,13 @@ class GPUModelRunner:
         num_computed = self.requests.num_computed.np
         spec = self.speculator
         aux_layers = spec.aux_hidden_state_layers
+        decode_builders = self._refill_decode_builders()
+        thresholds = [b.reorder_batch_threshold for b in decode_builders]
         for chunk in chunk_pieces(pieces, self.max_num_tokens, self.max_num_reqs):
             layout = ([p.state for p in chunk], [p.num_tokens for p in chunk], [0] * len(chunk),
                       [False] * len(chunk), [p.state.token_ids[p.start:p.end] for p in chunk])
             for p in chunk:  # the builder reads each row's context length by slot
                 num_computed[p.state.slot] = p.start
-            decode_builders = self._refill_decode_builders()
-            thresholds = [b.reorder_batch_threshold for b in decode_builders]
             for builder in decode_builders:
                 # Every row a decode row (see refill_through_decode).
                 builder.reorder_batch_threshold = max(p.num_tokens for p in chunk)

@@ -13,14 +13,16 @@ With refill on, a uniform Q = 1 decode step after which nobody drafts (the sched
 states and the context-KV write (eager steps skip them the same way). Its rows' draft context is
 then stale from their first skipped position (`ContextRefillTracker`, one entry per request
 slot). Before a step after which the drafter runs, the runner refills the stale positions of
-that step's rows: a target forward over them (a prefill chunk with context: it reads the
-context before the chunk from the target's paged cache) that taps the hidden states and writes
-the drafter's context KV from them, and writes no target KV (its target slots are -1: the
-target's own KV of those positions is already in the cache, and rewriting it from a
-prefill-shaped pass would change its low-order bits and so later greedy tokens).
+that step's rows: a target forward over them that taps the hidden states and writes the
+drafter's context KV from them, and writes no target KV (its target slots are -1: the target's
+own KV of those positions is already in the cache, and rewriting it from another pass would
+change its low-order bits and so later greedy tokens). By default its rows are decode rows of
+any length (GPUModelRunner.refill_through_decode): the causal multi-token decode kernels read
+every position's KV, the refilled ones' included, from the cache; off, they are prefill chunks
+with context.
 
 Greedy output never depends on the drafter's context (drafts are verified). The refilled KV is
-the same function of the same tokens, computed by prefill-shaped kernels instead of decode ones,
+the same function of the same tokens, computed by multi-token kernels instead of Q = 1 ones,
 so its low-order bits may differ from what the plain steps would have written. Prefill chunks and
 verify steps always write context KV (a refill would repeat a whole prompt's prefill).
 
@@ -29,6 +31,8 @@ writing in every step, graphs and eager, both backends) and the plain steps are 
 cannot-pay test's median blocks 0.974 / 0.918-0.933 against 0.946-0.950 / 0.885-0.912 writing,
 B = 1 / 8 synchronous), but each of the six refills measured cost 345-1,858 plain steps
 (~0.2-0.9 s), far more than its work, for a cause not yet isolated; so it stays off by default.
+Those refills ran as prefill chunks; the decode-row path that replaced them (thirty-eighth
+session) makes 4.4x fewer ATen calls per refill on the CPU and is not yet timed on a GPU.
 """
 from __future__ import annotations
 
@@ -106,7 +110,8 @@ def chunk_pieces(pieces: list[RefillPiece], max_tokens: int, max_rows: int
     (the runner's batch buffers). A request's positions may be cut into consecutive pieces in
     consecutive passes (a later piece reads the earlier positions' target KV from the cache,
     which the refill never writes). Each pass lists its pieces shortest first: the attention
-    builders take rows up to the decode threshold as decode rows, and those must lead."""
+    builders take rows up to the decode threshold as decode rows, and those must lead (this
+    matters with refill_through_decode off; on, every row is a decode row)."""
     if max_tokens < 1 or max_rows < 1:
         raise ValueError(f"max_tokens={max_tokens}, max_rows={max_rows}: both must be >= 1")
     passes: list[list[RefillPiece]] = []
