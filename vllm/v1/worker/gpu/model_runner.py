@@ -607,11 +607,12 @@ class GPUModelRunner:
         """Write the draft context KV of the stale positions of this step's rows (the draft
         pass after this step reads it): target forwards over those positions (decode rows of
         any length, see refill_through_decode) that tap the hidden states and store the
-        drafter's context KV and no target KV (context_refill.py). Runs before the step's state update: the block
-        ids that update appends reach the device as patches that only the step's own batch
-        build applies (every patched slot is one of its rows), and the builders' persistent
-        buffers then hold the step's own metadata. Rows are the step's resident requests (a
-        re-admitted one starts afresh: _update_states replaces its state)."""
+        drafter's context KV and no target KV (context_refill.py). Runs before the step's
+        state update: the block ids that update appends reach the device as patches that only
+        the step's own batch build applies (every patched slot is one of its rows), and the
+        builders' persistent buffers then hold the step's own metadata. Rows are the step's
+        resident requests (a re-admitted one starts afresh: _update_states replaces its
+        state)."""
         refill = self._context_refill
         by_id = self.requests.by_id
         admitted = {n.req_id for n in scheduler_output.scheduled_new_reqs}
