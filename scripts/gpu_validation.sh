@@ -390,7 +390,10 @@ for what in "${groups[@]}"; do
     refilldecode)  # thirty-eighth session: refill passes as decode rows (the default now):
       # their timing against the prefill path, the FlashInfer refill GPU tests, then the
       # cannot-pay sync cases refilling (~5 min)
-      timeout 110 python3 scripts/time_context_refill.py --batch 8 1 --tokens 8 64 512 \
+      # (since the thirty-ninth session also the plain step's saving and each refill against
+      # the saving of the plain steps it follows: < 1 pays; refills of the policy's probe
+      # spacing, ~250-1,000 positions, included)
+      timeout 150 python3 scripts/time_context_refill.py --batch 8 1 --tokens 8 64 256 1024 \
         --repeats 2 >"$out/refill_time_decode.log" 2>&1
       summary+=("refill timing (decode/prefill paths) rc=$?"); grep "^|" "$out/refill_time_decode.log"
       PYTEST_TIMEOUT_S=110 run_pytest refilldecodetests tests/v1/spec_decode/test_context_kv_gpu.py \

@@ -1,10 +1,19 @@
-"""Time a block drafter's context refill (VLLM_DRAFT_CONTEXT_REFILL=1, context_refill.py) on its
-own: a DSpark engine under "auto" decodes a batch of requests, then refills the last N positions
-of every request several times per N, each pass synchronised and timed, beside the median plain
-step of the same engine. The first pass of a size that is slower than the next ones points at a
-one-time cost (kernel compilation, lazy module loading), not at the refill's own work. Each
-size runs through both refill paths (GPUModelRunner.refill_through_decode: decode rows of any
-length, or prefill rows with context).
+"""Time a block drafter's context refill (VLLM_DRAFT_CONTEXT_REFILL=1, context_refill.py) against
+what it saves: a DSpark engine under "auto", told that drafting cannot pay (the cost model's
+acceptance forced to 1.0, no re-probes), decodes a batch of requests synchronously; then
+
+* its plain steps are timed in alternating blocks, context-free (the refill's plain step: the
+  target alone) and writing the drafter's context KV (the default engine's plain step); the
+  difference is what a plain step saves by refilling instead;
+* the last N positions of every request are refilled several times per N, each pass
+  synchronised and timed, through both refill paths (GPUModelRunner.refill_through_decode:
+  decode rows of any length, or prefill rows with context).
+
+A refill of N positions per request follows N plain steps that skipped the write (the policy's
+probe spacing); it pays when it costs less than those N steps saved, i.e. when the table's last
+column, refill ms / (N x saved ms per plain step), is below 1. The
+first pass of a size that is slower than the next ones points at a one-time cost (kernel
+compilation, lazy module loading), not at the refill's own work.
 
 Usage (GPU node): python scripts/time_context_refill.py --batch 1 8 --tokens 8 64 512
 CPU smoke run: ... --device cpu --dtype float32 --attention-backend TORCH_MLA
@@ -42,7 +51,41 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def time_plain_steps(engine, blocks: int, block_steps: int, device: str) -> tuple[float, float]:
+    """Median plain-step ms (context-free, writing), from `blocks` alternating blocks of each.
+    Only steps the policy made plain count (StepKinds); the write blocks replace the runner's
+    choice for the time of the block (an instance attribute over the method, removed after)."""
+    from vllm.benchmarks.spec_step_kinds import StepKinds
+    runner = engine.executor.worker.model_runner
+    times: dict[str, list[float]] = {"free": [], "write": []}
+    kinds = StepKinds(engine)
+    try:
+        for _, mode in itertools.product(range(blocks), ("free", "write")):
+            if mode == "write":
+                runner._skips_context = lambda batch, scheduler_output: False
+            try:
+                for _ in range(block_steps):
+                    kinds.before()
+                    synchronize(device)
+                    start = time.perf_counter()
+                    engine.step()
+                    synchronize(device)
+                    ms = (time.perf_counter() - start) * 1e3
+                    kinds.after(ms, {})
+                    if kinds.last_kind == "plain":
+                        times[mode].append(ms)
+            finally:
+                runner.__dict__.pop("_skips_context", None)
+    finally:
+        kinds.restore()
+    if not times["free"] or not times["write"]:
+        raise RuntimeError(f"no plain steps were timed ({ {k: len(v) for k, v in times.items()} }"
+                           "): the policy drafted; lengthen the warm-up")
+    return statistics.median(times["free"]), statistics.median(times["write"])
+
+
 def time_batch(args, batch: int) -> list[str]:
+    from vllm.benchmarks.spec_step_kinds import set_probe_interval
     from vllm.engine.arg_utils import EngineArgs
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.llm_engine import LLMEngine
@@ -51,28 +94,32 @@ def time_batch(args, batch: int) -> list[str]:
     os.environ[ENV_FLAG] = "1"
     extra = {} if args.device == "cuda" else {"device": args.device}
     longest = max(args.tokens)
+    timed = 2 * args.blocks * args.block_steps
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=None, dtype=args.dtype, attention_backend=args.attention_backend,
-        max_model_len=64 + longest + 256, max_num_seqs=batch, enforce_eager=args.enforce_eager,
+        max_model_len=64 + longest + timed + 256, max_num_seqs=batch,
+        enforce_eager=args.enforce_eager, async_scheduling=False,
         speculative_config={"method": "dspark", "num_speculative_tokens": 4,
                             "disable_by_batch_size": "auto"}, seed=0, **extra))
     rows = []
     try:
-        params = SamplingParams(max_tokens=longest + 200, temperature=0.0, ignore_eos=True)
+        # drafting cannot pay: after its first look the policy keeps every step plain
+        cost_model = engine.scheduler.spec_policy.cost_model
+        cost_model.acceptance_override = 1.0
+        params = SamplingParams(max_tokens=longest + timed + 200, temperature=0.0,
+                                ignore_eos=True)
         for i in range(batch):
             engine.add_request(f"r{i}", [(5 + 7 * i + 3 * j) % 250 + 4 for j in range(64)],
                                params)
-        steps = []
         for _ in range(longest + 8):  # every request holds > longest computed tokens
-            synchronize(args.device)
-            start = time.perf_counter()
             engine.step()
-            synchronize(args.device)
-            steps.append(time.perf_counter() - start)
+        set_probe_interval(cost_model, 10**9)  # no probe (and no refill) in the timed steps
+        free_ms, write_ms = time_plain_steps(engine, args.blocks, args.block_steps, args.device)
+        saved = write_ms - free_ms
+        rows.append(f"| {batch} | plain step, context-free / writing | - | - | {free_ms:.3f} / "
+                    f"{write_ms:.3f} (saves {saved:.3f}) | 1 | - | - | - |")
         runner = engine.executor.worker.model_runner
         states = list(runner.requests.by_id.values())
-        step_ms = statistics.median(steps[-64:]) * 1e3
-        rows.append(f"| {batch} | plain-step median | - | - | {step_ms:.3f} | - | - | - |")
         for tokens, path in itertools.product(args.tokens, args.paths):
             runner.refill_through_decode = path == "decode"
             pieces = [RefillPiece(s, s.num_computed_tokens - tokens, s.num_computed_tokens)
@@ -85,11 +132,15 @@ def time_batch(args, batch: int) -> list[str]:
                     runner._refill_pieces(pieces)
                 synchronize(args.device)
                 ms = (time.perf_counter() - start) * 1e3
+                # the refill against the writes of the plain steps whose positions it refills
+                # (one position per request a step): < 1 pays
+                pays = (f"{ms / (tokens * saved):.2f}" if saved > 0
+                        else "never (nothing saved)")
                 rows.append(f"| {batch} | {tokens} x {len(pieces)} rows | {path} | {repeat} | "
-                            f"{ms:.3f} | "
-                            f"{ms / step_ms:.1f} | {triton_cache_entries() - compiled} | - |")
+                            f"{ms:.3f} | {ms / free_ms:.1f} | "
+                            f"{triton_cache_entries() - compiled} | - | {pays} |")
             rows.append(f"| {batch} | {tokens} x {len(pieces)} rows | {path} | profiled | - | - "
-                        f"| - | {aten_ops(runner, pieces)} |")
+                        f"| - | {aten_ops(runner, pieces)} | - |")
     finally:
         engine.shutdown()
     return rows
@@ -105,11 +156,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[8, 64, 512],
                         help="positions refilled per request")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--blocks", type=int, default=4,
+                        help="alternating blocks of timed plain steps per mode")
+    parser.add_argument("--block-steps", type=int, default=16)
     parser.add_argument("--paths", nargs="+", choices=["decode", "prefill"],
                         default=["decode", "prefill"], help="refill paths to time")
     args = parser.parse_args()
-    rows = ["| B | refill | path | repeat | ms | plain steps | Triton kernels compiled | "
-            "ATen ops |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| B | refill | path | repeat | ms | context-free plain steps | "
+            "Triton kernels compiled | ATen ops | refill / N steps' saving |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for batch in args.batch:
         rows += time_batch(args, batch)
     print("\n".join(rows))

@@ -91,6 +91,7 @@ class StepKinds:
 
     def before(self) -> None:
         self.last = None
+        self.last_kind = None  # the kind after() gave the step (None: not recorded)
         self._by_group = flashinfer_plan_counts_by_group(self.runner)
         self._counts = (sum(c[0] for c in self._by_group), sum(c[1] for c in self._by_group))
 
@@ -111,6 +112,7 @@ class StepKinds:
         full, native = sum(c[0] for c in by_group), sum(c[1] for c in by_group)
         if self.split_replans and (full, native) != self._counts:
             kind += ", re-planned"
+        self.last_kind = kind
         self.rows[kind].append((ms, full - self._counts[0], native - self._counts[1], phases))
         self.group_rows[kind].append([tuple(a - b for a, b in zip(now, then))
                                       for now, then in zip(by_group, self._by_group)])
