@@ -21,6 +21,7 @@ CPU smoke run: ... --device cpu --dtype float32 --attention-backend TORCH_MLA
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import os
 import statistics
@@ -49,6 +50,17 @@ def aten_ops(runner, pieces) -> int:
 def synchronize(device: str) -> None:
     if device != "cpu":
         torch.cuda.synchronize()
+
+
+def no_probe_cost_model(engine) -> None:
+    """Drafting cannot pay (the cost model's acceptance forced to 1.0) and is never re-probed:
+    after its first look the policy keeps every step plain, so no refill runs by itself."""
+    from vllm.v1.spec_decode.cost_model import CostModelConfig, SpeculationCostModel
+    policy = engine.scheduler.spec_policy
+    never = 10**6
+    policy.cost_model = SpeculationCostModel(policy.num_spec_tokens, dataclasses.replace(
+        CostModelConfig(), probe_interval=never, max_probe_interval=never))
+    policy.cost_model.acceptance_override = 1.0
 
 
 def time_plain_steps(engine, blocks: int, block_steps: int, device: str) -> tuple[float, float]:
@@ -85,7 +97,6 @@ def time_plain_steps(engine, blocks: int, block_steps: int, device: str) -> tupl
 
 
 def time_batch(args, batch: int) -> list[str]:
-    from vllm.benchmarks.spec_step_kinds import set_probe_interval
     from vllm.engine.arg_utils import EngineArgs
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.llm_engine import LLMEngine
@@ -103,9 +114,7 @@ def time_batch(args, batch: int) -> list[str]:
                             "disable_by_batch_size": "auto"}, seed=0, **extra))
     rows = []
     try:
-        # drafting cannot pay: after its first look the policy keeps every step plain
-        cost_model = engine.scheduler.spec_policy.cost_model
-        cost_model.acceptance_override = 1.0
+        no_probe_cost_model(engine)
         params = SamplingParams(max_tokens=longest + timed + 200, temperature=0.0,
                                 ignore_eos=True)
         for i in range(batch):
@@ -113,7 +122,6 @@ def time_batch(args, batch: int) -> list[str]:
                                params)
         for _ in range(longest + 8):  # every request holds > longest computed tokens
             engine.step()
-        set_probe_interval(cost_model, 10**9)  # no probe (and no refill) in the timed steps
         free_ms, write_ms = time_plain_steps(engine, args.blocks, args.block_steps, args.device)
         saved = write_ms - free_ms
         rows.append(f"| {batch} | plain step, context-free / writing | - | - | {free_ms:.3f} / "
