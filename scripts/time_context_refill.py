@@ -63,10 +63,13 @@ def no_probe_cost_model(engine) -> None:
     policy.cost_model.acceptance_override = 1.0
 
 
-def time_plain_steps(engine, blocks: int, block_steps: int, device: str) -> tuple[float, float]:
+def time_plain_steps(engine, blocks: int, block_steps: int, device: str,
+                     batch: int) -> tuple[float, float]:
     """Median plain-step ms (context-free, writing), from `blocks` alternating blocks of each.
     Only steps the policy made plain count (StepKinds); the write blocks replace the runner's
-    choice for the time of the block (an instance attribute over the method, removed after)."""
+    choice for the time of the block (an instance attribute over the method, removed after).
+    Every timed step must run all `batch` requests (a preempted or finished one would make
+    it a smaller step than its label)."""
     from vllm.benchmarks.spec_step_kinds import StepKinds
     runner = engine.executor.worker.model_runner
     times: dict[str, list[float]] = {"free": [], "write": []}
@@ -84,6 +87,10 @@ def time_plain_steps(engine, blocks: int, block_steps: int, device: str) -> tupl
                     synchronize(device)
                     ms = (time.perf_counter() - start) * 1e3
                     kinds.after(ms, {})
+                    rows = len(kinds.last.num_scheduled_tokens) if kinds.last else 0
+                    if rows != batch:
+                        raise RuntimeError(f"a timed step ran {rows} requests, not {batch}: "
+                                           "give the engine more KV cache or fewer tokens")
                     if kinds.last_kind == "plain":
                         times[mode].append(ms)
             finally:
@@ -122,12 +129,15 @@ def time_batch(args, batch: int) -> list[str]:
                                params)
         for _ in range(longest + 8):  # every request holds > longest computed tokens
             engine.step()
-        free_ms, write_ms = time_plain_steps(engine, args.blocks, args.block_steps, args.device)
+        free_ms, write_ms = time_plain_steps(engine, args.blocks, args.block_steps, args.device,
+                                             batch)
         saved = write_ms - free_ms
         rows.append(f"| {batch} | plain step, context-free / writing | - | - | {free_ms:.3f} / "
                     f"{write_ms:.3f} (saves {saved:.3f}) | 1 | - | - | - |")
         runner = engine.executor.worker.model_runner
         states = list(runner.requests.by_id.values())
+        if len(states) != batch:
+            raise RuntimeError(f"{len(states)} of {batch} requests are resident")
         for tokens, path in itertools.product(args.tokens, args.paths):
             runner.refill_through_decode = path == "decode"
             pieces = [RefillPiece(s, s.num_computed_tokens - tokens, s.num_computed_tokens)

@@ -37,7 +37,7 @@ def test_the_write_blocks_write_and_the_free_blocks_do_not(monkeypatch):
         runner = engine.executor.worker.model_runner
         writes = count_calls(runner.speculator, "precompute_context")
         free_ms, write_ms = script.time_plain_steps(engine, blocks=2, block_steps=5,
-                                                    device="cpu")
+                                                    device="cpu", batch=2)
         assert free_ms > 0 and write_ms > 0
         # 2 write blocks of 5 plain steps: each writes once; the free blocks write nothing
         # (the refill engine's own plain step), so the skipped positions are stale after it
