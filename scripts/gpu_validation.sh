@@ -389,7 +389,7 @@ for what in "${groups[@]}"; do
       grep -h "^cannot-pay" "$out/pytest_refillpolicy.log" ;;
     refilldecode)  # thirty-eighth session: refill passes as decode rows (the default now):
       # their timing against the prefill path, the FlashInfer refill GPU tests, then the
-      # cannot-pay sync cases refilling (~5 min)
+      # cannot-pay sync cases refilling (~6 min)
       # (since the thirty-ninth session also the plain step's saving and each refill against
       # the saving of the plain steps it follows: < 1 pays; refills of the policy's probe
       # spacing, ~250-1,000 positions, included)

@@ -3,8 +3,6 @@ compares (the context-free one of a refill engine, and one that writes the draft
 KV), only for the blocks it means, and the whole script runs through on the CPU."""
 from __future__ import annotations
 
-import torch
-
 from tests.utils.call_probes import count_calls
 from tests.utils.scripts import load_script, run_script
 
@@ -44,9 +42,8 @@ def test_the_write_blocks_write_and_the_free_blocks_do_not(monkeypatch):
         assert writes[0] == 10
         assert runner._context_refill.any_stale
         assert "_skips_context" not in runner.__dict__  # the runner's own choice is back
-        with torch.inference_mode():
-            for _ in range(3):
-                engine.step()
+        for _ in range(3):
+            engine.step()
         assert writes[0] == 10
     finally:
         engine.shutdown()
