@@ -47,6 +47,7 @@
 #   bash scripts/gpu_validation.sh markov    # DSpark's greedy Markov drafts in one launch: GPU tests, then the B=1 A/B (~5 min)
 #   bash scripts/gpu_validation.sh b8profile # why the drafter's presence costs at B=8: probe and profile diff, none vs never (~4 min)
 #   bash scripts/gpu_validation.sh refill    # context KV refilled before draft passes: GPU tests, cannot-pay write / refill (~6 min)
+#   bash scripts/gpu_validation.sh refilldecode # refills as decode rows: timed against the saving, GPU tests, cannot-pay (~6 min; REFILL_POLICY=0: ~4)
 #   bash scripts/gpu_validation.sh refilltime # refill passes timed by size, lazy / eager module loading (~4 min)
 #   bash scripts/gpu_validation.sh headline  # tiny DSpark vs none (always, 3 repeats) and the V3-rank DSpark overhead (~5 min)
 # Logs and JUnit XML go to $OUT (or ./out); a short result table is printed last.
@@ -398,9 +399,11 @@ for what in "${groups[@]}"; do
       summary+=("refill timing (decode/prefill paths) rc=$?"); grep "^|" "$out/refill_time_decode.log"
       PYTEST_TIMEOUT_S=110 run_pytest refilldecodetests tests/v1/spec_decode/test_context_kv_gpu.py \
         -k "refill and FLASHINFER"
-      PYTEST_TIMEOUT_S=120 run_pytest refilldecodepolicy tests/v1/e2e/test_spec_policy_gpu.py \
-        -k "cannot_pay and (1-sync-refill or 8-sync-refill)"
-      grep -h "^cannot-pay" "$out/pytest_refilldecodepolicy.log" ;;
+      # REFILL_POLICY=0 stops here (a short device call: the timing table and exactness first)
+      [ "${REFILL_POLICY:-1}" = 0 ] || {
+        PYTEST_TIMEOUT_S=120 run_pytest refilldecodepolicy tests/v1/e2e/test_spec_policy_gpu.py \
+          -k "cannot_pay and (1-sync-refill or 8-sync-refill)"
+        grep -h "^cannot-pay" "$out/pytest_refilldecodepolicy.log"; } ;;
     refilltime)  # thirty-seventh session: why a refill pass cost 0.2-0.9 s on the H100: passes
       # by size, twice each, with their Triton compiles; then with every module loaded eagerly
       for loading in ${REFILL_LOADING:-LAZY EAGER}; do
