@@ -47,6 +47,7 @@
 #   bash scripts/gpu_validation.sh markov    # DSpark's greedy Markov drafts in one launch: GPU tests, then the B=1 A/B (~5 min)
 #   bash scripts/gpu_validation.sh b8profile # why the drafter's presence costs at B=8: probe and profile diff, none vs never (~4 min)
 #   bash scripts/gpu_validation.sh refill    # context KV refilled before draft passes: GPU tests, cannot-pay write / refill (~6 min)
+#   bash scripts/gpu_validation.sh moewarm   # MoE kernel forms compiled at start-up: no compile after; refills and cannot-pay B=1 sync again (~5 min)
 #   bash scripts/gpu_validation.sh refilldecode # refills as decode rows: timed against the saving, GPU tests, cannot-pay (~6 min; REFILL_POLICY=0: ~4)
 #   bash scripts/gpu_validation.sh refilltime # refill passes timed by size, lazy / eager module loading (~4 min)
 #   bash scripts/gpu_validation.sh headline  # tiny DSpark vs none (always, 3 repeats) and the V3-rank DSpark overhead (~5 min)
@@ -388,6 +389,16 @@ for what in "${groups[@]}"; do
       PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-360}" run_pytest refillpolicy \
         tests/v1/e2e/test_spec_policy_gpu.py -k "${REFILL_K:-cannot_pay and (write or refill)}"
       grep -h "^cannot-pay" "$out/pytest_refillpolicy.log" ;;
+    moewarm)  # fortieth session: every MoE kernel form compiled at start-up (moe_warmup.py):
+      # no compile after it; refills of new sizes timed again (the compiled column should
+      # read 0); the cannot-pay B=1 sync cases, refill and write (~5 min)
+      PYTEST_TIMEOUT_S=150 run_pytest moewarm tests/model_executor/layers/test_moe_warmup_gpu.py
+      timeout 150 python3 scripts/time_context_refill.py --batch 1 8 --tokens 87 300 1024 \
+        --repeats 2 >"$out/refill_time_warm.log" 2>&1
+      summary+=("refill timing after the MoE warm-up rc=$?"); grep "^|" "$out/refill_time_warm.log"
+      PYTEST_TIMEOUT_S=150 run_pytest moewarmpolicy tests/v1/e2e/test_spec_policy_gpu.py \
+        -k "cannot_pay and (1-sync-refill or 1-sync-write)"
+      grep -h "^cannot-pay" "$out/pytest_moewarmpolicy.log" ;;
     refilldecode)  # thirty-eighth session: refill passes as decode rows (the default now):
       # their timing against the prefill path, the FlashInfer refill GPU tests, then the
       # cannot-pay sync cases refilling (~6 min)

@@ -159,16 +159,25 @@ class DeepseekMoE(nn.Module):
         serves, and a decode-sized call (a prefill keeps the torch form's temporaries)."""
         if kernels_on is None:
             kernels_on = self._kernels_on(x)
-        return kernels_on and self._route_fits and x.shape[0] <= MAX_ROUTE_TOKENS
+        return self.routes_fused_tokens(x.shape[0], kernels_on)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = self._kernels_on(x)
-        route = route_triton if self.routes_fused(x, fused) else select_experts
-        weights, ids = route(
+    def routes_fused_tokens(self, num_tokens: int, kernels_on: bool) -> bool:
+        """routes_fused for a call of `num_tokens` tokens."""
+        return kernels_on and self._route_fits and num_tokens <= MAX_ROUTE_TOKENS
+
+    def route(self, x: torch.Tensor, kernels_on: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, expert ids [T, k]) of x's tokens; `kernels_on` as
+        `_kernels_on` says (moe_warmup.py runs this as forward does)."""
+        route = route_triton if self.routes_fused(x, kernels_on) else select_experts
+        return route(
             self.gate(x), self.top_k, scoring_func=self.scoring_func,
             correction_bias=self.gate.e_score_correction_bias, num_groups=self.num_groups,
             topk_groups=self.topk_groups, renormalize=self.renormalize,
             routed_scaling_factor=self.routed_scaling_factor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = self._kernels_on(x)
+        weights, ids = self.route(x, fused)
         out = self.experts(x, weights, ids, fused_align=fused)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

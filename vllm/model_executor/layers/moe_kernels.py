@@ -78,7 +78,7 @@ def moe_align_block_size(ids: torch.Tensor, num_experts: int, block_m: int,
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs"])  # (moe_warmup.py: one form per tile set)
     def _moe_gate_up_kernel(x_ptr, x_st, w_ptr, w_se, w_sn, inter_ptr, inter_st, sorted_ptr, block_expert_ptr,
                             num_pairs, num_experts, top_k, inter_size, hidden,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -116,7 +116,7 @@ if HAS_TRITON:
         tl.store(inter_ptr + rows[:, None].to(tl.int64) * inter_st + n[None, :],
                  inter.to(inter_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs"])  # (moe_warmup.py: one form per tile set)
     def _moe_down_kernel(inter_ptr, inter_st, w_ptr, w_se, w_sn, out_ptr, out_st, sorted_ptr, block_expert_ptr,
                          route_w_ptr, num_pairs, num_experts, inter_size, hidden,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

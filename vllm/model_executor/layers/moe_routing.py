@@ -143,7 +143,9 @@ if HAS_TRITON:
         tl.store(weights_ptr + t * TOP_K + k, weights, mask=k < TOP_K)
         tl.store(ids_ptr + t * TOP_K + k, ids, mask=k < TOP_K)
 
-    @triton.jit
+    # (the pair, slot and block counts vary with every batch: left unspecialised, one compiled
+    # form per constexpr set, which moe_warmup.py compiles at start-up)
+    @triton.jit(do_not_specialize=["num_pairs", "size", "num_blocks"])
     def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, size,
                       num_blocks, BLOCK_M: tl.constexpr, P_PAD: tl.constexpr,
                       E_CHUNK: tl.constexpr, NB_PAD: tl.constexpr, S_PAD: tl.constexpr):

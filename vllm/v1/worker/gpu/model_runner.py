@@ -288,7 +288,17 @@ class GPUModelRunner:
                 self._graph_managers = {}
             else:
                 self.capture_model()
+        self._warm_moe_kernels()
         self._warm_context_refill()
+
+    def _warm_moe_kernels(self) -> None:
+        """Compile the MoE kernels' forms for every token count a step can carry here, not in
+        the first serving step that needs one (moe_warmup.py: an eager pass of a new length
+        compiled a kernel for 0.25-0.43 s on the H100)."""
+        if self.device.type != "cuda":
+            return
+        from vllm.model_executor.layers.moe_warmup import warm_moe_kernels
+        warm_moe_kernels((self.model, self.draft_model), self.max_num_tokens)
 
     def _make_context_refill(self) -> ContextRefillTracker | None:
         """The refill tracker where VLLM_DRAFT_CONTEXT_REFILL=1 applies (a block drafter with a
@@ -693,11 +703,11 @@ class GPUModelRunner:
         graph captures' dummy batches), so that first-use costs of their eager kernels (Triton
         specialises on integer arguments: 1, a multiple of 16, other; libraries load kernels
         lazily) land here, not in a serving step. Why: every refill measured on the H100 cost
-        345-1,858 plain steps (~0.2-0.9 s), far more than its work (thirty-seventh session,
-        cannot-pay runs with refill on); these passes did not remove that at B=8 (its run
-        VB), so its cause is still open (scripts/time_context_refill.py times passes by size
-        and counts Triton compiles; the suspect since is the prefill path's per-row torch
-        loops, which refill_through_decode now avoids - not yet timed on a GPU)."""
+        345-1,858 plain steps (~0.2-0.9 s), far more than its work (thirty-seventh session).
+        These passes did not remove that: the cause was the MoE kernels compiling a new form
+        for each new power-of-two bucket of a pass's pairs (fortieth session,
+        scripts/time_context_refill.py: one kernel compiled, 249-430 ms, against 6-7 ms on
+        the repeat), which _warm_moe_kernels now compiles for every token count at start-up."""
         if self._context_refill is None or (self.device.type != "cuda" and not on_cpu):
             return
         # (with refill_through_decode off, rows up to q tokens take the decode path, longer ones

@@ -30,9 +30,13 @@ Where it stands (thirty-seventh session, H100, docs/performance.md): exact (gree
 writing in every step, graphs and eager, both backends) and the plain steps are cheaper (the
 cannot-pay test's median blocks 0.974 / 0.918-0.933 against 0.946-0.950 / 0.885-0.912 writing,
 B = 1 / 8 synchronous), but each of the six refills measured cost 345-1,858 plain steps
-(~0.2-0.9 s), far more than its work, for a cause not yet isolated; so it stays off by default.
-Those refills ran as prefill chunks; the decode-row path that replaced them (thirty-eighth
-session) makes 4.4x fewer ATen calls per refill on the CPU and is not yet timed on a GPU.
+(~0.2-0.9 s). Fortieth session (H100, scripts/time_context_refill.py): that was Triton
+compiling MoE kernel forms for each new size of pass (one kernel, 249-430 ms; now compiled at
+start-up, moe_warmup.py); the decode-row refills are exact on the GPU and, once compiled, take
+5.4-6.7 ms at B = 1 for 8-1,024 positions and 5.4-22 ms at B = 8. But skipping the write saves
+a plain step only 0.012 ms (B = 1) and 0.006 ms (B = 8) there, so a refill pays only at B = 1
+after ~560 or more skipped steps (0.54x the saving at 1,024), and never at B = 8 (3.4x at
+1,024): it stays off by default.
 """
 from __future__ import annotations
 
