@@ -8,6 +8,7 @@ its compiled-kernel cache). The warm-up's launches must hold every key the brute
 the tiny model's router and a DeepSeek-V3-shaped one."""
 from __future__ import annotations
 
+from contextlib import ExitStack
 from types import SimpleNamespace
 
 import pytest
@@ -53,16 +54,11 @@ def _variants(run) -> dict[str, set[str]]:
     """{kernel: launch variants} of the launches `run()` makes with every MoE kernel recorded."""
     from vllm.model_executor.layers import moe_kernels, moe_routing
     modules = {"moe_routing": moe_routing, "moe_kernels": moe_kernels}
-    recorders = {}
-    contexts = [record_launches(modules[m], name) for m, name in _KERNELS]
-    for (_, name), context in zip(_KERNELS, contexts):
-        recorders[name] = context.__enter__()
-    recorders["_route_kernel"].__class__ = _RoutingRecorder
-    try:
+    with ExitStack() as stack:
+        recorders = {name: stack.enter_context(record_launches(modules[m], name))
+                     for m, name in _KERNELS}
+        recorders["_route_kernel"].__class__ = _RoutingRecorder
         run()
-    finally:
-        for context in reversed(contexts):
-            context.__exit__(None, None, None)
     return {name: {launch_variant(rec.kernel, args, kwargs) for args, kwargs in rec.launches}
             for name, rec in recorders.items()}
 
