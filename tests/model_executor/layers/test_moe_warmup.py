@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -51,10 +52,13 @@ class _RoutingRecorder:
 
 
 def _variants(run) -> dict[str, set[str]]:
-    """{kernel: launch variants} of the launches `run()` makes with every MoE kernel recorded."""
+    """{kernel: launch variants} of the launches `run()` makes with every MoE kernel recorded,
+    the experts dispatched as on CUDA (these CPU tensors take the Triton path)."""
     from vllm.model_executor.layers import moe_kernels, moe_routing
     modules = {"moe_routing": moe_routing, "moe_kernels": moe_kernels}
     with ExitStack() as stack:
+        stack.enter_context(mock.patch.object(moe_kernels, "experts_use_triton",
+                                              lambda x: True))
         recorders = {name: stack.enter_context(record_launches(modules[m], name))
                      for m, name in _KERNELS}
         recorders["_route_kernel"].__class__ = _RoutingRecorder
@@ -82,6 +86,24 @@ def test_the_warm_up_launches_every_kernel_form_of_every_token_count(router, max
         assert not missing, (name, len(missing), len(variants))
     # few launches do it: one per form, not one per count
     assert len(counts) < 40 and len(counts) * 20 < max_tokens
+
+
+def test_with_the_routing_kernels_off_the_expert_kernels_are_still_warmed():
+    """VLLM_FUSED_MOE_ROUTING=0 keeps the torch routing and alignment, not the torch experts:
+    the warm-up's launches still hold every expert-kernel key of every count, and launch no
+    routing or alignment kernel."""
+    from vllm.model_executor.layers import moe_warmup as mw
+    cuda_target()
+    moe, max_tokens = _moe(4, 2, 1, 1), 4200
+    counts = mw.warmup_token_counts(max_tokens, 4, 2, lambda t: moe.routes_fused_tokens(t, False),
+                                    aligns_fused=False)
+    with torch.inference_mode():
+        warmed = _variants(lambda: mw.launch_forms(moe, counts, kernels_on=False))
+        every = _variants(lambda: mw.launch_forms(moe, range(1, max_tokens + 1), kernels_on=False))
+    for name in ("_moe_gate_up_kernel", "_moe_down_kernel"):
+        assert every[name] and every[name] <= warmed[name], name
+    assert not every["_route_kernel"] and not every["_align_kernel"]
+    assert len(counts) == 4  # one per tile set
 
 
 def test_varying_counts_do_not_split_a_form():
@@ -117,3 +139,19 @@ def test_warm_moe_kernels_leaves_cpu_models_alone(monkeypatch):
     monkeypatch.setattr(mw, "launch_forms", lambda moe, counts: calls.append(counts))
     mw.warm_moe_kernels([torch.nn.Sequential(_moe(4, 2, 1, 1, torch.float32)), None], 64)
     assert calls == []
+
+
+def test_warm_moe_kernels_warms_the_experts_where_routing_kernels_are_off(monkeypatch):
+    """Where the expert kernels run but the routing and alignment kernels do not (here: the
+    layer's own `_kernels_on` is False), the layer is still warmed, with the routing switch as
+    forward has it, over the expert kernels' forms only."""
+    from vllm.model_executor.layers import moe_kernels
+    from vllm.model_executor.layers import moe_warmup as mw
+    calls = []
+    monkeypatch.setattr(moe_kernels, "experts_use_triton", lambda x: True)
+    monkeypatch.setattr(mw, "launch_forms",
+                        lambda moe, counts, kernels_on=True: calls.append((counts, kernels_on)))
+    layer = _moe(4, 2, 1, 1)
+    mw.warm_moe_kernels([torch.nn.Sequential(layer, _moe(4, 2, 1, 1))], 4200)
+    assert calls == [(mw.warmup_token_counts(4200, 4, 2, lambda t: False, aligns_fused=False),
+                      False)]  # two equal layers: warmed once

@@ -273,8 +273,14 @@ def _experts_dense(x, w13, w2, weights, ids) -> torch.Tensor:
     return out
 
 
+def experts_use_triton(x: torch.Tensor) -> bool:
+    """Whether `fused_experts` runs the Triton kernels for activations like x (moe_warmup.py
+    compiles their forms where it does)."""
+    return HAS_TRITON and x.is_cuda and x.dtype != torch.float64
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, fused_align: bool = True) -> torch.Tensor:
-    if HAS_TRITON and x.is_cuda and x.dtype != torch.float64:
+    if experts_use_triton(x):
         return fused_experts_triton(x, w13, w2, weights, ids, fused_align=fused_align)
     return fused_experts_torch(x, w13, w2, weights, ids)

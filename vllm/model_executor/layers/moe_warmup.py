@@ -23,41 +23,45 @@ from collections.abc import Iterable
 
 import torch
 
-from vllm.model_executor.layers.moe_kernels import fused_experts_triton, moe_block_config
+from vllm.model_executor.layers import moe_kernels
+from vllm.model_executor.layers.moe_kernels import moe_block_config
 from vllm.model_executor.layers.moe_routing import _align_shape
 
 logger = logging.getLogger(__name__)
 
 
-def kernel_form(num_tokens: int, num_experts: int, top_k: int, routes_fused: bool) -> tuple:
+def kernel_form(num_tokens: int, num_experts: int, top_k: int, routes_fused: bool,
+                aligns_fused: bool = True) -> tuple:
     """What the routed path compiles for a call of `num_tokens` tokens: whether the routing
     kernel runs, the expert kernels' tiles and the alignment's padded sizes (None: the torch
-    form). Two counts with the same form launch the same compiled kernels."""
+    form, always so where `aligns_fused` is False: VLLM_FUSED_MOE_ROUTING=0). Two counts with
+    the same form launch the same compiled kernels."""
     pairs = num_tokens * top_k
     tiles = moe_block_config(pairs)
-    align = _align_shape(pairs, num_experts, tiles["BLOCK_M"])
+    align = _align_shape(pairs, num_experts, tiles["BLOCK_M"]) if aligns_fused else None
     return routes_fused, tuple(sorted(tiles.items())), None if align is None else align[:4]
 
 
 def warmup_token_counts(max_tokens: int, num_experts: int, top_k: int,
-                        routes_fused) -> list[int]:
+                        routes_fused, aligns_fused: bool = True) -> list[int]:
     """The smallest token count of each kernel form over 1..max_tokens. `routes_fused(t)`: whether
     a call of t tokens routes with the kernel (DeepseekMoE.routes_fused)."""
     seen: dict[tuple, int] = {}
     for tokens in range(1, max_tokens + 1):
-        seen.setdefault(kernel_form(tokens, num_experts, top_k, routes_fused(tokens)), tokens)
+        form = kernel_form(tokens, num_experts, top_k, routes_fused(tokens), aligns_fused)
+        seen.setdefault(form, tokens)
     return sorted(seen.values())
 
 
-def launch_forms(moe, token_counts: Iterable[int]) -> None:
-    """Run `moe`'s routed path (a DeepseekMoE) on zeros once per count, with the kernels on, as
-    its forward launches them on CUDA; no shared experts, no TP reduction (no collective: each
-    rank warms alone)."""
-    w13, w2 = moe.experts.w13_weight, moe.experts.w2_weight
+def launch_forms(moe, token_counts: Iterable[int], kernels_on: bool = True) -> None:
+    """Run `moe`'s routed path (a DeepseekMoE) on zeros once per count, as its forward does with
+    `kernels_on` (its `_kernels_on`: the routing and alignment kernels) on CUDA; no shared
+    experts, no TP reduction (no collective: each rank warms alone)."""
+    w13 = moe.experts.w13_weight
     for tokens in token_counts:
         x = torch.zeros(tokens, w13.shape[-1], dtype=w13.dtype, device=w13.device)
-        weights, ids = moe.route(x, kernels_on=True)
-        fused_experts_triton(x, w13, w2, weights, ids, fused_align=True)
+        weights, ids = moe.route(x, kernels_on)
+        moe.experts(x, weights, ids, fused_align=kernels_on)
 
 
 def _routed_config(moe) -> tuple:
@@ -70,8 +74,8 @@ def _routed_config(moe) -> tuple:
 @torch.inference_mode()
 def warm_moe_kernels(models: Iterable[torch.nn.Module | None], max_tokens: int) -> None:
     """Compile the MoE kernel forms of 1..max_tokens tokens for every distinct MoE layer config
-    of `models` whose kernels run here (CUDA with Triton, VLLM_FUSED_MOE_ROUTING not 0 for the
-    routing and alignment); logs how many forms and how long."""
+    of `models` whose expert kernels run here (CUDA with Triton, not float64; the routing and
+    alignment kernels too unless VLLM_FUSED_MOE_ROUTING=0); logs how many forms and how long."""
     from vllm.model_executor.layers.fused_moe import DeepseekMoE
     start, forms, configs = time.perf_counter(), 0, set()
     for model in models:
@@ -81,14 +85,17 @@ def warm_moe_kernels(models: Iterable[torch.nn.Module | None], max_tokens: int) 
             if not isinstance(moe, DeepseekMoE):
                 continue
             probe = moe.experts.w13_weight
-            if not moe._kernels_on(probe) or _routed_config(moe) in configs:
+            if not moe_kernels.experts_use_triton(probe) or _routed_config(moe) in configs:
                 continue
             configs.add(_routed_config(moe))
-            counts = warmup_token_counts(max_tokens, moe.num_experts, moe.top_k,
-                                         lambda t, moe=moe: moe.routes_fused_tokens(t, True))
-            launch_forms(moe, counts)
+            on = moe._kernels_on(probe)
+            counts = warmup_token_counts(
+                max_tokens, moe.num_experts, moe.top_k,
+                lambda t, moe=moe, on=on: moe.routes_fused_tokens(t, on), aligns_fused=on)
+            launch_forms(moe, counts, on)
             forms += len(counts)
     if forms:
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # (the compiles are host work; the launches finish here)
         logger.info("MoE kernels: %d forms for 1-%d tokens compiled or loaded in %.1f s "
                     "(moe_warmup.py)", forms, max_tokens, time.perf_counter() - start)
